@@ -1,0 +1,118 @@
+// kvq/numeric.hpp: bf16, fp16 and fp8-e4m3 conversions, shared by host and device code.
+//
+// All encoders round to nearest, ties to even, keep NaN a NaN (quiet) and handle subnormals.
+//  - bf16: float's top 16 bits. Overflow rounds to +-Inf as IEEE does.
+//  - fp16: IEEE binary16; overflow -> +-Inf.
+//  - fp8 e4m3 ("E4M3FN" of the OCP FP8 spec): bias 7, no infinities, 0x7f / 0xff are NaN,
+//    largest finite 448, smallest subnormal 2^-9. `float_to_fp8_e4m3(x, saturate=true)` clamps
+//    finite overflow and +-Inf to +-448 (what KV caches want); with saturate=false overflow
+//    and Inf become NaN, as a plain cast does.
+// The decoders are exact. tests/core/test_numeric.cpp checks every code of every format and
+// every rounding boundary against independent tables.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "kvq/common.hpp"
+
+namespace kvq {
+
+KVQ_HD std::uint32_t f32_bits(float f) {
+  std::uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+KVQ_HD float bits_f32(std::uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// ---- bf16 ----------------------------------------------------------------------------------
+KVQ_HD std::uint16_t float_to_bf16(float f) {
+  std::uint32_t u = f32_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((u >> 16) | 0x0040u);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<std::uint16_t>(u >> 16);
+}
+KVQ_HD float bf16_to_float(std::uint16_t h) { return bits_f32(static_cast<std::uint32_t>(h) << 16); }
+KVQ_HD float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
+
+// ---- fp16 ----------------------------------------------------------------------------------
+KVQ_HD std::uint16_t float_to_fp16(float f) {
+  const std::uint32_t u = f32_bits(f);
+  const std::uint32_t sign = (u >> 16) & 0x8000u;
+  const std::uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return static_cast<std::uint16_t>(sign | 0x7e00u | ((a >> 13) & 0x3ffu));  // NaN
+  if (a >= 0x477ff000u) return static_cast<std::uint16_t>(sign | 0x7c00u);  // >= 65520: Inf
+  if (a < 0x38800000u) {  // below 2^-14: fp16 subnormal (or zero)
+    // value = a_float; fp16 subnormal unit is 2^-24. Shift the 24-bit significand.
+    const std::uint32_t e = a >> 23;
+    if (e < 102) return static_cast<std::uint16_t>(sign);  // < 2^-25: rounds to zero
+    const std::uint32_t m = (a & 0x7fffffu) | 0x800000u;  // 1.m * 2^(e-127)
+    const std::uint32_t shift = 126 - e;                   // 14..24 + 1 so that result unit = 2^-24
+    std::uint32_t r = m >> shift;
+    const std::uint32_t rem = m & ((1u << shift) - 1u);
+    const std::uint32_t half = 1u << (shift - 1);
+    if (rem > half || (rem == half && (r & 1u))) ++r;
+    return static_cast<std::uint16_t>(sign | r);
+  }
+  // normal range: rebias exponent 127 -> 15, round 23-bit mantissa to 10 bits.
+  std::uint32_t v = a - 0x38000000u;  // exponent - 112
+  v += 0xfffu + ((v >> 13) & 1u);
+  return static_cast<std::uint16_t>(sign | (v >> 13));
+}
+KVQ_HD float fp16_to_float(std::uint16_t h) {
+  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
+  const std::uint32_t e = (h >> 10) & 0x1fu;
+  const std::uint32_t m = h & 0x3ffu;
+  if (e == 0x1f) return bits_f32(sign | 0x7f800000u | (m << 13));
+  if (e == 0) {
+    if (m == 0) return bits_f32(sign);
+    // subnormal: m * 2^-24, exact in float.
+    const float v = static_cast<float>(m) * 5.9604644775390625e-8f;
+    return sign ? -v : v;
+  }
+  return bits_f32(sign | ((e + 112u) << 23) | (m << 13));
+}
+KVQ_HD float round_fp16(float f) { return fp16_to_float(float_to_fp16(f)); }
+
+// ---- fp8 e4m3 ------------------------------------------------------------------------------
+inline constexpr float kFp8E4m3Max = 448.0f;
+
+KVQ_HD std::uint8_t float_to_fp8_e4m3(float f, bool saturate = true) {
+  const std::uint32_t u = f32_bits(f);
+  const std::uint8_t sign = static_cast<std::uint8_t>((u >> 24) & 0x80u);
+  const std::uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return static_cast<std::uint8_t>(sign | 0x7fu);  // NaN
+  // 464 = midpoint of 448 and the next (nonexistent) step 480: >= 464 overflows under RNE.
+  if (a >= 0x43e80000u) return static_cast<std::uint8_t>(sign | (saturate ? 0x7eu : 0x7fu));
+  if (a < 0x3c800000u) {  // below 2^-6: e4m3 subnormal, unit 2^-9
+    const std::uint32_t e = a >> 23;
+    if (e < 116) return sign;  // < 2^-11: rounds to zero (2^-10 is the half-unit; exactly 2^-10 -> 0 by ties-to-even)
+    const std::uint32_t m = (a & 0x7fffffu) | 0x800000u;
+    const std::uint32_t shift = 141 - e;  // result unit 2^-9
+    std::uint32_t r = m >> shift;
+    const std::uint32_t rem = m & ((1u << shift) - 1u);
+    const std::uint32_t half = 1u << (shift - 1);
+    if (rem > half || (rem == half && (r & 1u))) ++r;
+    return static_cast<std::uint8_t>(sign | r);
+  }
+  std::uint32_t v = a - 0x3c000000u;  // exponent 127 -> 7 (subtract 120 << 23)
+  v += 0x7ffffu + ((v >> 20) & 1u);
+  return static_cast<std::uint8_t>(sign | (v >> 20));
+}
+KVQ_HD float fp8_e4m3_to_float(std::uint8_t b) {
+  const std::uint32_t sign = static_cast<std::uint32_t>(b & 0x80u) << 24;
+  const std::uint32_t e = (b >> 3) & 0xfu;
+  const std::uint32_t m = b & 0x7u;
+  if (e == 0xf && m == 0x7) return bits_f32(sign | 0x7fc00000u);
+  if (e == 0) {
+    const float v = static_cast<float>(m) * 0.001953125f;  // m * 2^-9
+    return sign ? -v : v;
+  }
+  return bits_f32(sign | ((e + 120u) << 23) | (m << 20));
+}
+
+}  // namespace kvq

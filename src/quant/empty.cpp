@@ -1,0 +1,1 @@
+// Keeps kvq_quant non-empty while its sources are added.

@@ -1,0 +1,42 @@
+// tools/kvq/command.hpp: how a subcommand plugs into the `kvq` binary.
+//
+// A cmd_*.cpp file defines a registration function and names it with KVQ_REGISTER_COMMAND.
+// The function adds a CLI11 subcommand and sets its callback. `--json` is a convention: the
+// subcommand prints one JSON object on stdout and nothing else there.
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace kvq::cli {
+
+using Registrar = std::function<void(CLI::App&)>;
+
+struct CommandEntry {
+  std::string name;
+  Registrar registrar;
+};
+std::vector<CommandEntry>& command_registry();
+
+struct RegisterCommand {
+  RegisterCommand(std::string name, Registrar r) {
+    command_registry().push_back({std::move(name), std::move(r)});
+  }
+};
+
+// Path of a file in the source tree (models/, data/): relative paths are tried as given, then
+// against KVQ_SOURCE_DIR, then against the directory holding the executable's source tree.
+std::string resolve_path(const std::string& path);
+
+// Parses a comma-separated list ("1,2,3" or "bf16,tq-3bit").
+std::vector<std::string> split_list(const std::string& s);
+std::vector<int> parse_int_list(const std::string& s);
+
+}  // namespace kvq::cli
+
+#define KVQ_CONCAT_INNER(a, b) a##b
+#define KVQ_CONCAT(a, b) KVQ_CONCAT_INNER(a, b)
+#define KVQ_REGISTER_COMMAND(name, fn) \
+  static ::kvq::cli::RegisterCommand KVQ_CONCAT(kvq_register_, __LINE__)(name, fn)
