@@ -27,6 +27,11 @@ struct Codebook {
 // The cached codebook for dimension d >= 3 and 1 <= bits <= 8. Thread-safe.
 const Codebook& sphere_codebook(int d, int bits);
 
+// Lloyd-Max codebook for N(0, 1/d), the Gaussian approximation of the sphere coordinate that
+// vLLM's TurboQuant presets use (solved exactly with erf, not on a grid). `mse` is again
+// E||u - Q(u)||^2 under the Gaussian model. Cached, thread-safe.
+const Codebook& gaussian_codebook(int d, int bits);
+
 // Density of one coordinate of a uniform point on S^{d-1}, its CDF, and the two bounds of the
 // TurboQuant paper: D_mse >= 4^-b and D_mse <= sqrt(3) pi / 2 * 4^-b.
 double sphere_coord_pdf(int d, double x);

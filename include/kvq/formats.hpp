@@ -1,0 +1,98 @@
+// kvq/formats.hpp: the registry of cache formats. One table maps a name to its descriptor;
+// the CLI, the caches, the budget accounting and the kernels all read it.
+//
+// A format defines, for one layer, how a token's cache rows are stored:
+//  - MHA/GQA models: a key vector and a value vector per KV head;
+//  - MLA models: the content latent (d_c) and the RoPE key (d_r); `key` below is the content
+//    path and `value` the RoPE path.
+// Byte layouts: docs/formats.md.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kvq/kv_cache.hpp"
+#include "kvq/quantizer.hpp"
+
+namespace kvq {
+
+// Seed of every rotation sign diagonal and QJL matrix, part of the format version.
+inline constexpr std::uint64_t kFormatSeed = 0x6b76710000000001ull;
+inline constexpr int kFormatVersion = 1;
+
+enum class FormatFamily { kAny, kKV, kMLA };
+
+enum class FormatKind {
+  kBf16,        // bf16 rows
+  kFp8,         // e4m3 with an fp32 per-vector scale
+  kTqVllm,      // vLLM preset: plain Hadamard, Gaussian Lloyd-Max keys + norm correction (or fp8
+                // keys), uniform per-vector values with fp16 scale and zero
+  kTqOurs,      // sign-randomized Hadamard per (layer, head), sphere Lloyd-Max, norm correction,
+                // TurboQuant values (rotated-domain accumulation)
+  kTqSplit,     // kTqOurs with the outlier split on keys and values (fractional bits)
+  kTqQjl,       // (b-1)-bit MSE + 1-bit QJL keys, TurboQuant values
+  kMlaAffine,   // QuantMLA group-64 affine: content bf16 scales, RoPE fp32 scales
+  kMlaTq,       // TurboQuant on the latent (randomized Hadamard, norm correction), RoPE key bf16
+};
+
+struct FormatSpec {
+  std::string name;
+  FormatFamily family = FormatFamily::kAny;
+  FormatKind kind = FormatKind::kBf16;
+  int key_bits = 16;    // MLA: content bits
+  int value_bits = 16;  // MLA: RoPE bits
+  bool fp8_keys = false;
+  int outlier_channels = 0;  // kTqSplit at head_dim 128: channels given key_bits + 1
+  std::string keys, values;  // human descriptions
+  std::string pair;          // the vLLM preset this format must beat ("" if none)
+  std::string summary;
+};
+
+const std::vector<FormatSpec>& all_formats();
+// kvq::Error listing the valid names when `name` is unknown.
+const FormatSpec& find_format(std::string_view name);
+// kvq::Error when the format's family does not fit the geometry (e.g. c4r4 on a GQA model).
+void check_format_fits(const FormatSpec& f, const CacheGeometry& g);
+std::vector<std::string> format_names(FormatFamily family);
+
+// Outlier channels for the split formats: per layer and KV head, sorted channel indices of the
+// keys and of the values (from calibration statistics, never from the evaluation text).
+struct OutlierChannels {
+  std::vector<std::vector<std::vector<int>>> key, value;  // [layer][head] -> channels
+};
+// The `count` channels with the largest mean |x| over n rows of dimension d (sorted).
+std::vector<int> select_outlier_channels(const float* rows, std::size_t n, int d, int count);
+int split_outlier_count(const FormatSpec& f, int head_dim);
+
+struct QuantizerPair {
+  std::unique_ptr<VectorQuantizer> key;    // MLA: content latent
+  std::unique_ptr<VectorQuantizer> value;  // MLA: RoPE key
+};
+// The quantizers of one (layer, KV head). MLA formats ignore `head`. Split formats need
+// `outliers`; kvq::Error otherwise.
+QuantizerPair make_quantizers(const FormatSpec& f, const CacheGeometry& g, int layer, int head,
+                              const OutlierChannels* outliers = nullptr);
+
+// Per-token bytes of one layer (all KV heads; MLA: one 16-byte aligned record) and the split
+// between packed codes and metadata.
+struct TokenBytes {
+  std::size_t key_code = 0, key_meta = 0, value_code = 0, value_meta = 0;  // per head (MLA: per token)
+  std::size_t record = 0;     // bytes per token per layer including alignment padding
+  std::size_t per_layer = 0;  // == record for MLA; heads x (key + value) for GQA
+  double bits_per_value = 0;  // (codes + metadata) bits over the values stored, padding excluded
+};
+TokenBytes token_bytes(const FormatSpec& f, const CacheGeometry& g);
+// Bytes of a bf16 cache per token per layer for the geometry.
+std::size_t bf16_token_bytes(const CacheGeometry& g);
+
+// Named model shapes for budget tables (the chapter's kv_budget models and DeepSeek-V2-Lite).
+struct NamedShape {
+  std::string name;
+  CacheGeometry geometry;
+};
+const std::vector<NamedShape>& named_shapes();
+
+}  // namespace kvq

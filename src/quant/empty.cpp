@@ -1,1 +1,0 @@
-// Keeps kvq_quant non-empty while its sources are added.

@@ -1,0 +1,267 @@
+// TurboQuant quantizers (TurboQuant chapter, sections 3, 6, 7, 8): MSE with optional norm
+// correction, the inner-product variant with a QJL residual sketch, and the outlier split.
+// Scalar references; the AVX2 batch paths live in simd_avx2.cpp.
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "kvq/bitpack.hpp"
+#include "kvq/common.hpp"
+#include "kvq/numeric.hpp"
+#include "kvq/quantizers.hpp"
+#include "kvq/rng.hpp"
+#include "simd.hpp"
+
+namespace kvq {
+
+namespace {
+void store_fp16(std::uint8_t* p, float v, const std::string& who) {
+  if (!(std::fabs(v) <= 65504.0f)) fail(who + ": norm " + std::to_string(v) + " exceeds the fp16 range of the stored norm");
+  const std::uint16_t h = float_to_fp16(v);
+  std::memcpy(p, &h, 2);
+}
+float load_fp16(const std::uint8_t* p) {
+  std::uint16_t h;
+  std::memcpy(&h, p, 2);
+  return fp16_to_float(h);
+}
+float l2norm(const float* x, int n) {
+  double s = 0;
+  for (int i = 0; i < n; ++i) s += static_cast<double>(x[i]) * x[i];
+  return static_cast<float>(std::sqrt(s));
+}
+}  // namespace
+
+// ---- TurboQuantMse -------------------------------------------------------------------------
+
+TurboQuantMse::TurboQuantMse(int dim, int bits, std::shared_ptr<const Rotation> rotation, bool norm_correction,
+                             const Codebook* codebook)
+    : VectorQuantizer(dim), bits_(bits), nc_(norm_correction), rot_(std::move(rotation)),
+      cb_(codebook ? codebook : &sphere_codebook(dim, bits)) {
+  require(cb_->bits == bits && cb_->dim == dim, "TurboQuantMse: codebook does not match dimension and bits");
+  require(rot_ && rot_->dim() == dim, "TurboQuantMse: rotation dimension must equal " + std::to_string(dim));
+}
+
+std::string TurboQuantMse::name() const {
+  return "turboquant-mse-" + std::to_string(bits_) + "bit" + (nc_ ? "-nc" : "") + "/" + rot_->describe();
+}
+
+std::size_t TurboQuantMse::code_bytes() const { return packed_bytes(static_cast<std::size_t>(dim_), bits_); }
+
+void TurboQuantMse::encode_reference(const float* x, std::uint8_t* codes, std::uint8_t* meta) const {
+  check_finite(x);
+  const std::size_t d = static_cast<std::size_t>(dim_);
+  std::vector<float> u(d), y(d);
+  std::vector<std::uint8_t> idx(d);
+  const float norm = l2norm(x, dim_);
+  const float inv = norm > 0 ? 1.0f / norm : 0.0f;
+  for (std::size_t i = 0; i < d; ++i) u[i] = x[i] * inv;
+  rot_->forward(u.data(), y.data());
+  const int ne = static_cast<int>(cb_->edges_f.size());
+  for (std::size_t i = 0; i < d; ++i) idx[i] = static_cast<std::uint8_t>(bucketize(cb_->edges_f.data(), ne, y[i]));
+  float stored = norm;
+  if (nc_ && norm > 0) {
+    double c2 = 0;
+    for (std::size_t i = 0; i < d; ++i) {
+      const double c = cb_->centroids_f[idx[i]];
+      c2 += c * c;
+    }
+    stored = static_cast<float>(norm / std::sqrt(c2));
+  }
+  pack_bits(idx.data(), d, bits_, codes);
+  store_fp16(meta, stored, "TurboQuantMse");
+}
+
+void TurboQuantMse::rotated_codeword(const std::uint8_t* codes, const std::uint8_t* meta, float* y) const {
+  const float n = load_fp16(meta);
+  for (int i = 0; i < dim_; ++i) y[i] = n * cb_->centroids_f[unpack_one(codes, static_cast<std::size_t>(i), bits_)];
+}
+
+void TurboQuantMse::decode_reference(const std::uint8_t* codes, const std::uint8_t* meta, float* x) const {
+  std::vector<float> y(static_cast<std::size_t>(dim_));
+  rotated_codeword(codes, meta, y.data());
+  rot_->inverse(y.data(), x);
+}
+
+void TurboQuantMse::encode(const float* x, std::uint8_t* codes, std::uint8_t* meta) const {
+  encode_reference(x, codes, meta);
+}
+void TurboQuantMse::decode(const std::uint8_t* codes, const std::uint8_t* meta, float* x) const {
+  decode_reference(codes, meta, x);
+}
+
+void TurboQuantMse::prepare_query(const float* q, float* qp) const { rot_->forward(q, qp); }
+
+float TurboQuantMse::score(const float* qp, const std::uint8_t* codes, const std::uint8_t* meta) const {
+  float s = 0;
+  const float* c = cb_->centroids_f.data();
+  for (int i = 0; i < dim_; ++i) s += qp[i] * c[unpack_one(codes, static_cast<std::size_t>(i), bits_)];
+  return s * load_fp16(meta);
+}
+
+void TurboQuantMse::accumulate(float w, const std::uint8_t* codes, const std::uint8_t* meta, float* acc) const {
+  const float wn = w * load_fp16(meta);
+  const float* c = cb_->centroids_f.data();
+  for (int i = 0; i < dim_; ++i) acc[i] += wn * c[unpack_one(codes, static_cast<std::size_t>(i), bits_)];
+}
+
+void TurboQuantMse::finish(const float* acc, float* out) const { rot_->inverse(acc, out); }
+
+void TurboQuantMse::encode_batch(const float* x, std::size_t n, std::uint8_t* records) const {
+  const auto* hr = dynamic_cast<const HadamardRotation*>(rot_.get());
+  if (hr && simd::tq_encode_batch(*this, *hr, x, n, records)) return;
+  VectorQuantizer::encode_batch(x, n, records);
+}
+
+void TurboQuantMse::decode_batch(const std::uint8_t* records, std::size_t n, float* x) const {
+  const auto* hr = dynamic_cast<const HadamardRotation*>(rot_.get());
+  if (hr && simd::tq_decode_batch(*this, *hr, records, n, x)) return;
+  VectorQuantizer::decode_batch(records, n, x);
+}
+
+// ---- TurboQuantProd ------------------------------------------------------------------------
+
+TurboQuantProd::TurboQuantProd(int dim, int bits, std::shared_ptr<const Rotation> rotation, std::uint64_t qjl_key)
+    : VectorQuantizer(dim), bits_(bits), mse_(dim, bits - 1, std::move(rotation), false),
+      s_(static_cast<std::size_t>(dim) * dim) {
+  require(bits >= 2 && bits <= 9, "TurboQuantProd: bits must be 2..9");
+  SplitMix64 rng(qjl_key);
+  for (auto& v : s_) v = static_cast<float>(rng.normal());
+}
+
+std::string TurboQuantProd::name() const { return "turboquant-prod-" + std::to_string(bits_) + "bit"; }
+
+std::size_t TurboQuantProd::code_bytes() const {
+  return mse_.code_bytes() + packed_bytes(static_cast<std::size_t>(dim_), 1);
+}
+
+void TurboQuantProd::encode(const float* x, std::uint8_t* codes, std::uint8_t* meta) const {
+  check_finite(x);
+  const std::size_t d = static_cast<std::size_t>(dim_);
+  mse_.encode(x, codes, meta);
+  std::vector<float> xh(d), r(d);
+  mse_.decode(codes, meta, xh.data());
+  for (std::size_t i = 0; i < d; ++i) r[i] = x[i] - xh[i];
+  std::vector<std::uint8_t> sg(d);
+  for (std::size_t j = 0; j < d; ++j) {
+    double p = 0;
+    for (std::size_t i = 0; i < d; ++i) p += static_cast<double>(s_[j * d + i]) * r[i];
+    sg[j] = p < 0 ? 0 : 1;  // bit 1 = +1
+  }
+  pack_bits(sg.data(), d, 1, codes + mse_.code_bytes());
+  store_fp16(meta + 2, l2norm(r.data(), dim_), "TurboQuantProd residual");
+}
+
+void TurboQuantProd::decode_residual(const std::uint8_t* codes, const std::uint8_t* meta, float* r) const {
+  const std::size_t d = static_cast<std::size_t>(dim_);
+  const std::uint8_t* sg = codes + mse_.code_bytes();
+  const float k = static_cast<float>(std::sqrt(M_PI / 2.0) / static_cast<double>(d)) * load_fp16(meta + 2);
+  for (std::size_t i = 0; i < d; ++i) r[i] = 0;
+  for (std::size_t j = 0; j < d; ++j) {
+    const float s = unpack_one(sg, j, 1) ? k : -k;
+    for (std::size_t i = 0; i < d; ++i) r[i] += s * s_[j * d + i];
+  }
+}
+
+void TurboQuantProd::decode(const std::uint8_t* codes, const std::uint8_t* meta, float* x) const {
+  const std::size_t d = static_cast<std::size_t>(dim_);
+  std::vector<float> r(d);
+  mse_.decode(codes, meta, x);
+  decode_residual(codes, meta, r.data());
+  for (std::size_t i = 0; i < d; ++i) x[i] += r[i];
+}
+
+void TurboQuantProd::prepare_query(const float* q, float* qp) const {
+  const std::size_t d = static_cast<std::size_t>(dim_);
+  mse_.prepare_query(q, qp);
+  for (std::size_t j = 0; j < d; ++j) {
+    double p = 0;
+    for (std::size_t i = 0; i < d; ++i) p += static_cast<double>(s_[j * d + i]) * q[i];
+    qp[d + j] = static_cast<float>(p);
+  }
+}
+
+float TurboQuantProd::score(const float* qp, const std::uint8_t* codes, const std::uint8_t* meta) const {
+  const std::size_t d = static_cast<std::size_t>(dim_);
+  const float base = mse_.score(qp, codes, meta);
+  const std::uint8_t* sg = codes + mse_.code_bytes();
+  float acc = 0;
+  for (std::size_t j = 0; j < d; ++j) acc += unpack_one(sg, j, 1) ? qp[d + j] : -qp[d + j];
+  return base + static_cast<float>(std::sqrt(M_PI / 2.0) / static_cast<double>(d)) * load_fp16(meta + 2) * acc;
+}
+
+// ---- OutlierSplit --------------------------------------------------------------------------
+
+OutlierSplit::OutlierSplit(int dim, std::vector<int> outliers, int bits_hi, int bits_lo, bool randomize_signs,
+                           std::uint64_t key_hi, std::uint64_t key_lo, bool norm_correction)
+    : VectorQuantizer(dim), hi_idx_(std::move(outliers)) {
+  std::vector<char> is_hi(static_cast<std::size_t>(dim), 0);
+  for (std::size_t i = 0; i < hi_idx_.size(); ++i) {
+    const int c = hi_idx_[i];
+    require(c >= 0 && c < dim && !is_hi[static_cast<std::size_t>(c)] && (i == 0 || c > hi_idx_[i - 1]),
+            "OutlierSplit: outlier channels must be sorted, distinct and < " + std::to_string(dim));
+    is_hi[static_cast<std::size_t>(c)] = 1;
+  }
+  for (int c = 0; c < dim; ++c)
+    if (!is_hi[static_cast<std::size_t>(c)]) lo_idx_.push_back(c);
+  const int nh = static_cast<int>(hi_idx_.size()), nl = static_cast<int>(lo_idx_.size());
+  require(nh >= 3 && nl >= 3, "OutlierSplit: each channel subset needs at least 3 channels");
+  hi_ = std::make_unique<TurboQuantMse>(nh, bits_hi, std::make_shared<HadamardRotation>(nh, randomize_signs, key_hi),
+                                        norm_correction);
+  lo_ = std::make_unique<TurboQuantMse>(nl, bits_lo, std::make_shared<HadamardRotation>(nl, randomize_signs, key_lo),
+                                        norm_correction);
+}
+
+std::string OutlierSplit::name() const {
+  return "outlier-split-" + std::to_string(hi_idx_.size()) + "x" + std::to_string(hi_->bits()) + "+" +
+         std::to_string(lo_idx_.size()) + "x" + std::to_string(lo_->bits());
+}
+
+double OutlierSplit::code_bits() const {
+  return (static_cast<double>(hi_idx_.size()) * hi_->bits() + static_cast<double>(lo_idx_.size()) * lo_->bits()) / dim_;
+}
+
+void OutlierSplit::encode(const float* x, std::uint8_t* codes, std::uint8_t* meta) const {
+  check_finite(x);
+  std::vector<float> h(hi_idx_.size()), l(lo_idx_.size());
+  for (std::size_t i = 0; i < h.size(); ++i) h[i] = x[hi_idx_[i]];
+  for (std::size_t i = 0; i < l.size(); ++i) l[i] = x[lo_idx_[i]];
+  hi_->encode(h.data(), codes, meta);
+  lo_->encode(l.data(), codes + hi_->code_bytes(), meta + 2);
+}
+
+void OutlierSplit::decode(const std::uint8_t* codes, const std::uint8_t* meta, float* x) const {
+  std::vector<float> h(hi_idx_.size()), l(lo_idx_.size());
+  hi_->decode(codes, meta, h.data());
+  lo_->decode(codes + hi_->code_bytes(), meta + 2, l.data());
+  for (std::size_t i = 0; i < h.size(); ++i) x[hi_idx_[i]] = h[i];
+  for (std::size_t i = 0; i < l.size(); ++i) x[lo_idx_[i]] = l[i];
+}
+
+void OutlierSplit::prepare_query(const float* q, float* qp) const {
+  std::vector<float> h(hi_idx_.size()), l(lo_idx_.size());
+  for (std::size_t i = 0; i < h.size(); ++i) h[i] = q[hi_idx_[i]];
+  for (std::size_t i = 0; i < l.size(); ++i) l[i] = q[lo_idx_[i]];
+  hi_->prepare_query(h.data(), qp);
+  lo_->prepare_query(l.data(), qp + h.size());
+}
+
+float OutlierSplit::score(const float* qp, const std::uint8_t* codes, const std::uint8_t* meta) const {
+  return hi_->score(qp, codes, meta) + lo_->score(qp + hi_idx_.size(), codes + hi_->code_bytes(), meta + 2);
+}
+
+void OutlierSplit::accumulate(float w, const std::uint8_t* codes, const std::uint8_t* meta, float* acc) const {
+  hi_->accumulate(w, codes, meta, acc);
+  lo_->accumulate(w, codes + hi_->code_bytes(), meta + 2, acc + hi_idx_.size());
+}
+
+void OutlierSplit::finish(const float* acc, float* out) const {
+  std::vector<float> h(hi_idx_.size()), l(lo_idx_.size());
+  hi_->finish(acc, h.data());
+  lo_->finish(acc + hi_idx_.size(), l.data());
+  for (std::size_t i = 0; i < h.size(); ++i) out[hi_idx_[i]] = h[i];
+  for (std::size_t i = 0; i < l.size(); ++i) out[lo_idx_[i]] = l[i];
+}
+
+}  // namespace kvq
