@@ -85,6 +85,18 @@ struct TokenBytes {
   double bits_per_value = 0;  // (codes + metadata) bits over the values stored, padding excluded
 };
 TokenBytes token_bytes(const FormatSpec& f, const CacheGeometry& g);
+// The contiguous per-token record of one (layer, head) (MLA: one per token and layer):
+// [key codes][value codes][key metadata][value metadata][zero padding to `size`].
+// For c4r4 at d_c = 512, d_r = 64: 256 + 32 + 24 + 5 = 317 bytes, padded to 320.
+struct RecordLayout {
+  std::size_t key_code = 0, value_code = 0, key_meta = 0, value_meta = 0, size = 0;  // offsets, size
+};
+RecordLayout record_layout(const TokenBytes& t);
+void encode_token_record(const QuantizerPair& q, const RecordLayout& l, const float* key, const float* value,
+                         std::uint8_t* record);
+void decode_token_record(const QuantizerPair& q, const RecordLayout& l, const std::uint8_t* record, float* key,
+                         float* value);
+
 // Bytes of a bf16 cache per token per layer for the geometry.
 std::size_t bf16_token_bytes(const CacheGeometry& g);
 

@@ -1,0 +1,357 @@
+// The dense bf16 KV cache (kvq::make_dense_cache): the baseline cache and the oracle for the
+// quantized ones. Rows are rounded to bf16 once, at append; attention is exact fp32 softmax.
+//
+// Two attention paths over the same rows:
+//  - prefill (many queries): the visible rows are widened to fp32 once per call, then per
+//    (query head, tile of 64 queries) one sgemm for the scores, a causal softmax and one sgemm for
+//    the weighted values; OpenMP over the work items, OpenBLAS single-threaded inside;
+//  - decode (a few queries): dot products and axpys straight from the bf16 rows (AVX2 + FMA when
+//    the CPU has them, else scalar), OpenMP over key ranges with a max/sum merge.
+// GQA keys/values are per KV head; an MLA cache is one shared "head" whose key is the row
+// [latent | rope key] and whose value is the latent.
+#include "kvq/dense_cache.hpp"
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "kvq/common.hpp"
+#include "kvq/numeric.hpp"
+#include "ops.hpp"
+
+namespace kvq {
+
+namespace {
+
+inline float bf16f(std::uint16_t h) { return bf16_to_float(h); }
+
+float dot_bf16_scalar(const float* q, const std::uint16_t* k, int n) {
+  float s = 0.0f;
+  for (int i = 0; i < n; ++i) s += q[i] * bf16f(k[i]);
+  return s;
+}
+void axpy_bf16_scalar(float* y, float a, const std::uint16_t* x, int n) {
+  for (int i = 0; i < n; ++i) y[i] += a * bf16f(x[i]);
+}
+
+[[gnu::target("avx2,fma")]] inline __m256 load_bf16x8(const std::uint16_t* p) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+
+[[gnu::target("avx2,fma")]] float dot_bf16_avx2(const float* q, const std::uint16_t* k, int n) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 16 <= n; i += 16) {
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load_bf16x8(k + i), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), load_bf16x8(k + i + 8), a1);
+  }
+  for (; i + 8 <= n; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load_bf16x8(k + i), a0);
+  a0 = _mm256_add_ps(a0, a1);
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a0), _mm256_extractf128_ps(a0, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  float r = _mm_cvtss_f32(s);
+  for (; i < n; ++i) r += q[i] * bf16f(k[i]);
+  return r;
+}
+
+[[gnu::target("avx2,fma")]] void axpy_bf16_avx2(float* y, float a, const std::uint16_t* x, int n) {
+  const __m256 va = _mm256_set1_ps(a);
+  int i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, load_bf16x8(x + i), _mm256_loadu_ps(y + i)));
+  for (; i < n; ++i) y[i] += a * bf16f(x[i]);
+}
+
+bool cpu_has_avx2_fma() {
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return ok;
+}
+
+inline float dot_bf16(const float* q, const std::uint16_t* k, int n) {
+  return cpu_has_avx2_fma() ? dot_bf16_avx2(q, k, n) : dot_bf16_scalar(q, k, n);
+}
+inline void axpy_bf16(float* y, float a, const std::uint16_t* x, int n) {
+  if (cpu_has_avx2_fma()) axpy_bf16_avx2(y, a, x, n);
+  else axpy_bf16_scalar(y, a, x, n);
+}
+
+class DenseCache final : public KvCache {
+ public:
+  DenseCache(const CacheGeometry& g, int max_seqs, int max_tokens) : g_(g), max_tokens_(max_tokens) {
+    require(g.n_layers > 0, "dense cache: n_layers must be positive");
+    require(max_seqs > 0, "dense cache: max_seqs must be positive");
+    if (g.mla) {
+      require(g.d_latent > 0 && g.d_rope > 0, "dense cache: MLA geometry needs d_latent and d_rope");
+      kw_ = g.d_latent;
+      vw_ = g.d_rope;
+    } else {
+      require(g.n_kv_heads > 0 && g.head_dim > 0 && g.v_head_dim > 0, "dense cache: GQA geometry needs heads and dims");
+      kw_ = g.n_kv_heads * g.head_dim;
+      vw_ = g.n_kv_heads * g.v_head_dim;
+    }
+    seqs_.resize(max_seqs);
+    for (auto& s : seqs_) {
+      s.layer_len.assign(g.n_layers, 0);
+      s.k.resize(g.n_layers);
+      s.v.resize(g.n_layers);
+    }
+  }
+
+  const CacheGeometry& geometry() const override { return g_; }
+  int length(int seq) const override { return at(seq).length; }
+
+  void append(int seq, int layer, int n, const float* k, const float* v) override {
+    Seq& s = at(seq);
+    require(layer >= 0 && layer < g_.n_layers, "dense cache: layer " + std::to_string(layer) + " out of range");
+    require(n > 0, "dense cache: append of no rows");
+    require(s.layer_len[layer] == s.length,
+            "dense cache: layer " + std::to_string(layer) + " appended twice before the last layer advanced the length");
+    const int new_len = s.length + n;
+    if (max_tokens_ > 0 && new_len > max_tokens_)
+      fail("dense cache: sequence " + std::to_string(seq) + " full (" + std::to_string(max_tokens_) + " tokens)");
+    for (int i = 0; i < n; ++i) {
+      for (int d = 0; d < kw_; ++d)
+        if (!std::isfinite(k[static_cast<std::size_t>(i) * kw_ + d]))
+          fail("dense cache: NaN/Inf in " + std::string(g_.mla ? "latent" : "key") + " row at layer " +
+               std::to_string(layer) + ", position " + std::to_string(s.length + i));
+      for (int d = 0; d < vw_; ++d)
+        if (!std::isfinite(v[static_cast<std::size_t>(i) * vw_ + d]))
+          fail("dense cache: NaN/Inf in " + std::string(g_.mla ? "rope key" : "value") + " row at layer " +
+               std::to_string(layer) + ", position " + std::to_string(s.length + i));
+    }
+    auto& K = s.k[layer];
+    auto& V = s.v[layer];
+    const std::size_t k0 = K.size(), v0 = V.size();
+    K.resize(k0 + static_cast<std::size_t>(n) * kw_);
+    V.resize(v0 + static_cast<std::size_t>(n) * vw_);
+    for (std::size_t i = 0; i < static_cast<std::size_t>(n) * kw_; ++i) K[k0 + i] = float_to_bf16(k[i]);
+    for (std::size_t i = 0; i < static_cast<std::size_t>(n) * vw_; ++i) V[v0 + i] = float_to_bf16(v[i]);
+    s.layer_len[layer] = new_len;
+    if (layer == g_.n_layers - 1) {
+      for (int l = 0; l < g_.n_layers; ++l)
+        require(s.layer_len[l] == new_len, "dense cache: layer " + std::to_string(l) + " was not appended before the last layer");
+      s.length = new_len;
+    }
+  }
+
+  void attend(int seq, int layer, int n_q, int pos0, int n_heads, float scale, const float* q,
+              float* out) const override {
+    const Seq& s = at(seq);
+    require(layer >= 0 && layer < g_.n_layers, "dense cache: layer " + std::to_string(layer) + " out of range");
+    require(n_q > 0 && pos0 >= 0, "dense cache: attend needs n_q > 0 and pos0 >= 0");
+    require(pos0 + n_q <= s.layer_len[layer], "dense cache: attend past the rows stored for layer " + std::to_string(layer));
+    Shape sh;
+    if (g_.mla) {
+      sh.groups = 1;
+      sh.hq = n_heads;
+      sh.kd = g_.d_latent + g_.d_rope;
+      sh.vd = g_.d_latent;
+    } else {
+      require(n_heads % g_.n_kv_heads == 0, "dense cache: n_heads must be a multiple of n_kv_heads");
+      sh.groups = g_.n_kv_heads;
+      sh.hq = n_heads / g_.n_kv_heads;
+      sh.kd = g_.head_dim;
+      sh.vd = g_.v_head_dim;
+    }
+    sh.n_heads = n_heads;
+    if (n_q <= 4) attend_decode(s, layer, n_q, pos0, sh, scale, q, out);
+    else attend_prefill(s, layer, n_q, pos0, sh, scale, q, out);
+  }
+
+  void reset(int seq) override {
+    Seq& s = at(seq);
+    s.length = 0;
+    std::fill(s.layer_len.begin(), s.layer_len.end(), 0);
+    for (auto& x : s.k) std::vector<std::uint16_t>().swap(x);
+    for (auto& x : s.v) std::vector<std::uint16_t>().swap(x);
+  }
+
+  std::string describe() const override {
+    if (g_.mla)
+      return "dense bf16 cache (MLA: latent " + std::to_string(g_.d_latent) + " + rope " + std::to_string(g_.d_rope) +
+             ", " + std::to_string(2 * (g_.d_latent + g_.d_rope)) + " bytes per token per layer)";
+    return "dense bf16 cache (" + std::to_string(g_.n_kv_heads) + " KV heads x " + std::to_string(g_.head_dim) + ", " +
+           std::to_string(2 * (kw_ + vw_)) + " bytes per token per layer)";
+  }
+
+ private:
+  struct Seq {
+    int length = 0;
+    std::vector<int> layer_len;
+    std::vector<std::vector<std::uint16_t>> k, v;
+  };
+  struct Shape {
+    int groups = 1, hq = 1, kd = 0, vd = 0, n_heads = 0;
+  };
+
+  const Seq& at(int seq) const {
+    if (seq < 0 || seq >= static_cast<int>(seqs_.size()))
+      fail("dense cache: sequence " + std::to_string(seq) + " out of range (" + std::to_string(seqs_.size()) + ")");
+    return seqs_[seq];
+  }
+  Seq& at(int seq) { return const_cast<Seq&>(static_cast<const DenseCache*>(this)->at(seq)); }
+
+  // Widens rows [0, L) of group g into fp32: key [L x kd], value [L x vd] (MLA: value = key's
+  // first d_latent columns, vf left empty).
+  void widen(const Seq& s, int layer, int g, int L, const Shape& sh, std::vector<float>& kf, std::vector<float>& vf) const {
+    const auto& K = s.k[layer];
+    const auto& V = s.v[layer];
+    kf.resize(static_cast<std::size_t>(L) * sh.kd);
+    if (g_.mla) {
+      const int dc = g_.d_latent, dr = g_.d_rope;
+#pragma omp parallel for schedule(static)
+      for (int j = 0; j < L; ++j) {
+        float* dst = kf.data() + static_cast<std::size_t>(j) * sh.kd;
+        for (int d = 0; d < dc; ++d) dst[d] = bf16f(K[static_cast<std::size_t>(j) * dc + d]);
+        for (int d = 0; d < dr; ++d) dst[dc + d] = bf16f(V[static_cast<std::size_t>(j) * dr + d]);
+      }
+    } else {
+      vf.resize(static_cast<std::size_t>(L) * sh.vd);
+#pragma omp parallel for schedule(static)
+      for (int j = 0; j < L; ++j) {
+        const std::uint16_t* kr = K.data() + static_cast<std::size_t>(j) * kw_ + static_cast<std::size_t>(g) * sh.kd;
+        const std::uint16_t* vr = V.data() + static_cast<std::size_t>(j) * vw_ + static_cast<std::size_t>(g) * sh.vd;
+        float* kd = kf.data() + static_cast<std::size_t>(j) * sh.kd;
+        float* vd = vf.data() + static_cast<std::size_t>(j) * sh.vd;
+        for (int d = 0; d < sh.kd; ++d) kd[d] = bf16f(kr[d]);
+        for (int d = 0; d < sh.vd; ++d) vd[d] = bf16f(vr[d]);
+      }
+    }
+  }
+
+  void attend_prefill(const Seq& s, int layer, int n_q, int pos0, const Shape& sh, float scale, const float* q,
+                      float* out) const {
+    constexpr int kTile = 64;
+    const int L = pos0 + n_q;
+    const int tiles = (n_q + kTile - 1) / kTile;
+    const int qs = sh.n_heads * sh.kd, os = sh.n_heads * sh.vd;
+    std::vector<float> kf, vf;
+    for (int g = 0; g < sh.groups; ++g) {
+      widen(s, layer, g, L, sh, kf, vf);
+      const float* vbase = g_.mla ? kf.data() : vf.data();
+      const int vld = g_.mla ? sh.kd : sh.vd;
+      const int items = sh.hq * tiles;
+      ops::BlasSingleThread single;
+#pragma omp parallel
+      {
+        std::vector<float> sc(static_cast<std::size_t>(kTile) * L);
+#pragma omp for schedule(dynamic, 1)
+        for (int it = 0; it < items; ++it) {
+          // Larger tiles first (later tiles see more keys) for a better dynamic balance.
+          const int tile = tiles - 1 - it / sh.hq;
+          const int h = g * sh.hq + it % sh.hq;
+          const int t0 = tile * kTile, t1 = std::min(n_q, t0 + kTile), m = t1 - t0;
+          const int lk = pos0 + t1;
+          ops::gemm_nt(m, lk, sh.kd, q + static_cast<std::size_t>(t0) * qs + static_cast<std::size_t>(h) * sh.kd, qs,
+                       kf.data(), sh.kd, sc.data(), lk);
+          for (int r = 0; r < m; ++r) {
+            float* row = sc.data() + static_cast<std::size_t>(r) * lk;
+            const int p = pos0 + t0 + r;
+            float mx = -INFINITY;
+            for (int j = 0; j <= p; ++j) {
+              row[j] *= scale;
+              mx = std::max(mx, row[j]);
+            }
+            float sum = 0.0f;
+            for (int j = 0; j <= p; ++j) {
+              row[j] = std::exp(row[j] - mx);
+              sum += row[j];
+            }
+            const float inv = 1.0f / sum;
+            for (int j = 0; j <= p; ++j) row[j] *= inv;
+            for (int j = p + 1; j < lk; ++j) row[j] = 0.0f;
+          }
+          ops::gemm_nn(m, sh.vd, lk, sc.data(), lk, vbase, vld,
+                       out + static_cast<std::size_t>(t0) * os + static_cast<std::size_t>(h) * sh.vd, os);
+        }
+      }
+    }
+  }
+
+  void attend_decode(const Seq& s, int layer, int n_q, int pos0, const Shape& sh, float scale, const float* q,
+                     float* out) const {
+    const auto& K = s.k[layer];
+    const auto& V = s.v[layer];
+    const int qs = sh.n_heads * sh.kd, os = sh.n_heads * sh.vd;
+    const int dc = g_.d_latent, dr = g_.d_rope;
+    const int nthreads = std::max(1, std::min(omp_get_max_threads(), (pos0 + n_q) / 256));
+    // Per query: all heads over key ranges split between threads, merged by max / sum.
+    for (int i = 0; i < n_q; ++i) {
+      const int L = pos0 + i + 1;
+      const int nh = sh.n_heads;
+      std::vector<float> part_m(static_cast<std::size_t>(nthreads) * nh, -INFINITY), part_s(part_m.size(), 0.0f);
+      std::vector<float> part_o(static_cast<std::size_t>(nthreads) * nh * sh.vd, 0.0f);
+      const float* qi = q + static_cast<std::size_t>(i) * qs;
+#pragma omp parallel num_threads(nthreads)
+      {
+        const int t = omp_get_thread_num();
+        const int a = static_cast<int>(static_cast<std::int64_t>(L) * t / nthreads);
+        const int b = static_cast<int>(static_cast<std::int64_t>(L) * (t + 1) / nthreads);
+        std::vector<float> sc(static_cast<std::size_t>(std::max(0, b - a)) * nh);
+        for (int j = a; j < b; ++j) {
+          for (int h = 0; h < nh; ++h) {
+            const int g = h / sh.hq;
+            const float* qh = qi + static_cast<std::size_t>(h) * sh.kd;
+            float d;
+            if (g_.mla)
+              d = dot_bf16(qh, K.data() + static_cast<std::size_t>(j) * dc, dc) +
+                  dot_bf16(qh + dc, V.data() + static_cast<std::size_t>(j) * dr, dr);
+            else
+              d = dot_bf16(qh, K.data() + static_cast<std::size_t>(j) * kw_ + static_cast<std::size_t>(g) * sh.kd, sh.kd);
+            sc[static_cast<std::size_t>(j - a) * nh + h] = d * scale;
+          }
+        }
+        for (int h = 0; h < nh; ++h) {
+          float mx = -INFINITY;
+          for (int j = a; j < b; ++j) mx = std::max(mx, sc[static_cast<std::size_t>(j - a) * nh + h]);
+          float sum = 0.0f;
+          float* o = part_o.data() + (static_cast<std::size_t>(t) * nh + h) * sh.vd;
+          const int g = h / sh.hq;
+          for (int j = a; j < b; ++j) {
+            const float p = std::exp(sc[static_cast<std::size_t>(j - a) * nh + h] - mx);
+            sum += p;
+            if (g_.mla) axpy_bf16(o, p, K.data() + static_cast<std::size_t>(j) * dc, dc);
+            else axpy_bf16(o, p, V.data() + static_cast<std::size_t>(j) * vw_ + static_cast<std::size_t>(g) * sh.vd, sh.vd);
+          }
+          part_m[static_cast<std::size_t>(t) * nh + h] = mx;
+          part_s[static_cast<std::size_t>(t) * nh + h] = sum;
+        }
+      }
+      for (int h = 0; h < nh; ++h) {
+        float mx = -INFINITY;
+        for (int t = 0; t < nthreads; ++t) mx = std::max(mx, part_m[static_cast<std::size_t>(t) * nh + h]);
+        float sum = 0.0f;
+        float* o = out + static_cast<std::size_t>(i) * os + static_cast<std::size_t>(h) * sh.vd;
+        std::fill(o, o + sh.vd, 0.0f);
+        for (int t = 0; t < nthreads; ++t) {
+          const float pm = part_m[static_cast<std::size_t>(t) * nh + h];
+          if (pm == -INFINITY) continue;
+          const float w = std::exp(pm - mx);
+          sum += w * part_s[static_cast<std::size_t>(t) * nh + h];
+          const float* po = part_o.data() + (static_cast<std::size_t>(t) * nh + h) * sh.vd;
+          for (int d = 0; d < sh.vd; ++d) o[d] += w * po[d];
+        }
+        const float inv = 1.0f / sum;
+        for (int d = 0; d < sh.vd; ++d) o[d] *= inv;
+      }
+    }
+  }
+
+  CacheGeometry g_;
+  int max_tokens_ = 0;
+  int kw_ = 0, vw_ = 0;
+  std::vector<Seq> seqs_;
+};
+
+}  // namespace
+
+std::unique_ptr<KvCache> make_dense_cache(const CacheGeometry& geometry, int max_seqs, int max_tokens) {
+  return std::make_unique<DenseCache>(geometry, max_seqs, max_tokens);
+}
+
+}  // namespace kvq

@@ -1,0 +1,208 @@
+// TurboQuant quantizers: round-trip distortion against the Lloyd-Max model, rotated-domain
+// scoring and value accumulation against dequantize-then-compute, QJL unbiasedness, the sign
+// diagonal on Walsh-aligned inputs, the outlier split, zero vectors and non-finite input.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "kvq/codebook.hpp"
+#include "kvq/common.hpp"
+#include "kvq/quantizers.hpp"
+#include "kvq/rng.hpp"
+#include "test_util.hpp"
+
+using namespace kvq;
+using kvq::testing::gaussian;
+
+namespace {
+std::shared_ptr<HadamardRotation> rht(int d, std::uint64_t key = 77) { return std::make_shared<HadamardRotation>(d, true, key); }
+
+// Mean of ||x - x^||^2 / ||x||^2 over n vectors.
+double mean_rel_mse(const VectorQuantizer& q, const std::vector<float>& x, std::size_t n) {
+  const std::size_t d = static_cast<std::size_t>(q.dim());
+  std::vector<std::uint8_t> rec(q.bytes());
+  std::vector<float> y(d);
+  double acc = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    q.encode_record(&x[i * d], rec.data());
+    q.decode_record(rec.data(), y.data());
+    double e = 0, s = 0;
+    for (std::size_t j = 0; j < d; ++j) {
+      const double diff = static_cast<double>(x[i * d + j]) - y[j];
+      e += diff * diff;
+      s += static_cast<double>(x[i * d + j]) * x[i * d + j];
+    }
+    acc += e / s;
+  }
+  return acc / static_cast<double>(n);
+}
+}  // namespace
+
+TEST(TurboQuant, RoundTripMatchesModelOnGaussians) {
+  const int d = 128;
+  const std::size_t n = 20000;
+  const auto x = gaussian(n * d, 1);
+  for (int b = 1; b <= 4; ++b) {
+    TurboQuantMse q(d, b, rht(d), false);
+    const double got = mean_rel_mse(q, x, n);
+    EXPECT_NEAR(got, sphere_codebook(d, b).mse, 0.01 * sphere_codebook(d, b).mse) << "bits " << b;
+  }
+}
+
+TEST(TurboQuant, HaarRotationAlsoMatchesModel) {
+  const int d = 64;
+  const std::size_t n = 20000;
+  const auto x = gaussian(n * d, 2);
+  TurboQuantMse q(d, 3, std::make_shared<HaarRotation>(d, 5), false);
+  EXPECT_NEAR(mean_rel_mse(q, x, n), sphere_codebook(d, 3).mse, 0.01 * sphere_codebook(d, 3).mse);
+}
+
+TEST(TurboQuant, NormCorrectionPutsCodewordOnSphere) {
+  const int d = 128;
+  TurboQuantMse q(d, 2, rht(d), true);
+  const auto x = gaussian(d, 3);
+  std::vector<std::uint8_t> rec(q.bytes());
+  q.encode_record(x.data(), rec.data());
+  std::vector<float> y(d);
+  q.decode_record(rec.data(), y.data());
+  double nx = 0, ny = 0;
+  for (int i = 0; i < d; ++i) {
+    nx += static_cast<double>(x[static_cast<std::size_t>(i)]) * x[static_cast<std::size_t>(i)];
+    ny += static_cast<double>(y[static_cast<std::size_t>(i)]) * y[static_cast<std::size_t>(i)];
+  }
+  EXPECT_NEAR(std::sqrt(ny), std::sqrt(nx), 2e-3 * std::sqrt(nx));  // fp16 norm rounding only
+}
+
+// Rotated-domain scoring and value accumulation equal dequantize-then-compute (fp32, 1e-6
+// normwise over a batch), on random and on real fixture keys.
+TEST(TurboQuant, RotatedDomainEqualsDequantize) {
+  const int d = 128;
+  std::vector<std::unique_ptr<VectorQuantizer>> qs;
+  qs.push_back(std::make_unique<TurboQuantMse>(d, 3, rht(d), true));
+  qs.push_back(std::make_unique<TurboQuantMse>(d, 4, rht(d), false));
+  qs.push_back(std::make_unique<TurboQuantMse>(d, 2, std::make_shared<HaarRotation>(d, 9), true));
+  qs.push_back(std::make_unique<TurboQuantProd>(d, 3, rht(d), 11));
+  std::vector<int> out;
+  for (int i = 0; i < 32; ++i) out.push_back(i * 4 + 1);
+  qs.push_back(std::make_unique<OutlierSplit>(d, out, 3, 2, true, 21, 22, true));
+  const auto real = kvq::testing::fixture_rows("tiny-gqa", "layer1.k", 1, d);
+  for (const auto& q : qs) {
+    for (int source = 0; source < 2; ++source) {
+      const std::size_t n = 256;
+      const auto keys = source == 0 ? gaussian(n * d, 4) : std::vector<float>(real.begin(), real.begin() + static_cast<long>(n * d));
+      const auto query = gaussian(static_cast<std::size_t>(d), 5);
+      std::vector<std::uint8_t> recs(n * q->bytes());
+      q->encode_batch(keys.data(), n, recs.data());
+      std::vector<float> qp(static_cast<std::size_t>(q->query_dim()));
+      q->prepare_query(query.data(), qp.data());
+      std::vector<float> fast(n), ref(n), kh(static_cast<std::size_t>(d));
+      std::vector<float> acc(static_cast<std::size_t>(q->acc_dim()), 0.0f), vfast(static_cast<std::size_t>(d)),
+          vref(static_cast<std::size_t>(d), 0.0f);
+      for (std::size_t i = 0; i < n; ++i) {
+        const std::uint8_t* r = &recs[i * q->bytes()];
+        fast[i] = q->score(qp.data(), r, r + q->code_bytes());
+        q->decode_record(r, kh.data());
+        double s = 0;
+        for (int j = 0; j < d; ++j) s += static_cast<double>(query[static_cast<std::size_t>(j)]) * kh[static_cast<std::size_t>(j)];
+        ref[i] = static_cast<float>(s);
+        const float w = 1.0f / static_cast<float>(i + 1);
+        q->accumulate(w, r, r + q->code_bytes(), acc.data());
+        for (int j = 0; j < d; ++j) vref[static_cast<std::size_t>(j)] += w * kh[static_cast<std::size_t>(j)];
+      }
+      q->finish(acc.data(), vfast.data());
+      EXPECT_LT(rel_error(fast.data(), ref.data(), n), 1e-6) << q->name() << " source " << source;
+      if (dynamic_cast<TurboQuantProd*>(q.get()) == nullptr)
+        EXPECT_LT(rel_error(vfast.data(), vref.data(), static_cast<std::size_t>(d)), 1e-6) << q->name();
+    }
+  }
+}
+
+// The QJL residual estimator alone is unbiased: slope of <q, r^> against <q, r> is 1.
+TEST(TurboQuant, QjlResidualUnbiasedAtTwoBits) {
+  const int d = 128;
+  TurboQuantProd q(d, 2, rht(d), 1234);
+  // 16384 keys x 4 independent queries = 65536 pairs: the slope's sampling noise (about
+  // 0.75 / sqrt(pairs)) stays well inside the +-0.02 tolerance.
+  const std::size_t keys = 16384, per_key = 4;
+  const auto x = gaussian(keys * d, 6);
+  const auto qs = gaussian(keys * per_key * d, 7);
+  std::vector<std::uint8_t> rec(q.bytes());
+  std::vector<float> xh(d), rh(d);
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < keys; ++i) {
+    const float* xi = &x[i * d];
+    q.encode_record(xi, rec.data());
+    q.mse().decode(rec.data(), rec.data() + q.code_bytes(), xh.data());
+    q.decode_residual(rec.data(), rec.data() + q.code_bytes(), rh.data());
+    for (std::size_t k = 0; k < per_key; ++k) {
+      const float* qi = &qs[(i * per_key + k) * d];
+      double t = 0, e = 0;
+      for (int j = 0; j < d; ++j) {
+        t += static_cast<double>(qi[j]) * (xi[j] - xh[static_cast<std::size_t>(j)]);
+        e += static_cast<double>(qi[j]) * rh[static_cast<std::size_t>(j)];
+      }
+      num += e * t;
+      den += t * t;
+    }
+  }
+  EXPECT_NEAR(num / den, 1.0, 0.02);
+}
+
+// Chapter section 8 (tq_signs.py): on inputs near Walsh rows the plain Hadamard concentrates
+// the energy and the codebook clips it; the sign diagonal keeps the error at the model.
+TEST(TurboQuant, SignDiagonalProtectsWalshAlignedInputs) {
+  const int d = 128;
+  std::mt19937 rng(4);
+  std::normal_distribution<float> nd;
+  const std::size_t n = 2048;
+  std::vector<float> x(n * d);
+  for (std::size_t i = 0; i < n; ++i) {
+    const unsigned row = rng() % d;
+    for (int j = 0; j < d; ++j)
+      x[i * d + static_cast<std::size_t>(j)] = ((__builtin_popcount(row & static_cast<unsigned>(j)) & 1) ? -3.0f : 3.0f) + 0.3f * nd(rng);
+  }
+  TurboQuantMse plain(d, 3, std::make_shared<HadamardRotation>(d, false, 0), false);
+  TurboQuantMse signed_(d, 3, rht(d, 4), false);
+  const double e_plain = mean_rel_mse(plain, x, n), e_signed = mean_rel_mse(signed_, x, n);
+  EXPECT_LE(e_signed, 0.04);
+  EXPECT_GT(e_plain, 0.3);
+}
+
+TEST(TurboQuant, OutlierSplitBitsAndQuality) {
+  const int d = 128;
+  std::vector<int> out;
+  for (int i = 0; i < 32; ++i) out.push_back(i);
+  OutlierSplit q(d, out, 3, 2, true, 1, 2, true);
+  // The chapter's example: 32 channels x 3 bits + 96 x 2 bits = 288 bits = 2.25 bits/channel.
+  EXPECT_DOUBLE_EQ(q.code_bits(), 2.25);
+  EXPECT_EQ(q.code_bytes(), 12u + 24u);
+  EXPECT_EQ(q.meta_bytes(), 4u);
+  // Keys with hot channels 0..31: the split beats uniform 2-bit and loses to uniform 3-bit.
+  std::vector<float> x = gaussian(4096 * d, 8);
+  for (std::size_t i = 0; i < 4096; ++i)
+    for (int j = 0; j < 32; ++j) x[i * d + static_cast<std::size_t>(j)] *= 6.0f;
+  TurboQuantMse b2(d, 2, rht(d), true), b3(d, 3, rht(d), true);
+  const double e_split = mean_rel_mse(q, x, 4096), e2 = mean_rel_mse(b2, x, 4096), e3 = mean_rel_mse(b3, x, 4096);
+  EXPECT_LT(e_split, e2);
+  EXPECT_GT(e_split, e3);
+  EXPECT_THROW(OutlierSplit(d, {5, 3, 9}, 3, 2, true, 1, 2, true), Error);
+}
+
+TEST(TurboQuant, ZeroVectorAndNonFinite) {
+  const int d = 96;  // block-diagonal Hadamard 64 + 32
+  TurboQuantMse q(d, 3, rht(d), true);
+  std::vector<float> z(d, 0.0f), y(d, 1.0f);
+  std::vector<std::uint8_t> rec(q.bytes());
+  q.encode_record(z.data(), rec.data());
+  q.decode_record(rec.data(), y.data());
+  for (float v : y) EXPECT_EQ(v, 0.0f);
+  z[5] = NAN;
+  EXPECT_THROW(q.encode_record(z.data(), rec.data()), Error);
+  z[5] = INFINITY;
+  EXPECT_THROW(q.encode_record(z.data(), rec.data()), Error);
+  z[5] = 1e6f;  // norm beyond fp16
+  EXPECT_THROW(q.encode_record(z.data(), rec.data()), Error);
+}
