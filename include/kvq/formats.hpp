@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "kvq/kv_cache.hpp"
+#include "kvq/page_layout.hpp"
 #include "kvq/quantizer.hpp"
 
 namespace kvq {
@@ -96,6 +97,9 @@ void encode_token_record(const QuantizerPair& q, const RecordLayout& l, const fl
                          std::uint8_t* record);
 void decode_token_record(const QuantizerPair& q, const RecordLayout& l, const std::uint8_t* record, float* key,
                          float* value);
+
+// The page layout of a format for a geometry (heads = KV heads; MLA: 1).
+PageLayout page_layout(const FormatSpec& f, const CacheGeometry& g, int tokens = kDefaultPageTokens);
 
 // Bytes of a bf16 cache per token per layer for the geometry.
 std::size_t bf16_token_bytes(const CacheGeometry& g);

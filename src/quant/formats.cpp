@@ -235,6 +235,13 @@ void decode_token_record(const QuantizerPair& q, const RecordLayout& l, const st
   q.value->decode(record + l.value_code, record + l.value_meta, value);
 }
 
+PageLayout page_layout(const FormatSpec& f, const CacheGeometry& g, int tokens) {
+  const TokenBytes t = token_bytes(f, g);
+  return make_page_layout(tokens, g.mla ? 1 : g.n_kv_heads, static_cast<std::uint32_t>(t.key_code),
+                          static_cast<std::uint32_t>(t.key_meta), static_cast<std::uint32_t>(t.value_code),
+                          static_cast<std::uint32_t>(t.value_meta), t.record);
+}
+
 std::size_t bf16_token_bytes(const CacheGeometry& g) {
   if (g.mla) return 2 * static_cast<std::size_t>(g.d_latent + g.d_rope);
   return 2 * static_cast<std::size_t>(g.n_kv_heads) * static_cast<std::size_t>(g.head_dim + g.v_head_dim);

@@ -173,3 +173,27 @@ TEST(Formats, NamedShapesMatchChapterBudget) {
   EXPECT_EQ(token_bytes(find_format("tq-3bit"), l8).per_layer * static_cast<std::size_t>(l8.n_layers), 25u * 1024u);
   EXPECT_EQ(token_bytes(find_format("tq-4bit"), l8).per_layer * static_cast<std::size_t>(l8.n_layers), 33u * 1024u);
 }
+
+TEST(Formats, PageLayouts) {
+  const auto c4 = page_layout(find_format("c4r4"), mla());
+  EXPECT_EQ(c4.page_bytes, 20480u);
+  EXPECT_EQ(c4.key_code_off, 0u);
+  EXPECT_EQ(c4.value_code_off, 64u * 256u);
+  EXPECT_EQ(c4.meta_off, 64u * 288u);
+  EXPECT_EQ(c4.meta_bytes, 32u);
+  EXPECT_EQ(c4.value_meta(0, 5) - c4.key_meta(0, 5), 24u);
+  EXPECT_EQ(page_layout(find_format("bf16"), mla()).page_bytes, 73728u);
+  const auto t3 = page_layout(find_format("tq-3bit-nc"), gqa());
+  EXPECT_EQ(t3.page_bytes, 64u * 2u * 102u);
+  EXPECT_EQ(t3.key_code(1, 3), (64u + 3u) * 48u);
+  EXPECT_EQ(t3.value_code_off % 16, 0u);
+  EXPECT_EQ(t3.meta_off % 16, 0u);
+  for (const auto& f : all_formats()) {
+    for (const auto& g : {gqa(), mla()}) {
+      if ((f.family == FormatFamily::kMLA && !g.mla) || (f.family == FormatFamily::kKV && g.mla)) continue;
+      const auto p = page_layout(f, g);
+      const auto tb = token_bytes(f, g);
+      EXPECT_EQ(p.page_bytes, align_up(64 * tb.per_layer, 16)) << f.name;
+    }
+  }
+}
