@@ -5,12 +5,13 @@
 // is supported and how that is checked). Anything outside that set is a kvq::Error at load time,
 // never a silent approximation.
 //
-// Text contract: decode(encode(x)) == x for every byte string x. Valid UTF-8 goes through the
-// full pipeline (added tokens, normalizer, pre-tokenizer, BPE). Bytes that are not well-formed
-// UTF-8 do not raise: each maximal run of them becomes a piece of its own, encoded through the
-// byte-level vocabulary (byte fallback), and the valid text on either side is tokenized as if
-// the run were a boundary. decode() returns the raw bytes of the tokens, so a prefix of a
-// sequence may end inside a multi-byte character.
+// Text contract: decode(encode(x)) == x for every byte string x when the tokenizer declares no
+// normalizer (with one, such as Qwen's NFC, decode gives the normalized text, as Hugging Face
+// does). Valid UTF-8 goes through the full pipeline (added tokens, normalizer, pre-tokenizer,
+// BPE). Bytes that are not well-formed UTF-8 do not raise: each maximal run of them becomes a
+// piece of its own, encoded through the byte-level vocabulary (byte fallback), and the valid
+// text on either side is tokenized as if the run were a boundary. decode() returns the raw
+// bytes of the tokens, so a prefix of a sequence may end inside a multi-byte character.
 #pragma once
 
 #include <cstdint>
