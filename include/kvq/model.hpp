@@ -112,8 +112,8 @@ void moe_route(const MoeConfig& moe, const float* router_logits, const float* co
 enum class LogitsMode { kAll, kLast, kNone };
 
 // How MLA prefill attends. kAbsorbed (default) goes through KvCache::attend like decode.
-// kExpanded computes per-head keys and values from the chunk's own latent rows (rounded to bf16,
-// as the dense cache stores them) and is used only for a chunk that starts the sequence
+// kExpanded computes per-head keys and values from the chunk's own fp32 latent rows (the rows are
+// still appended to the cache) and is used only for a chunk that starts the sequence
 // (position 0); other chunks fall back to the absorbed form. It exists to check the two agree.
 enum class MlaPrefill { kAbsorbed, kExpanded };
 

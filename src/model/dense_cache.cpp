@@ -67,6 +67,30 @@ void axpy_bf16_scalar(float* y, float a, const std::uint16_t* x, int n) {
   for (; i < n; ++i) y[i] += a * bf16f(x[i]);
 }
 
+[[gnu::target("avx2,fma")]] float dot_f32_avx2(const float* q, const float* k, int n) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 16 <= n; i += 16) {
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), _mm256_loadu_ps(k + i + 8), a1);
+  }
+  for (; i + 8 <= n; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), a0);
+  a0 = _mm256_add_ps(a0, a1);
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a0), _mm256_extractf128_ps(a0, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  float r = _mm_cvtss_f32(s);
+  for (; i < n; ++i) r += q[i] * k[i];
+  return r;
+}
+
+[[gnu::target("avx2,fma")]] void axpy_f32_avx2(float* y, float a, const float* x, int n) {
+  const __m256 va = _mm256_set1_ps(a);
+  int i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  for (; i < n; ++i) y[i] += a * x[i];
+}
+
 bool cpu_has_avx2_fma() {
   static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return ok;
@@ -79,10 +103,25 @@ inline void axpy_bf16(float* y, float a, const std::uint16_t* x, int n) {
   if (cpu_has_avx2_fma()) axpy_bf16_avx2(y, a, x, n);
   else axpy_bf16_scalar(y, a, x, n);
 }
+inline float dot_row(const float* q, const std::uint16_t* k, int n) { return dot_bf16(q, k, n); }
+inline void axpy_row(float* y, float a, const std::uint16_t* x, int n) { axpy_bf16(y, a, x, n); }
+inline float dot_row(const float* q, const float* k, int n) {
+  if (cpu_has_avx2_fma()) return dot_f32_avx2(q, k, n);
+  float s = 0.0f;
+  for (int i = 0; i < n; ++i) s += q[i] * k[i];
+  return s;
+}
+inline void axpy_row(float* y, float a, const float* x, int n) {
+  if (cpu_has_avx2_fma()) return axpy_f32_avx2(y, a, x, n);
+  for (int i = 0; i < n; ++i) y[i] += a * x[i];
+}
+inline float widen1(std::uint16_t h) { return bf16f(h); }
+inline float widen1(float f) { return f; }
 
 class DenseCache final : public KvCache {
  public:
-  DenseCache(const CacheGeometry& g, int max_seqs, int max_tokens) : g_(g), max_tokens_(max_tokens) {
+  DenseCache(const CacheGeometry& g, int max_seqs, int max_tokens, DenseStorage storage)
+      : g_(g), max_tokens_(max_tokens), f32_(storage == DenseStorage::kF32) {
     require(g.n_layers > 0, "dense cache: n_layers must be positive");
     require(max_seqs > 0, "dense cache: max_seqs must be positive");
     if (g.mla) {
@@ -99,6 +138,8 @@ class DenseCache final : public KvCache {
       s.layer_len.assign(g.n_layers, 0);
       s.k.resize(g.n_layers);
       s.v.resize(g.n_layers);
+      s.k32.resize(g.n_layers);
+      s.v32.resize(g.n_layers);
     }
   }
 
@@ -124,13 +165,18 @@ class DenseCache final : public KvCache {
           fail("dense cache: NaN/Inf in " + std::string(g_.mla ? "rope key" : "value") + " row at layer " +
                std::to_string(layer) + ", position " + std::to_string(s.length + i));
     }
-    auto& K = s.k[layer];
-    auto& V = s.v[layer];
-    const std::size_t k0 = K.size(), v0 = V.size();
-    K.resize(k0 + static_cast<std::size_t>(n) * kw_);
-    V.resize(v0 + static_cast<std::size_t>(n) * vw_);
-    for (std::size_t i = 0; i < static_cast<std::size_t>(n) * kw_; ++i) K[k0 + i] = float_to_bf16(k[i]);
-    for (std::size_t i = 0; i < static_cast<std::size_t>(n) * vw_; ++i) V[v0 + i] = float_to_bf16(v[i]);
+    if (f32_) {
+      s.k32[layer].insert(s.k32[layer].end(), k, k + static_cast<std::size_t>(n) * kw_);
+      s.v32[layer].insert(s.v32[layer].end(), v, v + static_cast<std::size_t>(n) * vw_);
+    } else {
+      auto& K = s.k[layer];
+      auto& V = s.v[layer];
+      const std::size_t k0 = K.size(), v0 = V.size();
+      K.resize(k0 + static_cast<std::size_t>(n) * kw_);
+      V.resize(v0 + static_cast<std::size_t>(n) * vw_);
+      for (std::size_t i = 0; i < static_cast<std::size_t>(n) * kw_; ++i) K[k0 + i] = float_to_bf16(k[i]);
+      for (std::size_t i = 0; i < static_cast<std::size_t>(n) * vw_; ++i) V[v0 + i] = float_to_bf16(v[i]);
+    }
     s.layer_len[layer] = new_len;
     if (layer == g_.n_layers - 1) {
       for (int l = 0; l < g_.n_layers; ++l)
@@ -159,8 +205,13 @@ class DenseCache final : public KvCache {
       sh.vd = g_.v_head_dim;
     }
     sh.n_heads = n_heads;
-    if (n_q <= 4) attend_decode(s, layer, n_q, pos0, sh, scale, q, out);
-    else attend_prefill(s, layer, n_q, pos0, sh, scale, q, out);
+    if (f32_) {
+      if (n_q <= 4) attend_decode(s.k32[layer].data(), s.v32[layer].data(), n_q, pos0, sh, scale, q, out);
+      else attend_prefill(s.k32[layer].data(), s.v32[layer].data(), n_q, pos0, sh, scale, q, out);
+    } else {
+      if (n_q <= 4) attend_decode(s.k[layer].data(), s.v[layer].data(), n_q, pos0, sh, scale, q, out);
+      else attend_prefill(s.k[layer].data(), s.v[layer].data(), n_q, pos0, sh, scale, q, out);
+    }
   }
 
   void reset(int seq) override {
@@ -169,9 +220,12 @@ class DenseCache final : public KvCache {
     std::fill(s.layer_len.begin(), s.layer_len.end(), 0);
     for (auto& x : s.k) std::vector<std::uint16_t>().swap(x);
     for (auto& x : s.v) std::vector<std::uint16_t>().swap(x);
+    for (auto& x : s.k32) std::vector<float>().swap(x);
+    for (auto& x : s.v32) std::vector<float>().swap(x);
   }
 
   std::string describe() const override {
+    if (f32_) return "dense fp32 cache";
     if (g_.mla)
       return "dense bf16 cache (MLA: latent " + std::to_string(g_.d_latent) + " + rope " + std::to_string(g_.d_rope) +
              ", " + std::to_string(2 * (g_.d_latent + g_.d_rope)) + " bytes per token per layer)";
@@ -184,6 +238,7 @@ class DenseCache final : public KvCache {
     int length = 0;
     std::vector<int> layer_len;
     std::vector<std::vector<std::uint16_t>> k, v;
+    std::vector<std::vector<float>> k32, v32;
   };
   struct Shape {
     int groups = 1, hq = 1, kd = 0, vd = 0, n_heads = 0;
@@ -198,33 +253,33 @@ class DenseCache final : public KvCache {
 
   // Widens rows [0, L) of group g into fp32: key [L x kd], value [L x vd] (MLA: value = key's
   // first d_latent columns, vf left empty).
-  void widen(const Seq& s, int layer, int g, int L, const Shape& sh, std::vector<float>& kf, std::vector<float>& vf) const {
-    const auto& K = s.k[layer];
-    const auto& V = s.v[layer];
+  template <typename T>
+  void widen(const T* K, const T* V, int g, int L, const Shape& sh, std::vector<float>& kf, std::vector<float>& vf) const {
     kf.resize(static_cast<std::size_t>(L) * sh.kd);
     if (g_.mla) {
       const int dc = g_.d_latent, dr = g_.d_rope;
 #pragma omp parallel for schedule(static)
       for (int j = 0; j < L; ++j) {
         float* dst = kf.data() + static_cast<std::size_t>(j) * sh.kd;
-        for (int d = 0; d < dc; ++d) dst[d] = bf16f(K[static_cast<std::size_t>(j) * dc + d]);
-        for (int d = 0; d < dr; ++d) dst[dc + d] = bf16f(V[static_cast<std::size_t>(j) * dr + d]);
+        for (int d = 0; d < dc; ++d) dst[d] = widen1(K[static_cast<std::size_t>(j) * dc + d]);
+        for (int d = 0; d < dr; ++d) dst[dc + d] = widen1(V[static_cast<std::size_t>(j) * dr + d]);
       }
     } else {
       vf.resize(static_cast<std::size_t>(L) * sh.vd);
 #pragma omp parallel for schedule(static)
       for (int j = 0; j < L; ++j) {
-        const std::uint16_t* kr = K.data() + static_cast<std::size_t>(j) * kw_ + static_cast<std::size_t>(g) * sh.kd;
-        const std::uint16_t* vr = V.data() + static_cast<std::size_t>(j) * vw_ + static_cast<std::size_t>(g) * sh.vd;
+        const T* kr = K + static_cast<std::size_t>(j) * kw_ + static_cast<std::size_t>(g) * sh.kd;
+        const T* vr = V + static_cast<std::size_t>(j) * vw_ + static_cast<std::size_t>(g) * sh.vd;
         float* kd = kf.data() + static_cast<std::size_t>(j) * sh.kd;
         float* vd = vf.data() + static_cast<std::size_t>(j) * sh.vd;
-        for (int d = 0; d < sh.kd; ++d) kd[d] = bf16f(kr[d]);
-        for (int d = 0; d < sh.vd; ++d) vd[d] = bf16f(vr[d]);
+        for (int d = 0; d < sh.kd; ++d) kd[d] = widen1(kr[d]);
+        for (int d = 0; d < sh.vd; ++d) vd[d] = widen1(vr[d]);
       }
     }
   }
 
-  void attend_prefill(const Seq& s, int layer, int n_q, int pos0, const Shape& sh, float scale, const float* q,
+  template <typename T>
+  void attend_prefill(const T* K, const T* V, int n_q, int pos0, const Shape& sh, float scale, const float* q,
                       float* out) const {
     constexpr int kTile = 64;
     const int L = pos0 + n_q;
@@ -232,7 +287,7 @@ class DenseCache final : public KvCache {
     const int qs = sh.n_heads * sh.kd, os = sh.n_heads * sh.vd;
     std::vector<float> kf, vf;
     for (int g = 0; g < sh.groups; ++g) {
-      widen(s, layer, g, L, sh, kf, vf);
+      widen(K, V, g, L, sh, kf, vf);
       const float* vbase = g_.mla ? kf.data() : vf.data();
       const int vld = g_.mla ? sh.kd : sh.vd;
       const int items = sh.hq * tiles;
@@ -273,10 +328,9 @@ class DenseCache final : public KvCache {
     }
   }
 
-  void attend_decode(const Seq& s, int layer, int n_q, int pos0, const Shape& sh, float scale, const float* q,
+  template <typename T>
+  void attend_decode(const T* K, const T* V, int n_q, int pos0, const Shape& sh, float scale, const float* q,
                      float* out) const {
-    const auto& K = s.k[layer];
-    const auto& V = s.v[layer];
     const int qs = sh.n_heads * sh.kd, os = sh.n_heads * sh.vd;
     const int dc = g_.d_latent, dr = g_.d_rope;
     const int nthreads = std::max(1, std::min(omp_get_max_threads(), (pos0 + n_q) / 256));
@@ -299,10 +353,10 @@ class DenseCache final : public KvCache {
             const float* qh = qi + static_cast<std::size_t>(h) * sh.kd;
             float d;
             if (g_.mla)
-              d = dot_bf16(qh, K.data() + static_cast<std::size_t>(j) * dc, dc) +
-                  dot_bf16(qh + dc, V.data() + static_cast<std::size_t>(j) * dr, dr);
+              d = dot_row(qh, K + static_cast<std::size_t>(j) * dc, dc) +
+                  dot_row(qh + dc, V + static_cast<std::size_t>(j) * dr, dr);
             else
-              d = dot_bf16(qh, K.data() + static_cast<std::size_t>(j) * kw_ + static_cast<std::size_t>(g) * sh.kd, sh.kd);
+              d = dot_row(qh, K + static_cast<std::size_t>(j) * kw_ + static_cast<std::size_t>(g) * sh.kd, sh.kd);
             sc[static_cast<std::size_t>(j - a) * nh + h] = d * scale;
           }
         }
@@ -315,8 +369,8 @@ class DenseCache final : public KvCache {
           for (int j = a; j < b; ++j) {
             const float p = std::exp(sc[static_cast<std::size_t>(j - a) * nh + h] - mx);
             sum += p;
-            if (g_.mla) axpy_bf16(o, p, K.data() + static_cast<std::size_t>(j) * dc, dc);
-            else axpy_bf16(o, p, V.data() + static_cast<std::size_t>(j) * vw_ + static_cast<std::size_t>(g) * sh.vd, sh.vd);
+            if (g_.mla) axpy_row(o, p, K + static_cast<std::size_t>(j) * dc, dc);
+            else axpy_row(o, p, V + static_cast<std::size_t>(j) * vw_ + static_cast<std::size_t>(g) * sh.vd, sh.vd);
           }
           part_m[static_cast<std::size_t>(t) * nh + h] = mx;
           part_s[static_cast<std::size_t>(t) * nh + h] = sum;
@@ -344,14 +398,16 @@ class DenseCache final : public KvCache {
 
   CacheGeometry g_;
   int max_tokens_ = 0;
+  bool f32_ = false;
   int kw_ = 0, vw_ = 0;
   std::vector<Seq> seqs_;
 };
 
 }  // namespace
 
-std::unique_ptr<KvCache> make_dense_cache(const CacheGeometry& geometry, int max_seqs, int max_tokens) {
-  return std::make_unique<DenseCache>(geometry, max_seqs, max_tokens);
+std::unique_ptr<KvCache> make_dense_cache(const CacheGeometry& geometry, int max_seqs, int max_tokens,
+                                          DenseStorage storage) {
+  return std::make_unique<DenseCache>(geometry, max_seqs, max_tokens, storage);
 }
 
 }  // namespace kvq

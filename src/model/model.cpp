@@ -431,11 +431,10 @@ void ModelImpl::attention_mla(int l, const float* h, int n, int pos0, KvCache& c
   cache.append(seq, l, n, lat.data(), kr.data());
   std::vector<float> o(N * nh * vd);
   if (mla_prefill_ == MlaPrefill::kExpanded && pos0 == 0) {
-    // Expanded form over the chunk's own rows (bf16-rounded, as the dense cache holds them):
-    // k_h = [W_UK_h c | k_R], v_h = W_UV_h c, plain causal softmax attention per head.
-    std::vector<float> latr(lat), krr(kr);
-    for (auto& z : latr) z = round_bf16(z);
-    for (auto& z : krr) z = round_bf16(z);
+    // Expanded form over the chunk's own fp32 rows: k_h = [W_UK_h c | k_R], v_h = W_UV_h c,
+    // plain causal softmax attention per head.
+    const std::vector<float>& latr = lat;
+    const std::vector<float>& krr = kr;
     std::vector<float> kh(N * qh), vh(N * vd), qhv(N * qh), s(N * N);
     for (int hh = 0; hh < nh; ++hh) {
       ops::gemm_nt(n, nope, dc, latr.data(), dc, L.w_uk.data() + static_cast<std::size_t>(hh) * nope * dc, dc, kh.data(), qh);

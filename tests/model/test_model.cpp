@@ -1,0 +1,306 @@
+// Forward-pass tests of the model runtime against transformers and against itself.
+//  - Parity: logits for reference.safetensors' input_ids within max |diff| <= 2e-3 of
+//    transformers' float32 logits, on the two fixture models and the tiny checkpoints of
+//    tests/data (Qwen2 bias, Qwen3 q/k norm, DeepSeek-V2 YaRN + group-limited routing,
+//    DeepSeek-V3 q_lora + sigmoid/bias routing + fp8 block-scaled weights).
+//  - Cache paths: token-by-token decode == one-shot prefill (<= 1e-4), chunked prefill ==
+//    one-shot, MLA absorbed == expanded.
+//  - Cache rows: what the runtime appends equals the fixture dumps (keys rotated here).
+//  - Config numerics: YaRN inverse frequencies and DeepSeek softmax scales as transformers 5.17
+//    computed them (values logged by tests/data/make_tiny_checkpoints.py).
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "kvq/common.hpp"
+#include "kvq/numeric.hpp"
+#include "test_util.hpp"
+
+namespace kvq::test {
+namespace {
+
+const char* const kAllModels[] = {"models/tiny-gqa",      "models/tiny-mla",        "tests/data/tiny-qwen2",
+                                  "tests/data/tiny-qwen3", "tests/data/tiny-dsv2-yarn", "tests/data/tiny-dsv3-fp8"};
+
+class PerModel : public ::testing::TestWithParam<const char*> {};
+
+std::string param_name(const ::testing::TestParamInfo<const char*>& info) {
+  std::string s = info.param;
+  s = s.substr(s.rfind('/') + 1);
+  for (auto& c : s)
+    if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
+  return s;
+}
+
+TEST_P(PerModel, LogitsMatchTransformers) {
+  KVQ_REQUIRE_DIR(GetParam());
+  auto m = Model::load(src_path(GetParam()));
+  SafetensorsFile ref(src_path(std::string(GetParam()) + "/reference.safetensors"));
+  const auto ids = ids_of(ref.get("input_ids"));
+  const auto want = ref.get("logits").to_float();
+  const auto got = run_all(*m, ids);
+  const float d = max_abs_diff(got, want);
+  std::printf("[ measure  ] %s: %zu tokens, max |logit diff| vs transformers = %.3g (fp32 cache)\n", GetParam(),
+              ids.size(), d);
+  EXPECT_LE(d, 2e-3f);
+}
+
+// The bf16 cache rounds every row once: its logits move, but only by bf16-sized amounts. The
+// bound is a sanity bound (a cache that dropped or misplaced rows moves logits by O(1)), not a
+// tolerance of the forward pass, which the fp32-cache parity test above pins.
+TEST_P(PerModel, Bf16CacheStaysCloseToFp32Cache) {
+  KVQ_REQUIRE_DIR(GetParam());
+  auto m = Model::load(src_path(GetParam()));
+  SafetensorsFile ref(src_path(std::string(GetParam()) + "/reference.safetensors"));
+  const auto ids = ids_of(ref.get("input_ids"));
+  const auto f32 = run_all(*m, ids, DenseStorage::kF32);
+  const auto b16 = run_all(*m, ids, DenseStorage::kBF16);
+  const float d = max_abs_diff(b16, f32);
+  std::printf("[ measure  ] %s: bf16 cache vs fp32 cache max |logit diff| = %.3g\n", GetParam(), d);
+  EXPECT_GT(d, 0.0f);
+  EXPECT_LE(d, 0.25f);
+}
+
+// Decode with the bf16 cache: prefill and decode store the same rows up to fp32 noise that can
+// flip a bf16 rounding, so they agree to bf16-cache accuracy, not to 1e-4.
+TEST_P(PerModel, Bf16DecodeCloseToBf16Prefill) {
+  KVQ_REQUIRE_DIR(GetParam());
+  auto m = Model::load(src_path(GetParam()));
+  SafetensorsFile ref(src_path(std::string(GetParam()) + "/reference.safetensors"));
+  auto ids = ids_of(ref.get("input_ids"));
+  if (ids.size() > 48) ids.resize(48);
+  const int V = m->config().vocab_size;
+  const auto one_shot = run_all(*m, ids, DenseStorage::kBF16);
+  auto cache = make_dense_cache(m->cache_geometry());
+  std::vector<float> step(ids.size() * V);
+  for (std::size_t i = 0; i < ids.size(); ++i) m->forward(&ids[i], 1, *cache, 0, step.data() + i * V, LogitsMode::kLast);
+  const float d = max_abs_diff(step, one_shot);
+  std::printf("[ measure  ] %s: bf16 cache decode vs prefill max |diff| = %.3g\n", GetParam(), d);
+  EXPECT_LE(d, 0.05f);
+}
+
+TEST_P(PerModel, DecodeEqualsPrefill) {
+  KVQ_REQUIRE_DIR(GetParam());
+  auto m = Model::load(src_path(GetParam()));
+  SafetensorsFile ref(src_path(std::string(GetParam()) + "/reference.safetensors"));
+  auto ids = ids_of(ref.get("input_ids"));
+  if (ids.size() > 48) ids.resize(48);
+  const int V = m->config().vocab_size;
+  const auto one_shot = run_all(*m, ids);
+  auto cache = make_dense_cache(m->cache_geometry(), 1, 0, DenseStorage::kF32);
+  std::vector<float> step(ids.size() * V);
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    m->forward(&ids[i], 1, *cache, 0, step.data() + i * V, LogitsMode::kLast);
+    ASSERT_EQ(cache->length(0), static_cast<int>(i + 1));
+  }
+  const float d = max_abs_diff(step, one_shot);
+  std::printf("[ measure  ] %s: decode vs prefill max |diff| = %.3g\n", GetParam(), d);
+  EXPECT_LE(d, 1e-4f);
+}
+
+TEST_P(PerModel, ChunkedPrefillEqualsOneShot) {
+  KVQ_REQUIRE_DIR(GetParam());
+  auto m = Model::load(src_path(GetParam()));
+  SafetensorsFile ref(src_path(std::string(GetParam()) + "/reference.safetensors"));
+  const auto ids = ids_of(ref.get("input_ids"));
+  const auto one_shot = run_all(*m, ids);
+  // Uneven pieces through forward(), plus the model's own chunking of a long call.
+  auto cache = make_dense_cache(m->cache_geometry(), 1, 0, DenseStorage::kF32);
+  const int V = m->config().vocab_size;
+  std::vector<float> got(ids.size() * V);
+  const int pieces[] = {5, 11, 1, 16};
+  std::size_t at = 0;
+  for (int p : pieces) {
+    const int n = static_cast<int>(std::min<std::size_t>(p, ids.size() - at));
+    m->forward(ids.data() + at, n, *cache, 0, got.data() + at * V, LogitsMode::kAll);
+    at += n;
+  }
+  m->set_max_chunk(7);
+  m->forward(ids.data() + at, static_cast<int>(ids.size() - at), *cache, 0, got.data() + at * V, LogitsMode::kAll);
+  const float d = max_abs_diff(got, one_shot);
+  std::printf("[ measure  ] %s: chunked vs one-shot max |diff| = %.3g\n", GetParam(), d);
+  EXPECT_LE(d, 1e-4f);
+}
+
+TEST_P(PerModel, LastLogitsEqualLastRow) {
+  KVQ_REQUIRE_DIR(GetParam());
+  auto m = Model::load(src_path(GetParam()));
+  SafetensorsFile ref(src_path(std::string(GetParam()) + "/reference.safetensors"));
+  const auto ids = ids_of(ref.get("input_ids"));
+  const int V = m->config().vocab_size;
+  const auto all = run_all(*m, ids);
+  auto cache = make_dense_cache(m->cache_geometry(), 1, 0, DenseStorage::kF32);
+  std::vector<float> last(V);
+  m->forward(ids.data(), static_cast<int>(ids.size()), *cache, 0, last.data(), LogitsMode::kLast);
+  std::vector<float> want(all.end() - V, all.end());
+  EXPECT_LE(max_abs_diff(last, want), 1e-5f);
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, PerModel, ::testing::ValuesIn(kAllModels), param_name);
+
+class MlaModel : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(MlaModel, AbsorbedEqualsExpanded) {
+  KVQ_REQUIRE_DIR(GetParam());
+  auto m = Model::load(src_path(GetParam()));
+  ASSERT_TRUE(m->config().mla);
+  SafetensorsFile ref(src_path(std::string(GetParam()) + "/reference.safetensors"));
+  const auto ids = ids_of(ref.get("input_ids"));
+  const auto absorbed = run_all(*m, ids);
+  m->set_mla_prefill(MlaPrefill::kExpanded);
+  const auto expanded = run_all(*m, ids);
+  const float d = max_abs_diff(absorbed, expanded);
+  std::printf("[ measure  ] %s: absorbed vs expanded max |diff| = %.3g\n", GetParam(), d);
+  EXPECT_LE(d, 1e-4f);
+  // The two forms are different computations: a sabotaged W_UK would not cancel out.
+  EXPECT_GT(max_abs_diff(absorbed, std::vector<float>(absorbed.size(), 0.0f)), 0.1f);
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, MlaModel,
+                         ::testing::Values("models/tiny-mla", "tests/data/tiny-dsv2-yarn", "tests/data/tiny-dsv3-fp8"),
+                         param_name);
+
+// Rotates one head's vector by position `pos` (independent of the runtime's RoPE code).
+void rotate(float* x, int dim, bool interleaved, double theta, int pos) {
+  const int half = dim / 2;
+  for (int i = 0; i < half; ++i) {
+    const double inv = std::pow(theta, -2.0 * i / dim);
+    const double c = std::cos(pos * inv), s = std::sin(pos * inv);
+    const int a = interleaved ? 2 * i : i, b = interleaved ? 2 * i + 1 : i + half;
+    const double xa = x[a], xb = x[b];
+    x[a] = static_cast<float>(xa * c - xb * s);
+    x[b] = static_cast<float>(xb * c + xa * s);
+  }
+}
+
+struct RowStats {
+  double rel = 0.0;           // normwise ||a - b|| / ||b||
+  double exact_frac = 0.0;    // fraction of elements whose bf16 roundings agree
+};
+
+RowStats compare_rows(const std::vector<float>& got, const std::vector<float>& want) {
+  double num = 0.0, den = 0.0;
+  std::size_t exact = 0;
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    const double d = static_cast<double>(round_bf16(got[i])) - want[i];
+    num += d * d;
+    den += static_cast<double>(want[i]) * want[i];
+    exact += float_to_bf16(got[i]) == float_to_bf16(want[i]);
+  }
+  return {std::sqrt(num / den), static_cast<double>(exact) / want.size()};
+}
+
+TEST(CacheRows, GqaKeysAndValuesMatchDumps) {
+  auto m = Model::load(src_path("models/tiny-gqa"));
+  SafetensorsFile ref(src_path("models/tiny-gqa/reference.safetensors"));
+  const auto ids = ids_of(ref.get("kv_input_ids"));
+  RecordingCache cache(m->cache_geometry());
+  m->forward(ids.data(), static_cast<int>(ids.size()), cache, 0, nullptr, LogitsMode::kNone);
+  const auto& c = m->config();
+  for (int l = 0; l < c.n_layers; ++l) {
+    auto k = ref.get("layer" + std::to_string(l) + ".k").to_float();
+    const auto v = ref.get("layer" + std::to_string(l) + ".v").to_float();
+    ASSERT_EQ(k.size(), cache.k(l).size());
+    for (std::size_t t = 0; t < ids.size(); ++t)
+      for (int h = 0; h < c.n_kv_heads; ++h)
+        rotate(k.data() + (t * c.n_kv_heads + h) * c.head_dim, c.head_dim, false, c.rope.theta, static_cast<int>(t));
+    const RowStats ks = compare_rows(cache.k(l), k), vs = compare_rows(cache.v(l), v);
+    std::printf("[ measure  ] tiny-gqa layer %d: key rel %.2e, value rel %.2e, value bf16-exact %.4f\n", l, ks.rel,
+                vs.rel, vs.exact_frac);
+    EXPECT_LE(ks.rel, 4e-3);  // the dump's bf16 rounding before RoPE, then ours after
+    EXPECT_LE(vs.rel, 2e-3);
+    EXPECT_GE(vs.exact_frac, 0.98);
+  }
+}
+
+TEST(CacheRows, MlaLatentAndRopeKeyMatchDumps) {
+  auto m = Model::load(src_path("models/tiny-mla"));
+  SafetensorsFile ref(src_path("models/tiny-mla/reference.safetensors"));
+  const auto ids = ids_of(ref.get("kv_input_ids"));
+  RecordingCache cache(m->cache_geometry());
+  m->forward(ids.data(), static_cast<int>(ids.size()), cache, 0, nullptr, LogitsMode::kNone);
+  const auto& c = m->config();
+  for (int l = 0; l < c.n_layers; ++l) {
+    const auto lat = ref.get("layer" + std::to_string(l) + ".latent").to_float();
+    auto kr = ref.get("layer" + std::to_string(l) + ".k_rope").to_float();
+    ASSERT_EQ(lat.size(), cache.k(l).size());
+    ASSERT_EQ(kr.size(), cache.v(l).size());
+    for (std::size_t t = 0; t < ids.size(); ++t)
+      rotate(kr.data() + t * c.qk_rope_head_dim, c.qk_rope_head_dim, true, c.rope.theta, static_cast<int>(t));
+    const RowStats ls = compare_rows(cache.k(l), lat), rs = compare_rows(cache.v(l), kr);
+    std::printf("[ measure  ] tiny-mla layer %d: latent rel %.2e (bf16-exact %.4f), rope key rel %.2e\n", l, ls.rel,
+                ls.exact_frac, rs.rel);
+    EXPECT_LE(ls.rel, 2e-3);
+    EXPECT_GE(ls.exact_frac, 0.98);
+    EXPECT_LE(rs.rel, 4e-3);
+  }
+}
+
+TEST(Config, YarnInverseFrequenciesMatchTransformers) {
+  KVQ_REQUIRE_DIR("tests/data/tiny-dsv2-yarn");
+  const auto c = load_model_config(src_path("tests/data/tiny-dsv2-yarn/config.json"));
+  ASSERT_EQ(c.rope.type, "yarn");
+  // transformers 5.17's inv_freq for this config (make_tiny_checkpoints.py log).
+  const double want[] = {1.0, 0.3162277638912201, 0.10000000149011612, 0.023914724588394165, 0.005124999675899744,
+                         0.0008498621755279601, 2.499999936844688e-05, 7.905694474175107e-06};
+  const auto got = rope_inv_freq(c.rope);
+  ASSERT_EQ(got.size(), 8u);
+  for (int i = 0; i < 8; ++i) EXPECT_NEAR(got[i], want[i], 1e-6 * want[i]) << i;
+  EXPECT_DOUBLE_EQ(c.rope.attention_factor, 1.0);  // mscale == mscale_all_dim
+}
+
+TEST(Config, DeepseekSoftmaxScaleCorrection) {
+  KVQ_REQUIRE_DIR("tests/data/tiny-dsv3-fp8");
+  // transformers 5.17: qk_head_dim^-0.5 * mscale(40, mscale_all_dim)^2.
+  EXPECT_NEAR(load_model_config(src_path("tests/data/tiny-dsv2-yarn/config.json")).softmax_scale, 0.25134196549904353,
+              1e-7);
+  EXPECT_NEAR(load_model_config(src_path("tests/data/tiny-dsv3-fp8/config.json")).softmax_scale, 0.2704675577217602,
+              1e-7);
+  EXPECT_NEAR(load_model_config(src_path("models/tiny-mla/config.json")).softmax_scale, 1.0 / std::sqrt(128.0), 1e-8);
+}
+
+TEST(Config, LegacyAndNewRopeFieldsAgree) {
+  const std::string common =
+      R"("architectures":["DeepseekV2ForCausalLM"],"vocab_size":16,"hidden_size":8,"num_hidden_layers":1,
+         "num_attention_heads":2,"intermediate_size":8,"max_position_embeddings":163840,"kv_lora_rank":4,
+         "qk_nope_head_dim":4,"qk_rope_head_dim":8,"v_head_dim":4,)";
+  const auto a = parse_model_config(
+      "{" + common +
+          R"("rope_theta":10000,"rope_scaling":{"type":"yarn","factor":40,"original_max_position_embeddings":4096,
+              "beta_fast":32,"beta_slow":1,"mscale":0.707,"mscale_all_dim":0.707}})",
+      "legacy");
+  const auto b = parse_model_config(
+      "{" + common +
+          R"("rope_parameters":{"rope_type":"yarn","rope_theta":10000,"factor":40,"original_max_position_embeddings":4096,
+              "beta_fast":32,"beta_slow":1,"mscale":0.707,"mscale_all_dim":0.707}})",
+      "new");
+  EXPECT_EQ(rope_inv_freq(a.rope), rope_inv_freq(b.rope));
+  EXPECT_EQ(a.softmax_scale, b.softmax_scale);
+  EXPECT_TRUE(a.rope.interleaved);
+  const auto c = parse_model_config("{" + common + R"("rope_theta":10000})", "default");
+  EXPECT_NE(rope_inv_freq(a.rope), rope_inv_freq(c.rope));
+  EXPECT_NEAR(c.softmax_scale, 1.0 / std::sqrt(12.0), 1e-7);
+}
+
+TEST(Observer, SeesEveryLayerWithTheAppendedRows) {
+  auto m = Model::load(src_path("models/tiny-gqa"));
+  SafetensorsFile ref(src_path("models/tiny-gqa/reference.safetensors"));
+  auto ids = ids_of(ref.get("input_ids"));
+  ids.resize(20);
+  std::vector<int> layers;
+  RecordingCache cache(m->cache_geometry());
+  std::vector<float> seen_k;
+  m->set_observer([&](const LayerTrace& t) {
+    layers.push_back(t.layer);
+    EXPECT_EQ(t.n, 20);
+    EXPECT_EQ(t.q_dim, 4 * 128);
+    EXPECT_EQ(t.out_dim, 4 * 128);
+    if (t.layer == 2) seen_k.assign(t.k, t.k + static_cast<std::size_t>(t.n) * t.k_dim);
+  });
+  m->forward(ids.data(), 20, cache, 0, nullptr, LogitsMode::kNone);
+  EXPECT_EQ(layers, (std::vector<int>{0, 1, 2, 3}));
+  EXPECT_EQ(seen_k, cache.k(2));
+}
+
+}  // namespace
+}  // namespace kvq::test
