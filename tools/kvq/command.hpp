@@ -6,6 +6,8 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
+
+#include "kvq/common.hpp"
 #include <functional>
 #include <string>
 #include <vector>

@@ -1,0 +1,98 @@
+// `kvq budget`: bytes per token, compression vs bf16 and tokens that fit a memory budget, for
+// every format, on named model shapes and on a model directory's config.json (the chapter's
+// kv_budget table; MLA caches in latent + RoPE form).
+#include <fmt/core.h>
+
+#include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "command.hpp"
+#include "kvq/formats.hpp"
+#include "table.hpp"
+
+namespace {
+
+kvq::CacheGeometry geometry_from_config(const std::string& dir) {
+  const std::string path = dir + "/config.json";
+  std::ifstream f(path);
+  if (!f) kvq::fail(path + ": cannot open");
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(f);
+  } catch (const std::exception& e) {
+    kvq::fail(path + ": malformed JSON: " + e.what());
+  }
+  auto geti = [&](const char* k) -> int {
+    if (!j.contains(k) || !j[k].is_number_integer()) kvq::fail(path + ": missing integer field '" + std::string(k) + "'");
+    return j[k].get<int>();
+  };
+  kvq::CacheGeometry g;
+  g.n_layers = geti("num_hidden_layers");
+  if (j.contains("kv_lora_rank") && j["kv_lora_rank"].is_number_integer()) {
+    g.mla = true;
+    g.d_latent = geti("kv_lora_rank");
+    g.d_rope = geti("qk_rope_head_dim");
+  } else {
+    g.n_kv_heads = j.contains("num_key_value_heads") ? geti("num_key_value_heads") : geti("num_attention_heads");
+    g.head_dim = j.contains("head_dim") && j["head_dim"].is_number_integer() ? geti("head_dim")
+                                                                             : geti("hidden_size") / geti("num_attention_heads");
+    g.v_head_dim = g.head_dim;
+  }
+  return g;
+}
+
+void run(const std::vector<std::string>& models, const std::string& caches, double budget_gib, bool json) {
+  std::vector<kvq::NamedShape> shapes;
+  if (models.empty()) {
+    shapes = kvq::named_shapes();
+  } else {
+    for (const auto& m : models) {
+      bool named = false;
+      for (const auto& s : kvq::named_shapes())
+        if (s.name == m) shapes.push_back(s), named = true;
+      if (!named) shapes.push_back({m, geometry_from_config(kvq::cli::resolve_path(m))});
+    }
+  }
+  const double budget = budget_gib * 1024.0 * 1024.0 * 1024.0;
+  nlohmann::json rows = nlohmann::json::array();
+  kvq::cli::Table t({"model", "format", "bits/value", "KiB/token", "x vs bf16", fmt::format("tokens in {:g} GiB", budget_gib)});
+  for (const auto& s : shapes) {
+    const double bf16 = static_cast<double>(kvq::bf16_token_bytes(s.geometry)) * s.geometry.n_layers;
+    std::vector<std::string> names = caches.empty() ? kvq::format_names(s.geometry.mla ? kvq::FormatFamily::kMLA : kvq::FormatFamily::kKV)
+                                                    : kvq::cli::split_list(caches);
+    for (const auto& n : names) {
+      const auto& f = kvq::find_format(n);
+      kvq::check_format_fits(f, s.geometry);
+      const auto tb = kvq::token_bytes(f, s.geometry);
+      const double bytes = static_cast<double>(tb.per_layer) * s.geometry.n_layers;
+      const double tokens = std::floor(budget / bytes);
+      rows.push_back({{"model", s.name}, {"format", n}, {"bits_per_value", tb.bits_per_value}, {"bytes_per_token", bytes},
+                      {"ratio_vs_bf16", bf16 / bytes}, {"tokens_in_budget", tokens}});
+      t.add({s.name, n, fmt::format("{:.3f}", tb.bits_per_value), fmt::format("{:.1f}", bytes / 1024.0),
+             fmt::format("{:.2f}", bf16 / bytes), fmt::format("{:.0f}", tokens)});
+    }
+  }
+  if (json) {
+    fmt::print("{}\n", nlohmann::json({{"budget_gib", budget_gib}, {"rows", rows}}).dump(1));
+    return;
+  }
+  t.print(stdout, 2);
+}
+
+void register_cmd(CLI::App& app) {
+  auto* cmd = app.add_subcommand("budget", "KV-cache bytes per token and capacity per format");
+  auto models = std::make_shared<std::vector<std::string>>();
+  auto caches = std::make_shared<std::string>();
+  auto gib = std::make_shared<double>(40.0);
+  auto json = std::make_shared<bool>(false);
+  cmd->add_option("--model", *models, "model dir (config.json) or a named shape: Llama-3.1-8B, Llama-3.1-70B, DeepSeek-V2-Lite");
+  cmd->add_option("--cache", *caches, "comma-separated formats (default: every format that fits)");
+  cmd->add_option("--budget-gib", *gib, "memory budget for the cache, GiB")->check(CLI::PositiveNumber);
+  cmd->add_flag("--json", *json, "print one JSON object");
+  cmd->callback([=] { run(*models, *caches, *gib, *json); });
+}
+
+}  // namespace
+
+KVQ_REGISTER_COMMAND("budget", register_cmd);
