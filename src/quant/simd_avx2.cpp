@@ -1,15 +1,374 @@
-// AVX2 batch paths (placeholder until the vector kernels land: every entry reports "no fast
-// path" so callers use the scalar reference).
-#include <cstdlib>
+// AVX2 batch paths of the quantizers (runtime-dispatched; this file is compiled for x86-64
+// baseline and each kernel carries target("avx2,fma,f16c")). They perform the scalar
+// references' operations in the same order with no contraction (-ffp-contract=off), so their
+// output is bit-identical to the references; tests/quant/test_simd.cpp checks it.
+#include <immintrin.h>
 
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "kvq/bitpack.hpp"
+#include "kvq/numeric.hpp"
+#include "kvq/quantizers.hpp"
 #include "simd.hpp"
 
+#define KVQ_AVX2 __attribute__((target("avx2,fma,f16c")))
+
 namespace kvq::simd {
-bool available() { return false; }
-bool tq_encode_batch(const TurboQuantMse&, const HadamardRotation&, const float*, std::size_t, std::uint8_t*) { return false; }
-bool tq_decode_batch(const TurboQuantMse&, const HadamardRotation&, const std::uint8_t*, std::size_t, float*) { return false; }
-bool uniform_encode_batch(const UniformAffine&, const float*, std::size_t, std::uint8_t*) { return false; }
-bool uniform_decode_batch(const UniformAffine&, const std::uint8_t*, std::size_t, float*) { return false; }
-bool affine_encode_batch(const AffineGroup&, const float*, std::size_t, std::uint8_t*) { return false; }
-bool affine_decode_batch(const AffineGroup&, const std::uint8_t*, std::size_t, float*) { return false; }
+
+namespace {
+std::atomic<bool> g_enabled{true};
+}
+
+void set_enabled(bool on) { g_enabled.store(on); }
+
+bool available() {
+  static const bool ok = [] {
+    if (std::getenv("KVQ_NO_SIMD")) return false;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  }();
+  return ok && g_enabled.load(std::memory_order_relaxed);
+}
+
+namespace {
+
+// In-place orthonormal FWHT of one power-of-two block n >= 8, same butterflies as fwht().
+KVQ_AVX2 void fwht_avx2(float* x, int n) {
+  // h = 1, 2, 4 inside each 8-float register.
+  for (int i = 0; i < n; i += 8) {
+    __m256 v = _mm256_loadu_ps(x + i);
+    // h = 1: pairs (0,1),(2,3)...: a+b in even, a-b in odd.
+    __m256 sw = _mm256_permute_ps(v, 0xB1);  // swap adjacent
+    __m256 sum = _mm256_add_ps(v, sw), dif = _mm256_sub_ps(sw, v);  // even lanes: a+b; odd lanes: a-b = sw - v
+    v = _mm256_blend_ps(sum, dif, 0xAA);
+    // h = 2: (0,2),(1,3)
+    sw = _mm256_permute_ps(v, 0x4E);
+    sum = _mm256_add_ps(v, sw);
+    dif = _mm256_sub_ps(sw, v);
+    v = _mm256_blend_ps(sum, dif, 0xCC);
+    // h = 4: (0,4)...
+    sw = _mm256_permute2f128_ps(v, v, 0x01);
+    sum = _mm256_add_ps(v, sw);
+    dif = _mm256_sub_ps(sw, v);
+    v = _mm256_blend_ps(sum, dif, 0xF0);
+    _mm256_storeu_ps(x + i, v);
+  }
+  for (int h = 8; h < n; h *= 2) {
+    for (int i = 0; i < n; i += 2 * h) {
+      for (int j = i; j < i + h; j += 8) {
+        const __m256 a = _mm256_loadu_ps(x + j), b = _mm256_loadu_ps(x + j + h);
+        _mm256_storeu_ps(x + j, _mm256_add_ps(a, b));
+        _mm256_storeu_ps(x + j + h, _mm256_sub_ps(a, b));
+      }
+    }
+  }
+  const __m256 s = _mm256_set1_ps(static_cast<float>(1.0 / std::sqrt(static_cast<double>(n))));
+  for (int i = 0; i < n; i += 8) _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), s));
+}
+
+// Same reduction order as sum_squares_4lane (n % 16 == 0).
+KVQ_AVX2 double sum_squares_avx2(const float* x, int n) {
+  __m256d a0 = _mm256_setzero_pd(), a1 = a0, a2 = a0, a3 = a0;
+  for (int i = 0; i < n; i += 16) {
+    const __m256d v0 = _mm256_cvtps_pd(_mm_loadu_ps(x + i)), v1 = _mm256_cvtps_pd(_mm_loadu_ps(x + i + 4));
+    const __m256d v2 = _mm256_cvtps_pd(_mm_loadu_ps(x + i + 8)), v3 = _mm256_cvtps_pd(_mm_loadu_ps(x + i + 12));
+    a0 = _mm256_add_pd(a0, _mm256_mul_pd(v0, v0));
+    a1 = _mm256_add_pd(a1, _mm256_mul_pd(v1, v1));
+    a2 = _mm256_add_pd(a2, _mm256_mul_pd(v2, v2));
+    a3 = _mm256_add_pd(a3, _mm256_mul_pd(v3, v3));
+  }
+  const __m256d t = _mm256_add_pd(_mm256_add_pd(a0, a1), _mm256_add_pd(a2, a3));
+  alignas(32) double s[4];
+  _mm256_store_pd(s, t);
+  return (s[0] + s[1]) + (s[2] + s[3]);
+}
+
+// 8 codes of b bits (b = 1..4) <-> b bytes of the LSB-first stream (code k at bits b*k).
+KVQ_AVX2 inline void pack8(__m256i c, int b, std::uint8_t* out) {
+  const __m256i sh = _mm256_mullo_epi32(_mm256_set1_epi32(b), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  __m256i v = _mm256_sllv_epi32(c, sh);
+  v = _mm256_or_si256(v, _mm256_permute2x128_si256(v, v, 0x01));
+  v = _mm256_or_si256(v, _mm256_shuffle_epi32(v, 0x4E));
+  v = _mm256_or_si256(v, _mm256_shuffle_epi32(v, 0xB1));
+  const std::uint32_t w = static_cast<std::uint32_t>(_mm256_cvtsi256_si32(v));
+  std::memcpy(out, &w, static_cast<std::size_t>(b));
+}
+KVQ_AVX2 inline __m256i unpack8(const std::uint8_t* p, int b) {
+  std::uint32_t w = 0;
+  std::memcpy(&w, p, static_cast<std::size_t>(b));
+  const __m256i sh = _mm256_mullo_epi32(_mm256_set1_epi32(b), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  return _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(w)), sh), _mm256_set1_epi32((1 << b) - 1));
+}
+// Codes of lanes as int32 -> packed output for group j (8 codes) of a b-bit stream, b = 1..8.
+KVQ_AVX2 inline void store_codes(__m256i c, int b, std::uint8_t* stream, int j) {
+  if (b == 8) {
+    const __m128i lo = _mm256_castsi256_si128(c), hi = _mm256_extracti128_si256(c, 1);
+    const __m128i w = _mm_packus_epi16(_mm_packus_epi32(lo, hi), _mm_setzero_si128());
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(stream + 8 * j), w);
+  } else if (b <= 4) {
+    pack8(c, b, stream + static_cast<std::size_t>(j) * static_cast<std::size_t>(b));
+  } else {
+    alignas(32) std::int32_t t[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(t), c);
+    for (int k = 0; k < 8; ++k) {
+      const std::size_t bit = static_cast<std::size_t>(8 * j + k) * static_cast<std::size_t>(b);
+      const std::uint32_t v = static_cast<std::uint32_t>(t[k]) << (bit & 7);
+      stream[bit >> 3] = static_cast<std::uint8_t>(stream[bit >> 3] | v);
+      if ((bit & 7) + static_cast<std::size_t>(b) > 8) stream[(bit >> 3) + 1] = static_cast<std::uint8_t>(v >> 8);
+    }
+  }
+}
+KVQ_AVX2 inline __m256i load_codes(const std::uint8_t* stream, int b, int j) {
+  if (b == 8) return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(stream + 8 * j)));
+  if (b <= 4) return unpack8(stream + static_cast<std::size_t>(j) * static_cast<std::size_t>(b), b);
+  alignas(32) std::int32_t t[8];
+  for (int k = 0; k < 8; ++k) t[k] = static_cast<std::int32_t>(unpack_one(stream, static_cast<std::size_t>(8 * j + k), b));
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(t));
+}
+
+bool blocks_ok(const HadamardRotation& r) {
+  for (int b : r.blocks())
+    if (b < 8) return false;
+  return true;
+}
+
+}  // namespace
+
+KVQ_AVX2 bool tq_encode_batch(const TurboQuantMse& q, const HadamardRotation& r, const float* x, std::size_t n,
+                              std::uint8_t* rec) {
+  const int d = q.dim();
+  if (!available() || d % 16 != 0 || !blocks_ok(r)) return false;
+  const auto& cb = q.codebook();
+  const int ne = static_cast<int>(cb.edges_f.size());
+  const std::size_t rb = q.bytes(), cbytes = q.code_bytes();
+  std::vector<float> y(static_cast<std::size_t>(d));
+  const float* signs = r.signs().data();
+  for (std::size_t v = 0; v < n; ++v) {
+    const float* xv = x + v * static_cast<std::size_t>(d);
+    std::uint8_t* out = rec + v * rb;
+    __m256 bad = _mm256_setzero_ps();
+    for (int i = 0; i < d; i += 8) {
+      const __m256 t = _mm256_loadu_ps(xv + i);
+      bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_sub_ps(t, t), _mm256_setzero_ps(), _CMP_NEQ_UQ));  // NaN or Inf
+    }
+    if (_mm256_movemask_ps(bad)) {
+      q.encode_reference(xv, out, out + cbytes);  // reports the coordinate
+      continue;
+    }
+    const float norm = static_cast<float>(std::sqrt(sum_squares_avx2(xv, d)));
+    const __m256 inv = _mm256_set1_ps(norm > 0 ? 1.0f / norm : 0.0f);
+    for (int i = 0; i < d; i += 8)
+      _mm256_storeu_ps(&y[static_cast<std::size_t>(i)],
+                       _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xv + i), inv), _mm256_loadu_ps(signs + i)));
+    int off = 0;
+    for (int b : r.blocks()) {
+      fwht_avx2(&y[static_cast<std::size_t>(off)], b);
+      off += b;
+    }
+    const int b = q.bits();
+    if (b > 4) std::memset(out, 0, cbytes);
+    __m256d c0 = _mm256_setzero_pd(), c1 = c0, c2 = c0, c3 = c0;  // NC: sum of squared centroids
+    for (int i = 0; i < d; i += 8) {
+      const __m256 yv = _mm256_loadu_ps(&y[static_cast<std::size_t>(i)]);
+      __m256i cnt = _mm256_setzero_si256();
+      for (int e = 0; e < ne; ++e)
+        cnt = _mm256_sub_epi32(cnt, _mm256_castps_si256(_mm256_cmp_ps(_mm256_set1_ps(cb.edges_f[static_cast<std::size_t>(e)]), yv, _CMP_LT_OQ)));
+      store_codes(cnt, b, out, i / 8);
+      if (q.norm_correction()) {
+        const __m256 cv = _mm256_i32gather_ps(cb.centroids_f.data(), cnt, 4);
+        const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(cv)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(cv, 1));
+        // Lanes i % 16 in 0..3, 4..7 go to c0, c1 for even groups of 8 and c2, c3 for odd ones.
+        if ((i & 8) == 0) {
+          c0 = _mm256_add_pd(c0, _mm256_mul_pd(lo, lo));
+          c1 = _mm256_add_pd(c1, _mm256_mul_pd(hi, hi));
+        } else {
+          c2 = _mm256_add_pd(c2, _mm256_mul_pd(lo, lo));
+          c3 = _mm256_add_pd(c3, _mm256_mul_pd(hi, hi));
+        }
+      }
+    }
+    float stored = norm;
+    if (q.norm_correction() && norm > 0) {
+      const __m256d t = _mm256_add_pd(_mm256_add_pd(c0, c1), _mm256_add_pd(c2, c3));
+      alignas(32) double s4[4];
+      _mm256_store_pd(s4, t);
+      stored = static_cast<float>(norm / std::sqrt((s4[0] + s4[1]) + (s4[2] + s4[3])));
+    }
+    if (!(std::fabs(stored) <= 65504.0f)) {
+      q.encode_reference(xv, out, out + cbytes);  // throws with the message
+      continue;
+    }
+    const std::uint16_t h = float_to_fp16(stored);
+    std::memcpy(out + cbytes, &h, 2);
+  }
+  return true;
+}
+
+KVQ_AVX2 bool tq_decode_batch(const TurboQuantMse& q, const HadamardRotation& r, const std::uint8_t* rec, std::size_t n,
+                              float* x) {
+  const int d = q.dim();
+  if (!available() || d % 8 != 0 || !blocks_ok(r)) return false;
+  const auto& cb = q.codebook();
+  const std::size_t rb = q.bytes(), cbytes = q.code_bytes();
+  const float* signs = r.signs().data();
+  const float* cent = cb.centroids_f.data();
+  for (std::size_t v = 0; v < n; ++v) {
+    const std::uint8_t* in = rec + v * rb;
+    float* y = x + v * static_cast<std::size_t>(d);
+    std::uint16_t h;
+    std::memcpy(&h, in + cbytes, 2);
+    const __m256 nv = _mm256_set1_ps(fp16_to_float(h));
+    for (int i = 0; i < d; i += 8)
+      _mm256_storeu_ps(y + i, _mm256_mul_ps(nv, _mm256_i32gather_ps(cent, load_codes(in, q.bits(), i / 8), 4)));
+    int off = 0;
+    for (int b : r.blocks()) {
+      fwht_avx2(y + off, b);
+      off += b;
+    }
+    for (int i = 0; i < d; i += 8) _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_loadu_ps(y + i), _mm256_loadu_ps(signs + i)));
+  }
+  return true;
+}
+
+KVQ_AVX2 bool uniform_encode_batch(const UniformAffine& q, const float* x, std::size_t n, std::uint8_t* rec) {
+  const int d = q.dim(), g = q.group();
+  if (!available() || g % 8 != 0) return false;
+  const std::size_t rb = q.bytes(), cbytes = q.code_bytes();
+  const float m = static_cast<float>((1 << q.bits()) - 1);
+  for (std::size_t v = 0; v < n; ++v) {
+    const float* xv = x + v * static_cast<std::size_t>(d);
+    std::uint8_t* out = rec + v * rb;
+    if (q.bits() > 4 && q.bits() < 8) std::memset(out, 0, cbytes);
+    bool fallback = false;
+    for (int gi = 0; gi < q.groups() && !fallback; ++gi) {
+      const float* xg = xv + gi * g;
+      __m256 lo = _mm256_loadu_ps(xg), hi = lo, bad = _mm256_setzero_ps();
+      for (int i = 0; i < g; i += 8) {
+        const __m256 t = _mm256_loadu_ps(xg + i);
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_sub_ps(t, t), _mm256_setzero_ps(), _CMP_NEQ_UQ));
+        lo = _mm256_min_ps(lo, t);
+        hi = _mm256_max_ps(hi, t);
+      }
+      alignas(32) float l8[8], h8[8];
+      _mm256_store_ps(l8, lo);
+      _mm256_store_ps(h8, hi);
+      float l = l8[0], hh = h8[0];
+      for (int k = 1; k < 8; ++k) l = std::fmin(l, l8[k]), hh = std::fmax(hh, h8[k]);
+      if (_mm256_movemask_ps(bad) || !(std::fabs(l) <= 65504.0f && std::fabs(hh) <= 65504.0f)) {
+        fallback = true;
+        break;
+      }
+      float s = (hh - l) / m;
+      if (!(s > 1e-8f)) s = 1e-8f;
+      const std::uint16_t sh = float_to_fp16(s), zh = float_to_fp16(l);
+      std::memcpy(out + cbytes + 4 * static_cast<std::size_t>(gi), &sh, 2);
+      std::memcpy(out + cbytes + 4 * static_cast<std::size_t>(gi) + 2, &zh, 2);
+      const __m256 lv = _mm256_set1_ps(l), sv = _mm256_set1_ps(s), half = _mm256_set1_ps(0.5f), mv = _mm256_set1_ps(m);
+      for (int i = 0; i < g; i += 8) {
+        __m256 t = _mm256_floor_ps(_mm256_add_ps(_mm256_div_ps(_mm256_sub_ps(_mm256_loadu_ps(xg + i), lv), sv), half));
+        t = _mm256_min_ps(_mm256_max_ps(t, _mm256_setzero_ps()), mv);
+        store_codes(_mm256_cvttps_epi32(t), q.bits(), out, (gi * g + i) / 8);
+      }
+    }
+    if (fallback) q.encode_reference(xv, out, out + cbytes);
+  }
+  return true;
+}
+
+KVQ_AVX2 bool uniform_decode_batch(const UniformAffine& q, const std::uint8_t* rec, std::size_t n, float* x) {
+  const int d = q.dim(), g = q.group();
+  if (!available() || g % 8 != 0) return false;
+  const std::size_t rb = q.bytes(), cbytes = q.code_bytes();
+  for (std::size_t v = 0; v < n; ++v) {
+    const std::uint8_t* in = rec + v * rb;
+    float* y = x + v * static_cast<std::size_t>(d);
+    for (int gi = 0; gi < q.groups(); ++gi) {
+      std::uint16_t sh, zh;
+      std::memcpy(&sh, in + cbytes + 4 * static_cast<std::size_t>(gi), 2);
+      std::memcpy(&zh, in + cbytes + 4 * static_cast<std::size_t>(gi) + 2, 2);
+      const __m256 sv = _mm256_set1_ps(fp16_to_float(sh)), zv = _mm256_set1_ps(fp16_to_float(zh));
+      for (int i = gi * g; i < (gi + 1) * g; i += 8) {
+        const __m256 c = _mm256_cvtepi32_ps(load_codes(in, q.bits(), i / 8));
+        _mm256_storeu_ps(y + i, _mm256_add_ps(_mm256_mul_ps(c, sv), zv));
+      }
+    }
+  }
+  return true;
+}
+
+KVQ_AVX2 bool affine_encode_batch(const AffineGroup& q, const float* x, std::size_t n, std::uint8_t* rec) {
+  const int d = q.dim(), g = q.group();
+  if (!available() || g % 8 != 0) return false;
+  const std::size_t rb = q.bytes(), cbytes = q.code_bytes();
+  const bool bf = q.scale_type() == ScaleType::kBf16;
+  const std::size_t zoff = static_cast<std::size_t>(q.groups()) * (bf ? 2 : 4);
+  const float m = static_cast<float>((1 << q.bits()) - 1);
+  for (std::size_t v = 0; v < n; ++v) {
+    const float* xv = x + v * static_cast<std::size_t>(d);
+    std::uint8_t* out = rec + v * rb;
+    std::uint8_t* meta = out + cbytes;
+    if (q.bits() > 4 && q.bits() < 8) std::memset(out, 0, cbytes);
+    bool fallback = false;
+    for (int gi = 0; gi < q.groups(); ++gi) {
+      const float* xg = xv + gi * g;
+      __m256 lo = _mm256_loadu_ps(xg), hi = lo, bad = _mm256_setzero_ps();
+      for (int i = 0; i < g; i += 8) {
+        const __m256 t = _mm256_loadu_ps(xg + i);
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_sub_ps(t, t), _mm256_setzero_ps(), _CMP_NEQ_UQ));
+        lo = _mm256_min_ps(lo, t);
+        hi = _mm256_max_ps(hi, t);
+      }
+      alignas(32) float l8[8], h8[8];
+      _mm256_store_ps(l8, lo);
+      _mm256_store_ps(h8, hi);
+      float l = l8[0], hh = h8[0];
+      for (int k = 1; k < 8; ++k) l = std::fmin(l, l8[k]), hh = std::fmax(hh, h8[k]);
+      if (_mm256_movemask_ps(bad) || !std::isfinite(hh - l)) {
+        fallback = true;
+        break;
+      }
+      const float s = affine_group_scale(l, hh, q.bits(), q.scale_type());
+      const float z = std::fmin(std::fmax(std::rint(-l / s), 0.0f), m);
+      if (bf) {
+        const std::uint16_t sb = float_to_bf16(s);
+        std::memcpy(meta + 2 * static_cast<std::size_t>(gi), &sb, 2);
+      } else {
+        std::memcpy(meta + 4 * static_cast<std::size_t>(gi), &s, 4);
+      }
+      meta[zoff + static_cast<std::size_t>(gi)] = static_cast<std::uint8_t>(z);
+      const __m256 sv = _mm256_set1_ps(s), zv = _mm256_set1_ps(z), mv = _mm256_set1_ps(m);
+      for (int i = 0; i < g; i += 8) {
+        __m256 t = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(xg + i), sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        t = _mm256_min_ps(_mm256_max_ps(_mm256_add_ps(t, zv), _mm256_setzero_ps()), mv);
+        store_codes(_mm256_cvttps_epi32(t), q.bits(), out, (gi * g + i) / 8);
+      }
+    }
+    if (fallback) q.encode_reference(xv, out, meta);
+  }
+  return true;
+}
+
+KVQ_AVX2 bool affine_decode_batch(const AffineGroup& q, const std::uint8_t* rec, std::size_t n, float* x) {
+  const int d = q.dim(), g = q.group();
+  if (!available() || g % 8 != 0) return false;
+  const std::size_t rb = q.bytes(), cbytes = q.code_bytes();
+  for (std::size_t v = 0; v < n; ++v) {
+    const std::uint8_t* in = rec + v * rb;
+    float* y = x + v * static_cast<std::size_t>(d);
+    for (int gi = 0; gi < q.groups(); ++gi) {
+      const __m256 sv = _mm256_set1_ps(q.scale_of(in + cbytes, gi));
+      const __m256 zv = _mm256_set1_ps(static_cast<float>(q.zero_of(in + cbytes, gi)));
+      for (int i = gi * g; i < (gi + 1) * g; i += 8) {
+        const __m256 c = _mm256_cvtepi32_ps(load_codes(in, q.bits(), i / 8));
+        _mm256_storeu_ps(y + i, _mm256_mul_ps(sv, _mm256_sub_ps(c, zv)));
+      }
+    }
+  }
+  return true;
+}
+
 }  // namespace kvq::simd

@@ -26,11 +26,21 @@ float load_fp16(const std::uint8_t* p) {
   std::memcpy(&h, p, 2);
   return fp16_to_float(h);
 }
-float l2norm(const float* x, int n) {
-  double s = 0;
-  for (int i = 0; i < n; ++i) s += static_cast<double>(x[i]) * x[i];
-  return static_cast<float>(std::sqrt(s));
+}  // namespace
+
+// Sixteen interleaved double partial sums s[i % 16], combined as
+// t_j = (s_j + s_{j+4}) + (s_{j+8} + s_{j+12}), then (t_0 + t_1) + (t_2 + t_3): the order the
+// AVX2 path uses (four 4-lane accumulators), so both give the same bits.
+double sum_squares_4lane(const float* x, int n) {
+  double s[16] = {};
+  for (int i = 0; i < n; ++i) s[i & 15] += static_cast<double>(x[i]) * static_cast<double>(x[i]);
+  double t[4];
+  for (int j = 0; j < 4; ++j) t[j] = (s[j] + s[j + 4]) + (s[j + 8] + s[j + 12]);
+  return (t[0] + t[1]) + (t[2] + t[3]);
 }
+
+namespace {
+float l2norm(const float* x, int n) { return static_cast<float>(std::sqrt(sum_squares_4lane(x, n))); }
 }  // namespace
 
 // ---- TurboQuantMse -------------------------------------------------------------------------
@@ -62,12 +72,9 @@ void TurboQuantMse::encode_reference(const float* x, std::uint8_t* codes, std::u
   for (std::size_t i = 0; i < d; ++i) idx[i] = static_cast<std::uint8_t>(bucketize(cb_->edges_f.data(), ne, y[i]));
   float stored = norm;
   if (nc_ && norm > 0) {
-    double c2 = 0;
-    for (std::size_t i = 0; i < d; ++i) {
-      const double c = cb_->centroids_f[idx[i]];
-      c2 += c * c;
-    }
-    stored = static_cast<float>(norm / std::sqrt(c2));
+    std::vector<float> c(d);
+    for (std::size_t i = 0; i < d; ++i) c[i] = cb_->centroids_f[idx[i]];
+    stored = static_cast<float>(norm / std::sqrt(sum_squares_4lane(c.data(), dim_)));
   }
   pack_bits(idx.data(), d, bits_, codes);
   store_fp16(meta, stored, "TurboQuantMse");
