@@ -32,6 +32,7 @@ const opt = (name, fallback) => {
 };
 const npmDir = path.resolve(opt("--npm", path.join(root, "tests/data/tokenizer/npm")));
 const outDir = path.resolve(opt("--out", path.join(root, "tests/data/tokenizer")));
+fs.mkdirSync(outDir, { recursive: true });
 const modules = path.join(npmDir, "node_modules");
 
 const oraclePkg = JSON.parse(
