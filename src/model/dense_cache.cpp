@@ -22,6 +22,7 @@
 #include "kvq/common.hpp"
 #include "kvq/numeric.hpp"
 #include "ops.hpp"
+#include "vexp.hpp"
 
 namespace kvq {
 
@@ -307,19 +308,8 @@ class DenseCache final : public KvCache {
           for (int r = 0; r < m; ++r) {
             float* row = sc.data() + static_cast<std::size_t>(r) * lk;
             const int p = pos0 + t0 + r;
-            float mx = -INFINITY;
-            for (int j = 0; j <= p; ++j) {
-              row[j] *= scale;
-              mx = std::max(mx, row[j]);
-            }
-            float sum = 0.0f;
-            for (int j = 0; j <= p; ++j) {
-              row[j] = std::exp(row[j] - mx);
-              sum += row[j];
-            }
-            const float inv = 1.0f / sum;
-            for (int j = 0; j <= p; ++j) row[j] *= inv;
-            for (int j = p + 1; j < lk; ++j) row[j] = 0.0f;
+            vexp::softmax(row, p + 1, scale);
+            std::fill(row + p + 1, row + lk, 0.0f);
           }
           ops::gemm_nn(m, sh.vd, lk, sc.data(), lk, vbase, vld,
                        out + static_cast<std::size_t>(t0) * os + static_cast<std::size_t>(h) * sh.vd, os);

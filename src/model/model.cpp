@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 
@@ -23,7 +24,40 @@
 #include "ops.hpp"
 #include "weights.hpp"
 
+extern "C" {
+// OpenBLAS DYNAMIC_ARCH entry points (weak: absent from single-target builds).
+void gotoblas_dynamic_init(void) __attribute__((weak));
+void gotoblas_dynamic_quit(void) __attribute__((weak));
+char* openblas_get_corename(void) __attribute__((weak));
+}
+
 namespace kvq {
+
+namespace ops {
+const char* select_blas_kernels() {
+  static const char* name = [] {
+    const char* current = openblas_get_corename ? openblas_get_corename() : "unknown";
+    openblas_set_num_threads(1);
+    if (std::getenv("OPENBLAS_CORETYPE") || !gotoblas_dynamic_init || !gotoblas_dynamic_quit || !openblas_get_corename)
+      return current;
+    const std::string cur = current;
+    if (cur != "Prescott" && cur != "Core2" && cur != "Nehalem" && cur != "Penryn" && cur != "Dunnington") return current;
+    const char* want = nullptr;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("avx512dq"))
+      want = "SkylakeX";
+    else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+      want = "Haswell";
+    if (!want) return current;
+    ::setenv("OPENBLAS_CORETYPE", want, 0);
+    gotoblas_dynamic_quit();
+    gotoblas_dynamic_init();
+    ::unsetenv("OPENBLAS_CORETYPE");
+    return static_cast<const char*>(openblas_get_corename());
+  }();
+  return name;
+}
+}  // namespace ops
 
 namespace {
 
@@ -170,6 +204,7 @@ Linear fuse(std::vector<Linear> parts) {
 
 ModelImpl::ModelImpl(const std::string& dir) {
   namespace fs = std::filesystem;
+  ops::select_blas_kernels();
   if (!fs::is_directory(dir)) fail(dir + ": not a model directory");
   cfg_ = load_model_config((fs::path(dir) / "config.json").string());
   detail::WeightStore ws(dir, cfg_);
@@ -258,7 +293,6 @@ ModelImpl::ModelImpl(const std::string& dir) {
       }
     }
   }
-  openblas_set_num_threads(omp_get_max_threads());
 }
 
 void ModelImpl::rope_tables(int pos0, int n) {

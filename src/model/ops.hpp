@@ -28,21 +28,85 @@ class BlasSingleThread {
   int saved_;
 };
 
+// Debian's OpenBLAS (0.3.21, DYNAMIC_ARCH) does not know recent Xeons (e.g. family 6 model 207)
+// and falls back to its SSE3 "Prescott" kernels, 3-4x slower than the AVX2/AVX-512 ones the CPU
+// runs. Unless the user set OPENBLAS_CORETYPE, this re-selects the kernel set from the CPU's
+// features (SkylakeX with AVX-512, Haswell with AVX2+FMA) through OpenBLAS's own dynamic-arch
+// entry points. Called once, before the first BLAS call; returns the core name in use.
+const char* select_blas_kernels();
+
+// kvq keeps OpenBLAS itself single-threaded (select_blas_kernels sets it) and parallelizes
+// large products with OpenMP over row (or column) blocks, so one thread pool serves the whole
+// runtime and no BLAS threads spin against OpenMP ones. Inside an OpenMP region the product runs
+// on the calling thread.
+inline int gemm_threads(int m, int n, int k) {
+  if (omp_in_parallel()) return 1;
+  const double flops = 2.0 * m * n * k;
+  if (flops < 4e6) return 1;
+  return omp_get_max_threads();
+}
+
 // C[m x n] (ldc) = A[m x k] (lda) * B^T where B is [n x k] (ldb), row-major: y = x W^T for an
 // nn.Linear weight W [out x in].
 inline void gemm_nt(int m, int n, int k, const float* a, int lda, const float* b, int ldb, float* c, int ldc,
                     float beta = 0.0f) {
+  const int nt = gemm_threads(m, n, k);
   if (m == 1 && beta == 0.0f) {
-    cblas_sgemv(CblasRowMajor, CblasNoTrans, n, k, 1.0f, b, ldb, a, 1, 0.0f, c, 1);
+    if (nt <= 1) {
+      cblas_sgemv(CblasRowMajor, CblasNoTrans, n, k, 1.0f, b, ldb, a, 1, 0.0f, c, 1);
+      return;
+    }
+#pragma omp parallel num_threads(nt)
+    {
+      const int t = omp_get_thread_num(), T = omp_get_num_threads();
+      const int c0 = static_cast<int>(static_cast<long>(n) * t / T), c1 = static_cast<int>(static_cast<long>(n) * (t + 1) / T);
+      if (c1 > c0) cblas_sgemv(CblasRowMajor, CblasNoTrans, c1 - c0, k, 1.0f, b + static_cast<std::size_t>(c0) * ldb, ldb, a, 1, 0.0f, c + c0, 1);
+    }
     return;
   }
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, a, lda, b, ldb, beta, c, ldc);
+  if (nt <= 1) {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, a, lda, b, ldb, beta, c, ldc);
+    return;
+  }
+#pragma omp parallel num_threads(nt)
+  {
+    const int t = omp_get_thread_num(), T = omp_get_num_threads();
+    if (m >= 16 * T) {
+      const int r0 = m * t / T, r1 = m * (t + 1) / T;
+      if (r1 > r0)
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, r1 - r0, n, k, 1.0f, a + static_cast<std::size_t>(r0) * lda, lda, b,
+                    ldb, beta, c + static_cast<std::size_t>(r0) * ldc, ldc);
+    } else {
+      const int c0 = static_cast<int>(static_cast<long>(n) * t / T), c1 = static_cast<int>(static_cast<long>(n) * (t + 1) / T);
+      if (c1 > c0)
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, c1 - c0, k, 1.0f, a, lda, b + static_cast<std::size_t>(c0) * ldb, ldb,
+                    beta, c + c0, ldc);
+    }
+  }
 }
 
 // C[m x n] = A[m x k] * B[k x n], row-major.
 inline void gemm_nn(int m, int n, int k, const float* a, int lda, const float* b, int ldb, float* c, int ldc,
                     float beta = 0.0f) {
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n, k, 1.0f, a, lda, b, ldb, beta, c, ldc);
+  const int nt = gemm_threads(m, n, k);
+  if (nt <= 1) {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n, k, 1.0f, a, lda, b, ldb, beta, c, ldc);
+    return;
+  }
+#pragma omp parallel num_threads(nt)
+  {
+    const int t = omp_get_thread_num(), T = omp_get_num_threads();
+    if (m >= 16 * T) {
+      const int r0 = m * t / T, r1 = m * (t + 1) / T;
+      if (r1 > r0)
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, r1 - r0, n, k, 1.0f, a + static_cast<std::size_t>(r0) * lda, lda, b,
+                    ldb, beta, c + static_cast<std::size_t>(r0) * ldc, ldc);
+    } else {
+      const int c0 = static_cast<int>(static_cast<long>(n) * t / T), c1 = static_cast<int>(static_cast<long>(n) * (t + 1) / T);
+      if (c1 > c0)
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, c1 - c0, k, 1.0f, a, lda, b + c0, ldb, beta, c + c0, ldc);
+    }
+  }
 }
 
 // y = w * x / sqrt(mean(x^2) + eps), as transformers' RMSNorm in float32.

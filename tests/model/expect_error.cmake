@@ -1,5 +1,6 @@
-# Runs ${KVQ} with ${ARGS} (a ;-list) and passes only if it exits non-zero with a message on
+# Runs ${KVQ} with ${ARGS} (arguments separated by '|') and passes only if it exits non-zero with a message on
 # stderr that starts with "kvq: error:" and contains ${EXPECT}.
+string(REPLACE "|" ";" ARGS "${ARGS}")
 execute_process(COMMAND ${KVQ} ${ARGS} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
 if(rc EQUAL 0)
   message(FATAL_ERROR "expected a non-zero exit, got 0; stdout: ${out}")
