@@ -1,0 +1,69 @@
+// Device-side fills for benchmarks and tests: random but finite page contents for a format
+// (codes, fp16 norms / scales / zeros) and random bf16 rows, so that a benchmark can build
+// multi-gigabyte caches without host transfers. Decode cost does not depend on code values.
+#include <cstdint>
+
+#include "kvq/numeric.hpp"
+#include "kvq_cuda.hpp"
+
+namespace kvq::cuda {
+
+namespace {
+
+__device__ __forceinline__ std::uint32_t hash32(std::uint64_t x) {
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdull;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ull;
+  x ^= x >> 33;
+  return static_cast<std::uint32_t>(x);
+}
+
+__global__ void fill_pages_kernel(std::uint32_t* pool, std::size_t words, std::uint64_t page_words, std::uint64_t vc_word,
+                                  std::uint64_t meta_word, int key_kind, int value_kind, std::uint64_t seed) {
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < words;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    const std::uint64_t in_page = i % page_words;
+    std::uint32_t r = hash32(seed * 0x9e3779b97f4a7c15ull + i);
+    if (in_page >= meta_word) {
+      r = 0x38003800u | (r & 0x03ff03ffu);  // two fp16 values in [0.5, 1)
+    } else if (in_page >= vc_word) {
+      if (value_kind == static_cast<int>(ValueCode::kBf16)) r &= 0xbfffbfffu;
+    } else {
+      if (key_kind == static_cast<int>(KeyCode::kFp8)) r &= 0xbfbfbfbfu;  // e4m3 exponent <= 7: finite, |x| < 2
+      if (key_kind == static_cast<int>(KeyCode::kBf16)) r &= 0xbfffbfffu;
+    }
+    pool[i] = r;
+  }
+}
+
+__global__ void fill_bf16_kernel(std::uint16_t* p, std::size_t n, std::uint64_t seed) {
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    const std::uint32_t a = hash32(seed * 0x9e3779b97f4a7c15ull + 2 * i), b = hash32(seed * 0x9e3779b97f4a7c15ull + 2 * i + 1);
+    // Irwin-Hall sum of four uniforms: roughly N(0, 1).
+    const float s = (static_cast<float>(a & 0xffff) + static_cast<float>(a >> 16) + static_cast<float>(b & 0xffff) +
+                     static_cast<float>(b >> 16)) / 65536.0f - 2.0f;
+    p[i] = float_to_bf16(s * 1.7320508f);
+  }
+}
+
+}  // namespace
+
+cudaError_t fill_random_pages(const FormatDesc& f, std::uint8_t* pool, std::size_t n_pages, std::uint64_t seed,
+                              cudaStream_t stream) {
+  const PageLayout& pg = f.page;
+  if (pg.page_bytes % 4 || pg.value_code_off % 4 || pg.meta_off % 4) return cudaErrorInvalidValue;
+  const std::size_t words = n_pages * pg.page_bytes / 4;
+  fill_pages_kernel<<<132 * 8, 256, 0, stream>>>(reinterpret_cast<std::uint32_t*>(pool), words, pg.page_bytes / 4,
+                                                  pg.value_code_off / 4, pg.meta_off / 4, static_cast<int>(f.key),
+                                                  static_cast<int>(f.value), seed);
+  return cudaGetLastError();
+}
+
+cudaError_t fill_random_bf16(std::uint16_t* p, std::size_t n, std::uint64_t seed, cudaStream_t stream) {
+  fill_bf16_kernel<<<132 * 8, 256, 0, stream>>>(p, n, seed);
+  return cudaGetLastError();
+}
+
+}  // namespace kvq::cuda

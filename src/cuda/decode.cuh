@@ -1,0 +1,611 @@
+// decode.cuh: the paged split-KV decode kernel for GQA caches (TurboQuant keys and values,
+// vLLM-style uniform values, fp8 keys, bf16), one template instantiated per format and head_dim.
+//
+// Grid (split, kv head, sequence); a CTA of W warps owns one KV head of one sequence over a
+// range of 32-token chunks (half pages) and all G <= 8 query heads of that head's group, so each
+// packed byte is read from HBM once per group. Each warp streams its own chunks through a
+// cp.async ring in shared memory and keeps its own online softmax; warps merge at the end and
+// write one partial (normalized output + log2-sum-exp) per split; decode.cu's combine kernel
+// merges the splits and applies the inverse value rotation once.
+//
+// Tensor cores (mma.m16n8k16, fp32 accumulate) do both products with the query heads as rows:
+//  - QK: rows g < G hold the rotated query rounded to fp16 (bf16 for the bf16 cache), rows g + 8
+//    the rounding residual, so the product sees the query at ~22 bits; K^T is the B operand,
+//    decoded from packed codes straight into registers: a pair of adjacent codes indexes a
+//    shared-memory table of (centroid, centroid) fp16 pairs, replicated per lane so that random
+//    indices never conflict on a bank.
+//  - PV: P (scaled per token by the value norm or scale) as hi/lo rows again, V as the B operand;
+//    a value column pairs two tokens' codes, so the same pair table serves values.
+// The dims of a head are permuted inside the MMA (keys: each lane reads one contiguous run of
+// codes per token; values: lane group g owns a contiguous run of dims); queries and outputs use
+// the same permutation, so no data is shuffled. Accumulation stays in the rotated domain for
+// TurboQuant values (decode.cu rotates back once per output row).
+#pragma once
+
+#include <cstdint>
+
+#include "device.cuh"
+#include "kvq_cuda.hpp"
+
+namespace kvq::cuda::detail {
+
+inline constexpr float kLog2e = 1.4426950408889634f;
+inline constexpr int kChunk = 32;                  // tokens per pipeline stage (half a page)
+inline constexpr int kSmemBudget = 225 * 1024;     // dynamic shared memory per CTA
+inline constexpr int kMaxGroup = 8;                // query heads per KV head
+
+constexpr int align16c(int x) { return (x + 15) / 16 * 16; }
+
+template <int D_, KeyCode KC_, int KB0, int KB1, ValueCode VC_, int VB0, int VB1>
+struct Cfg {
+  static constexpr int D = D_;
+  static constexpr KeyCode KC = KC_;
+  static constexpr ValueCode VC = VC_;
+  static constexpr int NSEG = KB1 > 0 ? 2 : 1;
+  static constexpr bool kBf16 = KC == KeyCode::kBf16;
+  static constexpr int sd(int s) { return NSEG == 2 ? (s == 0 ? D / 2 : D - D / 2) : (s == 0 ? D : 0); }
+  static constexpr int soff(int s) { return s == 0 ? 0 : sd(0); }
+  static constexpr int kb(int s) { return s == 0 ? KB0 : KB1; }
+  static constexpr int vb(int s) { return s == 0 ? VB0 : VB1; }
+  static constexpr int kbytes(int s) { return (sd(s) * kb(s) + 7) / 8; }
+  static constexpr int vbytes(int s) { return (sd(s) * vb(s) + 7) / 8; }
+  static constexpr int KCB = kbytes(0) + (NSEG == 2 ? kbytes(1) : 0);
+  static constexpr int VCB = vbytes(0) + (NSEG == 2 ? vbytes(1) : 0);
+  static constexpr int kcoff(int s) { return s == 0 ? 0 : kbytes(0); }
+  static constexpr int vcoff(int s) { return s == 0 ? 0 : vbytes(0); }
+  static constexpr int KMB = KC == KeyCode::kTq ? 2 * NSEG : 0;
+  static constexpr int VMB = VC == ValueCode::kTq ? 2 * NSEG : (VC == ValueCode::kUniform ? 4 : 0);
+  static constexpr int MB = KMB + VMB;
+  static constexpr int KT(int s) { return sd(s) / 16; }  // k-tiles of QK per segment
+  static constexpr int NT(int s) { return sd(s) / 8; }   // n-tiles of PV per segment
+  static constexpr int KTOT = D / 16, NTOT = D / 8;
+  static constexpr int ktoff(int s) { return s == 0 ? 0 : KT(0); }
+  static constexpr int ntoff(int s) { return s == 0 ? 0 : NT(0); }
+  static constexpr int WARPS = kBf16 ? (D > 128 ? 2 : 4) : (D > 128 ? 4 : 8);
+  static constexpr int THREADS = WARPS * 32;
+  static constexpr bool kLutK = KC == KeyCode::kTq;
+  static constexpr bool kLutV = VC != ValueCode::kBf16;
+  static constexpr int lutk_words(int s) { return kLutK && s < NSEG ? (1 << (2 * kb(s))) * 32 : 0; }
+  static constexpr int lutv_words(int s) { return kLutV && s < NSEG ? (1 << (2 * vb(s))) * 32 : 0; }
+  static constexpr int LUT_WORDS = lutk_words(0) + lutk_words(1) + lutv_words(0) + lutv_words(1);
+  static constexpr int Q_BYTES = kMaxGroup * D * 4;
+  static constexpr int STAGE_BYTES = align16c(kChunk * (KCB + VCB + MB)) + 16;
+  static constexpr int STAGES_FIT = (kSmemBudget - LUT_WORDS * 4 - Q_BYTES) / (WARPS * STAGE_BYTES);
+  static constexpr int STAGES = STAGES_FIT > 4 ? 4 : STAGES_FIT;
+  static constexpr int RED_BYTES = WARPS * kMaxGroup * (D + 3) * 4;
+  static constexpr int SMEM = LUT_WORDS * 4 + Q_BYTES + WARPS * STAGES * STAGE_BYTES;
+  static_assert(STAGES >= 2, "not enough shared memory for two pipeline stages");
+  static_assert(RED_BYTES <= WARPS * STAGES * STAGE_BYTES, "reduction buffer must fit in the stages");
+  static_assert(D % 32 == 0 && sd(0) % 16 == 0 && sd(1) % 16 == 0, "head_dim / segment split not supported");
+};
+
+// Bits [pos, pos + wd) of a little-endian word array (pos, wd compile-time after unrolling).
+__device__ __forceinline__ std::uint32_t get_bits(const std::uint32_t* w, int pos, int wd) {
+  const int i = pos >> 5, o = pos & 31;
+  std::uint32_t x = w[i] >> o;
+  if (o + wd > 32) x |= w[i + 1] << (32 - o);
+  return wd == 32 ? x : (x & ((1u << wd) - 1u));
+}
+
+// Loads NB bits starting at bit `bitoff` of the byte string at `p` (shared memory) into w[],
+// bit 0 of w[0] = first bit. kA32: p 4-byte aligned and bitoff a multiple of 32; kA128: p 16-byte
+// aligned and bitoff a multiple of 128. The generic path may read up to 7 bytes past the end.
+template <int NB, bool kA32, bool kA128>
+__device__ __forceinline__ void load_bits(const std::uint8_t* p, int bitoff, std::uint32_t (&w)[(NB + 31) / 32]) {
+  constexpr int NW = (NB + 31) / 32;
+  if constexpr (kA128) {
+    const uint4* q = reinterpret_cast<const uint4*>(p) + (bitoff >> 7);
+#pragma unroll
+    for (int i = 0; i < NW / 4; ++i) {
+      const uint4 v = q[i];
+      w[4 * i] = v.x;
+      w[4 * i + 1] = v.y;
+      w[4 * i + 2] = v.z;
+      w[4 * i + 3] = v.w;
+    }
+  } else if constexpr (kA32) {
+    const std::uint32_t* q = reinterpret_cast<const std::uint32_t*>(p) + (bitoff >> 5);
+#pragma unroll
+    for (int i = 0; i < NW; ++i) w[i] = q[i];
+  } else {
+    const std::uint8_t* s = p + (bitoff >> 3);
+    const std::uintptr_t a = reinterpret_cast<std::uintptr_t>(s);
+    const std::uint32_t* q = reinterpret_cast<const std::uint32_t*>(a & ~std::uintptr_t{3});
+    const int sh = static_cast<int>(a & 3) * 8 + (bitoff & 7);
+    std::uint32_t raw[NW + 1];
+#pragma unroll
+    for (int i = 0; i <= NW; ++i) raw[i] = q[i];
+#pragma unroll
+    for (int i = 0; i < NW; ++i) w[i] = __funnelshift_r(raw[i], raw[i + 1], sh);
+  }
+}
+
+template <class C>
+struct Smem {
+  std::uint32_t* lutk[2];
+  std::uint32_t* lutv[2];
+  float* q;
+  std::uint8_t* stages;
+  __device__ explicit Smem(std::uint8_t* base) {
+    std::uint32_t* l = reinterpret_cast<std::uint32_t*>(base);
+    lutk[0] = l;
+    l += C::lutk_words(0);
+    lutk[1] = l;
+    l += C::lutk_words(1);
+    lutv[0] = l;
+    l += C::lutv_words(0);
+    lutv[1] = l;
+    l += C::lutv_words(1);
+    q = reinterpret_cast<float*>(l);
+    stages = reinterpret_cast<std::uint8_t*>(q + kMaxGroup * C::D);
+  }
+};
+
+// The CTA that reads the protected bf16 rows of its (sequence, KV head) in fp32 on CUDA cores
+// and writes them as one more split, rotated into the value domain of the format.
+template <class C>
+__device__ void protected_split(const float* __restrict__ qin, int q_heads, float scale, const ProtectLayout pr,
+                                const std::uint16_t* __restrict__ prot_rows, const std::int32_t* __restrict__ vperm,
+                                const float* __restrict__ vsigns, int G, int L, int NS, float* po, float* plse,
+                                std::uint8_t* smem) {
+  const int kh = blockIdx.y, b = blockIdx.z, D = C::D;
+  const int tid = threadIdx.x, w = tid >> 5, lane = tid & 31;
+  constexpr int J = C::D / 32;
+  float* qs = reinterpret_cast<float*>(smem);        // [8][D]
+  float* red = qs + kMaxGroup * D;                   // [W][8][D + 3]
+  const float qscale = scale * kLog2e;
+  for (int i = tid; i < G * D; i += C::THREADS)
+    qs[i] = qin[(static_cast<std::size_t>(b) * q_heads + kh * G) * D + i] * qscale;
+  __syncthreads();
+  const int n_sink = L < pr.sinks ? L : pr.sinks;
+  const std::int64_t w0 = pr.packed_end(L);
+  const int n_rows = n_sink + static_cast<int>(L - w0);
+  float m[kMaxGroup], l[kMaxGroup], acc[kMaxGroup][J];
+#pragma unroll
+  for (int h = 0; h < kMaxGroup; ++h) {
+    m[h] = -INFINITY;
+    l[h] = 0;
+#pragma unroll
+    for (int j = 0; j < J; ++j) acc[h][j] = 0;
+  }
+  for (int r = w; r < n_rows; r += C::WARPS) {
+    const std::int64_t pos = r < n_sink ? r : w0 + (r - n_sink);
+    const std::uint16_t* row = prot_rows + pr.row(b, kh, pr.slot(pos));
+    float kv[J], vv[J];
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      kv[j] = bf16_bits_to_float(row[lane + 32 * j]);
+      vv[j] = bf16_bits_to_float(row[D + lane + 32 * j]);
+    }
+#pragma unroll
+    for (int h = 0; h < kMaxGroup; ++h) {
+      if (h < G) {
+        float s = 0;
+#pragma unroll
+        for (int j = 0; j < J; ++j) s += qs[h * D + lane + 32 * j] * kv[j];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        const float mn = fmaxf(m[h], s);
+        const float a = exp2f(m[h] - mn), e = exp2f(s - mn);
+        l[h] = l[h] * a + e;
+#pragma unroll
+        for (int j = 0; j < J; ++j) acc[h][j] = acc[h][j] * a + e * vv[j];
+        m[h] = mn;
+      }
+    }
+  }
+  const int RS = D + 3;
+  for (int h = 0; h < G; ++h) {
+    float* rr = red + (w * kMaxGroup + h) * RS;
+#pragma unroll
+    for (int j = 0; j < J; ++j) rr[lane + 32 * j] = acc[h][j];
+    if (lane == 0) {
+      rr[D] = m[h];
+      rr[D + 1] = l[h];
+    }
+  }
+  __syncthreads();
+  // Merge warps into qs (reused) in the original domain; the log2-sum-exp goes out directly.
+  for (int i = tid; i < G * D; i += C::THREADS) {
+    const int h = i / D, d = i % D;
+    float M = -INFINITY;
+    for (int ww = 0; ww < C::WARPS; ++ww) M = fmaxf(M, red[(ww * kMaxGroup + h) * RS + D]);
+    float sum = 0, o = 0;
+    if (M != -INFINITY) {
+      for (int ww = 0; ww < C::WARPS; ++ww) {
+        const float* rr = red + (ww * kMaxGroup + h) * RS;
+        if (rr[D] == -INFINITY) continue;
+        const float sc = exp2f(rr[D] - M);
+        sum += sc * rr[D + 1];
+        o += sc * rr[d];
+      }
+    }
+    qs[i] = sum > 0 ? o / sum : 0.0f;
+    if (d == 0) plse[static_cast<std::size_t>(h) * NS] = sum > 0 ? M + log2f(sum) : -INFINITY;
+  }
+  __syncthreads();
+  // To the value domain of the format: gather, signs, block FWHT per segment.
+  float* vd = red;
+  if constexpr (C::VC == ValueCode::kTq) {
+    const std::int32_t* perm = vperm + static_cast<std::size_t>(kh) * D;
+    const float* sg = vsigns + static_cast<std::size_t>(kh) * D;
+    for (int i = tid; i < G * D; i += C::THREADS) {
+      const int h = i / D, d = i % D;
+      vd[h * D + d] = qs[h * D + perm[d]] * sg[d];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int s = 0; s < C::NSEG; ++s) smem_fwht(vd + C::soff(s), C::sd(s), G, D, tid, C::THREADS);
+    __syncthreads();
+  } else {
+    vd = qs;
+  }
+  for (int i = tid; i < G * D; i += C::THREADS) {
+    const int h = i / D, d = i % D;
+    po[static_cast<std::size_t>(h) * NS * D + d] = vd[i];
+  }
+}
+
+template <class C>
+__global__ void __launch_bounds__(C::THREADS, 1)
+    decode_kernel(const DecodeParams p, int nsplit, int cps, float* __restrict__ part_o, float* __restrict__ part_lse) {
+  extern __shared__ __align__(16) std::uint8_t smem_raw[];
+  constexpr int D = C::D;
+  constexpr bool kB = C::kBf16;
+  const int split = blockIdx.x, kh = blockIdx.y, b = blockIdx.z;
+  const int G = p.q_heads / p.fmt.kv_heads;
+  const int L = p.seq_lens[b];
+  const ProtectLayout prl = p.protect;
+  const bool prot = prl.enabled();
+  const int NS = nsplit + (prot ? 1 : 0);
+  const int tid = threadIdx.x, w = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+  const std::size_t row0 = static_cast<std::size_t>(b) * p.q_heads + static_cast<std::size_t>(kh) * G;
+  float* po = part_o + (row0 * NS + split) * D;  // head h: + h * NS * D
+  float* plse = part_lse + row0 * NS + split;    // head h: + h * NS
+
+  if (split == nsplit) {  // protected rows
+    protected_split<C>(p.q, p.q_heads, p.scale, prl, p.protect_rows, p.fmt.value_perm, p.fmt.value_signs, G, L,
+                       NS, po, plse, smem_raw);
+    return;
+  }
+
+  const std::int64_t lo = prot ? prl.packed_begin(L) : 0;
+  const std::int64_t hi = prot ? prl.packed_end(L) : L;
+  const int c_lo = static_cast<int>(lo / kChunk);
+  const int c_hi = hi > lo ? static_cast<int>((hi + kChunk - 1) / kChunk) : c_lo;
+  const int cb = max(c_lo, split * cps), ce = min(c_hi, (split + 1) * cps);
+  if (cb >= ce) {
+    for (int h = tid; h < G; h += C::THREADS) plse[static_cast<std::size_t>(h) * NS] = -INFINITY;
+    return;
+  }
+
+  Smem<C> sm(smem_raw);
+  const std::uint64_t page_bytes = p.fmt.page.page_bytes, koff = p.fmt.page.key_code_off,
+                      voff = p.fmt.page.value_code_off, moff = p.fmt.page.meta_off;
+  const std::uint8_t* __restrict__ pool = p.pool;
+  const int nloc = (ce - cb - w + C::WARPS - 1) / C::WARPS > 0 ? (ce - cb - w + C::WARPS - 1) / C::WARPS : 0;
+  std::uint8_t* my_stages = sm.stages + static_cast<std::size_t>(w) * C::STAGES * C::STAGE_BYTES;
+  const std::int32_t* bt = p.block_tables + static_cast<std::size_t>(b) * p.max_pages;
+
+  auto issue = [&](int i) {
+    const int c = cb + w + i * C::WARPS;
+    const int page = bt[c >> 1];
+    const int off = (c & 1) * kChunk;
+    const std::uint8_t* base = pool + static_cast<std::size_t>(page) * page_bytes;
+    std::uint8_t* dst = my_stages + (i % C::STAGES) * C::STAGE_BYTES;
+    const std::size_t slot = static_cast<std::size_t>(kh) * 64 + static_cast<std::size_t>(off);
+    const std::uint8_t* srck = base + koff + slot * C::KCB;
+    const std::uint8_t* srcv = base + voff + slot * C::VCB;
+    const std::uint8_t* srcm = base + moff + slot * C::MB;
+    constexpr int nk = kChunk * C::KCB / 16, nv = kChunk * C::VCB / 16, nm = kChunk * C::MB / 16;
+    for (int j = lane; j < nk + nv + nm; j += 32) {
+      if (j < nk) cp_async16(dst + 16 * j, srck + 16 * j);
+      else if (j < nk + nv) cp_async16(dst + 16 * j, srcv + 16 * (j - nk));
+      else cp_async16(dst + 16 * j, srcm + 16 * (j - nk - nv));
+    }
+  };
+#pragma unroll
+  for (int i = 0; i < C::STAGES - 1; ++i) {
+    if (i < nloc) issue(i);
+    cp_async_commit();
+  }
+
+  // Pair tables (replicated per lane): entry e = (first code) | (second code) << bits.
+#pragma unroll
+  for (int s = 0; s < C::NSEG; ++s) {
+    if constexpr (C::kLutK) {
+      const int bits = C::kb(s), n = 1 << (2 * bits), mask = (1 << bits) - 1;
+      const float* cent = p.fmt.key_centroids + s * kMaxCodebook;
+      for (int i = tid; i < n * 32; i += C::THREADS) {
+        const int e = i >> 5;
+        sm.lutk[s][i] = pack2<false>(cent[e & mask], cent[e >> bits]);
+      }
+    }
+    if constexpr (C::kLutV) {
+      const int bits = C::vb(s), n = 1 << (2 * bits), mask = (1 << bits) - 1;
+      const float* cent = p.fmt.value_centroids + s * kMaxCodebook;
+      for (int i = tid; i < n * 32; i += C::THREADS) {
+        const int e = i >> 5;
+        sm.lutv[s][i] = pack2<false>(cent[e & mask], cent[e >> bits]);
+      }
+    }
+  }
+  // Query: scaled into the log2 domain, gathered and rotated like the keys.
+  {
+    const float qscale = p.scale * kLog2e;
+    const float* qg = p.q + row0 * D;
+    if constexpr (C::KC == KeyCode::kTq) {
+      const std::int32_t* perm = p.fmt.key_perm + static_cast<std::size_t>(kh) * D;
+      const float* sg = p.fmt.key_signs + static_cast<std::size_t>(kh) * D;
+      for (int i = tid; i < G * D; i += C::THREADS) {
+        const int h = i / D, d = i % D;
+        sm.q[i] = qg[h * D + perm[d]] * qscale * sg[d];
+      }
+      __syncthreads();
+#pragma unroll
+      for (int s = 0; s < C::NSEG; ++s) smem_fwht(sm.q + C::soff(s), C::sd(s), G, D, tid, C::THREADS);
+    } else {
+      for (int i = tid; i < G * D; i += C::THREADS) sm.q[i] = qg[i] * qscale;
+    }
+    __syncthreads();
+  }
+  // A fragments of the query: row g = rounded query of head g, row g + 8 = residual.
+  std::uint32_t qa[C::KTOT][4];
+#pragma unroll
+  for (int s = 0; s < C::NSEG; ++s) {
+#pragma unroll
+    for (int kt = 0; kt < C::KT(s); ++kt) {
+      const int pr0 = 2 * C::KT(s) * t4 + 2 * kt;  // pair for k = 2t, 2t+1; pr0 + 1 for k = 2t+8, 2t+9
+      std::uint32_t h0 = 0, l0 = 0, h1 = 0, l1 = 0;
+      if (g < G) {
+        const float* qq = sm.q + g * D + C::soff(s);
+        split2<kB>(qq[2 * pr0], qq[2 * pr0 + 1], h0, l0);
+        split2<kB>(qq[2 * pr0 + 2], qq[2 * pr0 + 3], h1, l1);
+      }
+      std::uint32_t* a = qa[C::ktoff(s) + kt];
+      a[0] = h0;
+      a[1] = l0;
+      a[2] = h1;
+      a[3] = l1;
+    }
+  }
+
+  float o[C::NTOT][4];
+#pragma unroll
+  for (int i = 0; i < C::NTOT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0;
+  float m_run = -INFINITY, l_run = 0, z_run = 0;
+
+  for (int i = 0; i < nloc; ++i) {
+    cp_async_wait<C::STAGES - 2>();
+    __syncwarp();
+    const std::uint8_t* st = my_stages + (i % C::STAGES) * C::STAGE_BYTES;
+    const std::uint8_t* sk = st;
+    const std::uint8_t* sv = st + kChunk * C::KCB;
+    const std::uint8_t* smeta = sv + kChunk * C::VCB;
+    const std::int64_t pos0 = static_cast<std::int64_t>(cb + w + i * C::WARPS) * kChunk;
+    const bool full = pos0 >= lo && pos0 + kChunk <= hi;
+    auto valid = [&](int t) { return full || (pos0 + t >= lo && pos0 + t < hi); };
+
+    // ---- scores ----
+    float sc[4][2];
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      const std::uint8_t* krow = sk + (nt * 8 + g) * C::KCB;
+      float acc[C::NSEG][4];
+#pragma unroll
+      for (int s = 0; s < C::NSEG; ++s) {
+        acc[s][0] = acc[s][1] = acc[s][2] = acc[s][3] = 0;
+        if constexpr (C::KC == KeyCode::kTq) {
+          // this lane's 2*KT code pairs of the token: bits [t4 * NB, (t4 + 1) * NB) of segment s
+#define KVQ_KPAIRS(S)                                                                                  \
+  {                                                                                                    \
+    constexpr int NB = 4 * C::kb(S) * C::KT(S);                                                        \
+    constexpr bool A32 = C::KCB % 4 == 0 && C::kcoff(S) % 4 == 0 && NB % 32 == 0;                      \
+    constexpr bool A128 = C::KCB % 16 == 0 && C::kcoff(S) % 16 == 0 && NB % 128 == 0;                  \
+    std::uint32_t wv[(NB + 31) / 32];                                                                  \
+    load_bits<NB, A32, A128>(krow + C::kcoff(S), t4 * NB, wv);                                         \
+    const std::uint32_t* lut = sm.lutk[S] + lane;                                                      \
+    _Pragma("unroll") for (int kt = 0; kt < C::KT(S); ++kt) {                                          \
+      const std::uint32_t b0 = lut[get_bits(wv, (2 * kt) * 2 * C::kb(S), 2 * C::kb(S)) * 32];          \
+      const std::uint32_t b1 = lut[get_bits(wv, (2 * kt + 1) * 2 * C::kb(S), 2 * C::kb(S)) * 32];      \
+      mma16816<kB>(acc[S], qa[C::ktoff(S) + kt], b0, b1);                                              \
+    }                                                                                                  \
+  }
+          if (s == 0) KVQ_KPAIRS(0)
+          if constexpr (C::NSEG == 2) {
+            if (s == 1) KVQ_KPAIRS(1)
+          }
+#undef KVQ_KPAIRS
+        } else {
+          // fp8 (1 byte per code) or bf16 (2 bytes): 2 * KT pairs = 4 * KT codes of this lane.
+          constexpr int BPC = C::KC == KeyCode::kFp8 ? 1 : 2;
+          constexpr int NB = 4 * C::KT(0) * BPC * 8;
+          constexpr bool A128 = C::KCB % 16 == 0 && NB % 128 == 0;
+          std::uint32_t wv[(NB + 31) / 32];
+          load_bits<NB, true, A128>(krow, t4 * NB, wv);
+#pragma unroll
+          for (int kt = 0; kt < C::KT(0); ++kt) {
+            std::uint32_t b0, b1;
+            if constexpr (C::KC == KeyCode::kFp8) {
+              b0 = fp8x2_to_half2(get_bits(wv, (2 * kt) * 16, 16));
+              b1 = fp8x2_to_half2(get_bits(wv, (2 * kt + 1) * 16, 16));
+            } else {
+              b0 = wv[2 * kt];
+              b1 = wv[2 * kt + 1];
+            }
+            mma16816<kB>(acc[0], qa[kt], b0, b1);
+          }
+        }
+      }
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int t = nt * 8 + 2 * t4 + e;
+        float v;
+        if constexpr (C::KC == KeyCode::kTq) {
+          const std::uint16_t* km = reinterpret_cast<const std::uint16_t*>(smeta + t * C::MB);
+          v = (acc[0][e] + acc[0][2 + e]) * half_bits_to_float(km[0]);
+          if constexpr (C::NSEG == 2) v += (acc[1][e] + acc[1][2 + e]) * half_bits_to_float(km[1]);
+        } else {
+          v = acc[0][e] + acc[0][2 + e];
+        }
+        sc[nt][e] = valid(t) ? v : -INFINITY;
+      }
+    }
+
+    // ---- online softmax (log2 domain) ----
+    float mx = sc[0][0];
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) mx = fmaxf(mx, fmaxf(sc[nt][0], sc[nt][1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(m_run, mx);
+    const float m_use = m_new == -INFINITY ? 0.0f : m_new;
+    const float alpha = exp2f(m_run - m_use);
+    float psum = 0;
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      sc[nt][0] = exp2f(sc[nt][0] - m_use);
+      sc[nt][1] = exp2f(sc[nt][1] - m_use);
+      psum += sc[nt][0] + sc[nt][1];
+    }
+    l_run = l_run * alpha + psum;
+    m_run = m_new;
+    z_run *= alpha;
+#pragma unroll
+    for (int n = 0; n < C::NTOT; ++n) {
+      o[n][0] *= alpha;
+      o[n][1] *= alpha;
+      o[n][2] *= alpha;
+      o[n][3] *= alpha;
+    }
+
+    // ---- P V ----
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+      const int ta = 16 * kk + 2 * t4, tb = ta + 8;  // tokens ta, ta+1 (k 2t, 2t+1), tb, tb+1
+      const float pr[4] = {sc[2 * kk][0], sc[2 * kk][1], sc[2 * kk + 1][0], sc[2 * kk + 1][1]};
+      const int tk[4] = {ta, ta + 1, tb, tb + 1};
+      if constexpr (C::VC == ValueCode::kUniform) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const std::uint16_t* vm = reinterpret_cast<const std::uint16_t*>(smeta + tk[j] * C::MB + C::KMB);
+          if (pr[j] > 0) z_run += pr[j] * half_bits_to_float(vm[1]);
+        }
+      }
+#pragma unroll
+      for (int s = 0; s < C::NSEG; ++s) {
+        float pp[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          if constexpr (C::VC == ValueCode::kBf16) {
+            pp[j] = pr[j];
+          } else {
+            const std::uint16_t* vm = reinterpret_cast<const std::uint16_t*>(smeta + tk[j] * C::MB + C::KMB);
+            pp[j] = pr[j] > 0 ? pr[j] * half_bits_to_float(vm[s]) : 0.0f;
+          }
+        }
+        std::uint32_t a[4];
+        split2<kB>(pp[0], pp[1], a[0], a[1]);
+        split2<kB>(pp[2], pp[3], a[2], a[3]);
+        if constexpr (C::VC == ValueCode::kBf16) {
+          constexpr int NB = C::NT(0) * 16;
+          std::uint32_t w0[NB / 32], w1[NB / 32], w2[NB / 32], w3[NB / 32];
+          constexpr bool A128 = C::VCB % 16 == 0 && NB % 128 == 0;
+          load_bits<NB, true, A128>(sv + tk[0] * C::VCB, g * NB, w0);
+          load_bits<NB, true, A128>(sv + tk[1] * C::VCB, g * NB, w1);
+          load_bits<NB, true, A128>(sv + tk[2] * C::VCB, g * NB, w2);
+          load_bits<NB, true, A128>(sv + tk[3] * C::VCB, g * NB, w3);
+          const bool ok = full || (valid(tk[0]) && valid(tk[1]) && valid(tk[2]) && valid(tk[3]));
+          const std::uint32_t mk0 = (full || valid(tk[0])) ? 0xffffu : 0u, mk1 = (full || valid(tk[1])) ? 0xffff0000u : 0u;
+          const std::uint32_t mk2 = (full || valid(tk[2])) ? 0xffffu : 0u, mk3 = (full || valid(tk[3])) ? 0xffff0000u : 0u;
+#pragma unroll
+          for (int n = 0; n < C::NT(0); ++n) {
+            const unsigned sel = (n & 1) ? 0x7632u : 0x5410u;
+            std::uint32_t b0 = __byte_perm(w0[n >> 1], w1[n >> 1], sel);
+            std::uint32_t b1 = __byte_perm(w2[n >> 1], w3[n >> 1], sel);
+            if (!ok) {
+              b0 &= mk0 | mk1;
+              b1 &= mk2 | mk3;
+            }
+            mma16816<kB>(o[n], a, b0, b1);
+          }
+        } else {
+#define KVQ_VPAIRS(S)                                                                                  \
+  {                                                                                                    \
+    constexpr int VB = C::vb(S), NB = C::NT(S) * VB;                                                   \
+    constexpr bool A32 = C::VCB % 4 == 0 && C::vcoff(S) % 4 == 0 && NB % 32 == 0;                      \
+    constexpr bool A128 = C::VCB % 16 == 0 && C::vcoff(S) % 16 == 0 && NB % 128 == 0;                  \
+    std::uint32_t w0[(NB + 31) / 32], w1[(NB + 31) / 32], w2[(NB + 31) / 32], w3[(NB + 31) / 32];      \
+    load_bits<NB, A32, A128>(sv + tk[0] * C::VCB + C::vcoff(S), g * NB, w0);                           \
+    load_bits<NB, A32, A128>(sv + tk[1] * C::VCB + C::vcoff(S), g * NB, w1);                           \
+    load_bits<NB, A32, A128>(sv + tk[2] * C::VCB + C::vcoff(S), g * NB, w2);                           \
+    load_bits<NB, A32, A128>(sv + tk[3] * C::VCB + C::vcoff(S), g * NB, w3);                           \
+    const std::uint32_t* lut = sm.lutv[S] + lane;                                                      \
+    _Pragma("unroll") for (int n = 0; n < C::NT(S); ++n) {                                             \
+      const std::uint32_t i0 = get_bits(w0, n * VB, VB) | (get_bits(w1, n * VB, VB) << VB);            \
+      const std::uint32_t i1 = get_bits(w2, n * VB, VB) | (get_bits(w3, n * VB, VB) << VB);            \
+      mma16816<kB>(o[C::ntoff(S) + n], a, lut[i0 * 32], lut[i1 * 32]);                                 \
+    }                                                                                                  \
+  }
+          if (s == 0) KVQ_VPAIRS(0)
+          if constexpr (C::NSEG == 2) {
+            if (s == 1) KVQ_VPAIRS(1)
+          }
+#undef KVQ_VPAIRS
+        }
+      }
+    }
+    __syncwarp();
+    if (i + C::STAGES - 1 < nloc) issue(i + C::STAGES - 1);
+    cp_async_commit();
+  }
+  cp_async_wait<0>();
+
+  // ---- merge the warps ----
+  l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
+  l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
+  z_run += __shfl_xor_sync(0xffffffffu, z_run, 1);
+  z_run += __shfl_xor_sync(0xffffffffu, z_run, 2);
+  __syncthreads();
+  constexpr int RS = D + 3;
+  float* red = reinterpret_cast<float*>(sm.stages);
+  if (g < G) {
+    float* rr = red + (w * kMaxGroup + g) * RS;
+#pragma unroll
+    for (int s = 0; s < C::NSEG; ++s) {
+#pragma unroll
+      for (int n = 0; n < C::NT(s); ++n) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float* c = o[C::ntoff(s) + n];
+          rr[C::soff(s) + C::NT(s) * (2 * t4 + e) + n] = c[e] + c[2 + e];
+        }
+      }
+    }
+    if (t4 == 0) {
+      rr[D] = nloc > 0 ? m_run : -INFINITY;
+      rr[D + 1] = l_run;
+      rr[D + 2] = z_run;
+    }
+  }
+  __syncthreads();
+  for (int idx = tid; idx < G * D; idx += C::THREADS) {
+    const int h = idx / D, d = idx % D;
+    float M = -INFINITY;
+    for (int ww = 0; ww < C::WARPS; ++ww) M = fmaxf(M, red[(ww * kMaxGroup + h) * RS + D]);
+    float sum = 0, acc = 0;
+    if (M != -INFINITY) {
+      for (int ww = 0; ww < C::WARPS; ++ww) {
+        const float* rr = red + (ww * kMaxGroup + h) * RS;
+        if (rr[D] == -INFINITY) continue;
+        const float f = exp2f(rr[D] - M);
+        sum += f * rr[D + 1];
+        acc += f * (rr[d] + rr[D + 2]);
+      }
+    }
+    po[static_cast<std::size_t>(h) * NS * D + d] = sum > 0 ? acc / sum : 0.0f;
+    if (d == 0) plse[static_cast<std::size_t>(h) * NS] = sum > 0 ? M + log2f(sum) : -INFINITY;
+  }
+}
+
+}  // namespace kvq::cuda::detail

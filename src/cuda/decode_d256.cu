@@ -1,0 +1,6 @@
+// Decode kernels for head_dim 256 (every supported format); see decode.cuh.
+#include "decode_launch.cuh"
+
+namespace kvq::cuda::detail {
+KVQ_DEFINE_DECODE_D(256)
+}  // namespace kvq::cuda::detail

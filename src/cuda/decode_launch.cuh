@@ -1,0 +1,68 @@
+// decode_launch.cuh: instantiation of the decode kernel for every supported format at one
+// head_dim (included by decode_d64.cu, decode_d96.cu, ...; one file per head_dim keeps builds
+// parallel).
+#pragma once
+
+#include "decode.cuh"
+
+namespace kvq::cuda::detail {
+
+// (key code, key bits hi, key bits lo, value code, value bits hi, value bits lo); lo = 0: no split.
+#define KVQ_DECODE_FORMATS(X, D)                                  \
+  X(D, KeyCode::kBf16, 16, 0, ValueCode::kBf16, 16, 0)            \
+  X(D, KeyCode::kFp8, 8, 0, ValueCode::kUniform, 4, 0)            \
+  X(D, KeyCode::kTq, 4, 0, ValueCode::kUniform, 4, 0)             \
+  X(D, KeyCode::kTq, 3, 0, ValueCode::kUniform, 4, 0)             \
+  X(D, KeyCode::kTq, 3, 0, ValueCode::kUniform, 3, 0)             \
+  X(D, KeyCode::kTq, 4, 0, ValueCode::kTq, 4, 0)                  \
+  X(D, KeyCode::kTq, 3, 0, ValueCode::kTq, 3, 0)                  \
+  X(D, KeyCode::kTq, 4, 3, ValueCode::kTq, 4, 3)                  \
+  X(D, KeyCode::kTq, 3, 2, ValueCode::kTq, 3, 2)
+
+template <class C>
+cudaError_t launch_decode(const DecodeParams& p, int nsplit, int cps, float* po, float* pl, cudaStream_t st) {
+  const PageLayout& pg = p.fmt.page;
+  if (pg.tokens != 64 || pg.key_code_bytes != static_cast<std::uint32_t>(C::KCB) ||
+      pg.value_code_bytes != static_cast<std::uint32_t>(C::VCB) || pg.meta_bytes != static_cast<std::uint32_t>(C::MB) ||
+      pg.key_meta_bytes != static_cast<std::uint32_t>(C::KMB) || p.fmt.seg_dims[0] != C::sd(0))
+    return cudaErrorInvalidValue;
+  cudaError_t e = cudaFuncSetAttribute(decode_kernel<C>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
+  if (e != cudaSuccess) return e;
+  const dim3 grid(static_cast<unsigned>(nsplit + (p.protect.enabled() ? 1 : 0)), static_cast<unsigned>(p.fmt.kv_heads),
+                  static_cast<unsigned>(p.batch));
+  decode_kernel<C><<<grid, C::THREADS, C::SMEM, st>>>(p, nsplit, cps, po, pl);
+  return cudaGetLastError();
+}
+
+inline bool format_is(const FormatDesc& f, KeyCode kc, int kb0, int kb1, ValueCode vc, int vb0, int vb1) {
+  const int fk1 = f.segments == 2 ? f.key_bits[1] : 0, fv1 = f.segments == 2 ? f.value_bits[1] : 0;
+  return f.key == kc && f.key_bits[0] == kb0 && fk1 == kb1 && f.value == vc && f.value_bits[0] == vb0 && fv1 == vb1;
+}
+
+#define KVQ_DECODE_CASE(D, KC, KB0, KB1, VC, VB0, VB1) \
+  if (format_is(fmt, KC, KB0, KB1, VC, VB0, VB1))      \
+    return launch_decode<Cfg<D, KC, KB0, KB1, VC, VB0, VB1>>(p, nsplit, cps, po, pl, st);
+
+#define KVQ_DEFINE_DECODE_D(D)                                                                                   \
+  cudaError_t launch_decode_d##D(const DecodeParams& p, int nsplit, int cps, float* po, float* pl, cudaStream_t st) { \
+    const FormatDesc& fmt = p.fmt;                                                                               \
+    KVQ_DECODE_FORMATS(KVQ_DECODE_CASE, D)                                                                      \
+    return cudaErrorInvalidValue;                                                                               \
+  }                                                                                                              \
+  bool supported_d##D(const FormatDesc& fmt) {                                                                   \
+    KVQ_DECODE_FORMATS(KVQ_SUPPORTED_CASE, D)                                                                   \
+    return false;                                                                                                \
+  }
+#define KVQ_SUPPORTED_CASE(D, KC, KB0, KB1, VC, VB0, VB1) \
+  if (format_is(fmt, KC, KB0, KB1, VC, VB0, VB1)) return true;
+
+cudaError_t launch_decode_d64(const DecodeParams&, int, int, float*, float*, cudaStream_t);
+cudaError_t launch_decode_d96(const DecodeParams&, int, int, float*, float*, cudaStream_t);
+cudaError_t launch_decode_d128(const DecodeParams&, int, int, float*, float*, cudaStream_t);
+cudaError_t launch_decode_d256(const DecodeParams&, int, int, float*, float*, cudaStream_t);
+bool supported_d64(const FormatDesc&);
+bool supported_d96(const FormatDesc&);
+bool supported_d128(const FormatDesc&);
+bool supported_d256(const FormatDesc&);
+
+}  // namespace kvq::cuda::detail

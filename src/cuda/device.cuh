@@ -1,0 +1,114 @@
+// device.cuh: small device helpers shared by the store and decode kernels: tensor-core mma,
+// cp.async, fp16/bf16 packing, the block-diagonal Walsh-Hadamard transform over shared memory.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <cstdint>
+
+namespace kvq::cuda::detail {
+
+// D = A * B + D, m16n8k16, fp16 or bf16 operands, fp32 accumulators (PTX ISA fragment layout:
+// a0..a3 rows g / g+8 and k pairs 2t..2t+1 / 2t+8..; b0, b1 k pairs of column g; c0, c1 row g,
+// columns 2t, 2t+1; c2, c3 row g + 8; g = lane / 4, t = lane % 4).
+template <bool kBf16>
+__device__ __forceinline__ void mma16816(float (&c)[4], const std::uint32_t (&a)[4], std::uint32_t b0, std::uint32_t b1) {
+  if constexpr (kBf16) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// Two floats rounded to a packed (lo, hi) pair of fp16 or bf16, and the rounding residuals.
+template <bool kBf16>
+__device__ __forceinline__ std::uint32_t pack2(float lo, float hi) {
+  if constexpr (kBf16) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const std::uint32_t*>(&v);
+  } else {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const std::uint32_t*>(&v);
+  }
+}
+template <bool kBf16>
+__device__ __forceinline__ float round_elt(float x) {
+  if constexpr (kBf16) return __bfloat162float(__float2bfloat16_rn(x));
+  else return __half2float(__float2half_rn(x));
+}
+// x = hi + lo with hi, lo in the 16-bit type: about twice its precision.
+template <bool kBf16>
+__device__ __forceinline__ void split2(float x0, float x1, std::uint32_t& hi, std::uint32_t& lo) {
+  const float h0 = round_elt<kBf16>(x0), h1 = round_elt<kBf16>(x1);
+  hi = pack2<kBf16>(h0, h1);
+  lo = pack2<kBf16>(x0 - h0, x1 - h1);
+}
+
+__device__ __forceinline__ std::uint32_t fp8x2_to_half2(std::uint32_t two_bytes) {
+  const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two_bytes & 0xffffu), __NV_E4M3);
+  return static_cast<std::uint32_t>(r.x) | (static_cast<std::uint32_t>(r.y) << 16);
+}
+
+__device__ __forceinline__ float half_bits_to_float(std::uint16_t h) { return __half2float(__ushort_as_half(h)); }
+__device__ __forceinline__ float bf16_bits_to_float(std::uint16_t h) { return __uint_as_float(static_cast<std::uint32_t>(h) << 16); }
+
+// Block size and offset of element j under the block-diagonal Hadamard of dimension n
+// (power-of-two blocks, largest first, as kvq::hadamard_blocks).
+__device__ __forceinline__ int hadamard_block(int n, int j, int& off) {
+  off = 0;
+  for (int b = 1 << 12; b >= 1; b >>= 1) {
+    if (n & b) {
+      if (j < off + b) return b;
+      off += b;
+    }
+  }
+  return 1;
+}
+
+// In-place orthonormal block FWHT of `count` vectors of n floats (stride `stride`) in shared
+// memory, by the threads [0, nthreads) of the block; same operation order as kvq::fwht (sums and
+// differences per stage, scale 1/sqrt(block) last). Caller synchronizes before and after.
+__device__ inline void smem_fwht(float* x, int n, int count, int stride, int tid, int nthreads) {
+  for (int h = 1; h < n; h <<= 1) {
+    for (int i = tid; i < count * n; i += nthreads) {
+      const int v = i / n, j = i % n;
+      int off;
+      const int bs = hadamard_block(n, j, off);
+      if (h < bs && ((j - off) & h) == 0) {
+        float* p = x + v * stride;
+        const float a = p[j], b = p[j + h];
+        p[j] = a + b;
+        p[j + h] = a - b;
+      }
+    }
+    __syncthreads();
+  }
+  for (int i = tid; i < count * n; i += nthreads) {
+    const int v = i / n, j = i % n;
+    int off;
+    const int bs = hadamard_block(n, j, off);
+    x[v * stride + j] *= static_cast<float>(1.0 / sqrt(static_cast<double>(bs)));
+  }
+}
+
+}  // namespace kvq::cuda::detail

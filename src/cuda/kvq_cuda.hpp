@@ -1,0 +1,130 @@
+// kvq_cuda.hpp: launchers of the CUDA kernels for TurboQuant / uniform / fp8 / bf16 GQA caches.
+//
+// Every launcher takes raw device pointers and a plain Params struct and returns a cudaError_t
+// (cudaErrorInvalidValue for a shape or format it does not support; it never throws). Pages are
+// laid out exactly as kvq::PageLayout (include/kvq/page_layout.hpp) declares; each layer has its
+// own page pool and a launch works on one layer. The per-layer constants of a format (sign
+// diagonals, channel permutation of the outlier split, codebooks) live in device memory owned
+// by LayerTables, built from kvq::make_quantizers so that the kernels and the CPU references
+// read the same numbers. docs/kernels.md describes the kernels.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "kvq/cuda_protect.hpp"
+#include "kvq/formats.hpp"
+#include "kvq/page_layout.hpp"
+
+namespace kvq::cuda {
+
+enum class KeyCode : std::int32_t { kBf16 = 0, kFp8 = 1, kTq = 2 };
+enum class ValueCode : std::int32_t { kBf16 = 0, kUniform = 1, kTq = 2 };
+
+inline constexpr int kMaxSegments = 2;
+inline constexpr int kMaxCodebook = 256;
+
+// What the kernels need to know about one layer's format. Segments: 1, or 2 for the outlier
+// split (segment 0 = the outlier channels with more bits, segment 1 = the rest); segment-order
+// position i of a head's vector is channel perm[i].
+struct FormatDesc {
+  KeyCode key = KeyCode::kBf16;
+  ValueCode value = ValueCode::kBf16;
+  std::int32_t head_dim = 0;
+  std::int32_t kv_heads = 0;
+  std::int32_t segments = 1;
+  std::int32_t seg_dims[kMaxSegments] = {0, 0};
+  std::int32_t key_bits[kMaxSegments] = {16, 0};
+  std::int32_t value_bits[kMaxSegments] = {16, 0};
+  PageLayout page;
+  // Device tables, [kv_heads][head_dim] in segment order (nullptr where the format has none).
+  const float* key_signs = nullptr;
+  const float* value_signs = nullptr;
+  const std::int32_t* key_perm = nullptr;
+  const std::int32_t* value_perm = nullptr;
+  // [kMaxSegments][kMaxCodebook]: centroids (2^bits) and midpoints (2^bits - 1) per segment.
+  const float* key_centroids = nullptr;
+  const float* key_edges = nullptr;
+  const float* value_centroids = nullptr;
+  const float* value_edges = nullptr;
+};
+
+// Device copies of one layer's format constants. Built on the host from make_quantizers(f, g,
+// layer, head) for every KV head; kvq::Error if the format has no kernel (QJL, MLA formats).
+class LayerTables {
+ public:
+  LayerTables(const FormatSpec& f, const CacheGeometry& g, int layer, const OutlierChannels* outliers = nullptr);
+  ~LayerTables();
+  LayerTables(const LayerTables&) = delete;
+  LayerTables& operator=(const LayerTables&) = delete;
+  const FormatDesc& desc() const { return desc_; }
+
+ private:
+  FormatDesc desc_;
+  void* dev_ = nullptr;
+};
+
+// True when the decode kernel has an instantiation for this format and head_dim.
+bool decode_supported(const FormatDesc& f);
+
+// ---- store ---------------------------------------------------------------------------------
+// Quantizes n_tokens new (key, value) rows per KV head and writes them into their paged slots;
+// with a protection buffer also copies protected positions' bf16 rows there.
+struct StoreParams {
+  FormatDesc fmt;
+  const std::uint16_t* key = nullptr;    // bf16 [n_tokens][kv_heads][head_dim], token stride below
+  const std::uint16_t* value = nullptr;  // bf16 [n_tokens][kv_heads][head_dim]
+  std::int64_t key_token_stride = 0;     // elements between tokens (0: kv_heads * head_dim)
+  std::int64_t value_token_stride = 0;
+  const std::int64_t* slot_mapping = nullptr;  // [n_tokens]: page * page.tokens + offset; < 0 skips
+  std::int32_t n_tokens = 0;
+  std::uint8_t* pool = nullptr;          // the layer's page pool
+  // Optional protection rows.
+  ProtectLayout protect;
+  std::uint16_t* protect_rows = nullptr;
+  const std::int32_t* positions = nullptr;  // [n_tokens] position of the token in its sequence
+  const std::int32_t* seq_ids = nullptr;    // [n_tokens] batch row
+};
+cudaError_t store(const StoreParams& p, cudaStream_t stream = nullptr);
+
+// ---- decode --------------------------------------------------------------------------------
+// One query token per sequence: out[b][h] = softmax(scale * q K^T) V over positions
+// [0, seq_lens[b]) of sequence b, query head h reading KV head h / (q_heads / kv_heads).
+struct DecodeParams {
+  FormatDesc fmt;
+  const std::uint8_t* pool = nullptr;
+  const std::int32_t* block_tables = nullptr;  // [batch][max_pages] page ids into pool
+  std::int32_t max_pages = 0;
+  const std::int32_t* seq_lens = nullptr;      // [batch]
+  std::int32_t batch = 0;
+  std::int32_t q_heads = 0;
+  std::int32_t max_seq_len = 0;  // host-side bound of seq_lens, used for the split count
+  const float* q = nullptr;      // [batch][q_heads][head_dim]
+  float* out = nullptr;          // [batch][q_heads][head_dim]
+  float scale = 0;               // softmax scale
+  ProtectLayout protect;                          // sinks + window (0 + 0: none)
+  const std::uint16_t* protect_rows = nullptr;    // required when protect.enabled()
+  void* workspace = nullptr;
+  std::size_t workspace_bytes = 0;
+  std::int32_t num_splits = 0;   // 0: chosen from batch x heads x length to fill the SMs
+  std::int32_t sm_count = 0;     // 0: read from the current device
+};
+// Split count the launcher will use, and the workspace it needs.
+int decode_splits(const DecodeParams& p);
+std::size_t decode_workspace_bytes(const DecodeParams& p);
+cudaError_t decode(const DecodeParams& p, cudaStream_t stream = nullptr);
+
+// Bytes the decode kernel must read for one launch (codes, metadata, protected bf16 rows and
+// block tables), the figure the benchmark divides by time.
+std::size_t decode_bytes_read(const FormatDesc& f, const int* seq_lens_host, int batch, const ProtectLayout& prot);
+
+// ---- benchmark helpers -----------------------------------------------------------------
+// Random, finite page contents for a format (codes, fp16 metadata) and random bf16 rows.
+cudaError_t fill_random_pages(const FormatDesc& f, std::uint8_t* pool, std::size_t n_pages, std::uint64_t seed,
+                              cudaStream_t stream = nullptr);
+cudaError_t fill_random_bf16(std::uint16_t* p, std::size_t n, std::uint64_t seed, cudaStream_t stream = nullptr);
+
+}  // namespace kvq::cuda

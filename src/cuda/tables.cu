@@ -1,0 +1,187 @@
+// Host side of the CUDA kernels: device copies of a layer's format constants (sign diagonals,
+// outlier-split channel order, codebooks), read off the same kvq_quant quantizers the CPU cache
+// uses, and the byte count a decode launch must read.
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "kvq/codebook.hpp"
+#include "kvq/quantizers.hpp"
+#include "kvq/rotation.hpp"
+#include "kvq_cuda.hpp"
+
+namespace kvq::cuda {
+
+namespace {
+
+// Sign diagonal of every segment of a TurboQuant-family quantizer, in segment order, read from
+// prepare_query on unit vectors: column i of a Sylvester Hadamard block is positive in the
+// block's first row, so the sign of that output is the sign applied to input i.
+void extract_signs(const VectorQuantizer& q, const std::vector<int>& perm, const std::vector<int>& seg_dims,
+                   float* signs) {
+  const int d = q.dim();
+  std::vector<float> e(static_cast<std::size_t>(d), 0.0f), out(static_cast<std::size_t>(q.query_dim()));
+  int seg_off = 0;
+  for (int sd : seg_dims) {
+    const std::vector<int> blocks = hadamard_blocks(sd);
+    for (int i = 0; i < sd; ++i) {
+      int boff = 0;
+      for (int b : blocks) {
+        if (i < boff + b) break;
+        boff += b;
+      }
+      const int ch = perm[static_cast<std::size_t>(seg_off + i)];
+      e[static_cast<std::size_t>(ch)] = 1.0f;
+      q.prepare_query(e.data(), out.data());
+      e[static_cast<std::size_t>(ch)] = 0.0f;
+      signs[seg_off + i] = out[static_cast<std::size_t>(seg_off + boff)] < 0 ? -1.0f : 1.0f;
+    }
+    seg_off += sd;
+  }
+}
+
+void put_codebook(const Codebook& cb, float* cent, float* edges) {
+  for (std::size_t i = 0; i < cb.centroids_f.size(); ++i) cent[i] = cb.centroids_f[i];
+  for (std::size_t i = 0; i < cb.edges_f.size(); ++i) edges[i] = cb.edges_f[i];
+}
+
+}  // namespace
+
+LayerTables::LayerTables(const FormatSpec& f, const CacheGeometry& g, int layer, const OutlierChannels* outliers) {
+  require(!g.mla, "LayerTables: MLA formats have their own kernels");
+  require(g.head_dim == g.v_head_dim, "LayerTables: the CUDA kernels need equal key and value head dims");
+  const int d = g.head_dim, h = g.n_kv_heads;
+  FormatDesc& fd = desc_;
+  fd.head_dim = d;
+  fd.kv_heads = h;
+  fd.page = page_layout(f, g);
+  const bool split = f.kind == FormatKind::kTqSplit;
+  const int n_hi = split ? split_outlier_count(f, d) : d;
+  fd.segments = split ? 2 : 1;
+  fd.seg_dims[0] = n_hi;
+  fd.seg_dims[1] = split ? d - n_hi : 0;
+  switch (f.kind) {
+    case FormatKind::kBf16:
+      fd.key = KeyCode::kBf16;
+      fd.value = ValueCode::kBf16;
+      fd.key_bits[0] = fd.value_bits[0] = 16;
+      break;
+    case FormatKind::kTqVllm:
+      fd.key = f.fp8_keys ? KeyCode::kFp8 : KeyCode::kTq;
+      fd.key_bits[0] = f.fp8_keys ? 8 : f.key_bits;
+      fd.value = ValueCode::kUniform;
+      fd.value_bits[0] = f.value_bits;
+      break;
+    case FormatKind::kTqOurs:
+      fd.key = KeyCode::kTq;
+      fd.value = ValueCode::kTq;
+      fd.key_bits[0] = f.key_bits;
+      fd.value_bits[0] = f.value_bits;
+      break;
+    case FormatKind::kTqSplit:
+      fd.key = KeyCode::kTq;
+      fd.value = ValueCode::kTq;
+      fd.key_bits[0] = f.key_bits + 1;
+      fd.key_bits[1] = f.key_bits;
+      fd.value_bits[0] = f.value_bits + 1;
+      fd.value_bits[1] = f.value_bits;
+      break;
+    default:
+      fail("format '" + f.name + "' has no CUDA kernel");
+  }
+  const std::size_t hd = static_cast<std::size_t>(h) * static_cast<std::size_t>(d);
+  std::vector<float> ks(hd, 1.0f), vs(hd, 1.0f);
+  std::vector<std::int32_t> kp(hd), vp(hd);
+  std::vector<float> kc(2 * kMaxCodebook, 0.0f), ke(2 * kMaxCodebook, 0.0f), vc(2 * kMaxCodebook, 0.0f),
+      ve(2 * kMaxCodebook, 0.0f);
+  const std::vector<int> seg_dims = split ? std::vector<int>{n_hi, d - n_hi} : std::vector<int>{d};
+  for (int head = 0; head < h; ++head) {
+    const QuantizerPair qp = make_quantizers(f, g, layer, head, outliers);
+    for (int which = 0; which < 2; ++which) {
+      const VectorQuantizer& q = which == 0 ? *qp.key : *qp.value;
+      std::int32_t* perm = (which == 0 ? kp.data() : vp.data()) + static_cast<std::size_t>(head) * d;
+      float* signs = (which == 0 ? ks.data() : vs.data()) + static_cast<std::size_t>(head) * d;
+      float* cent = which == 0 ? kc.data() : vc.data();
+      float* edges = which == 0 ? ke.data() : ve.data();
+      std::vector<int> order(static_cast<std::size_t>(d));
+      for (int i = 0; i < d; ++i) order[static_cast<std::size_t>(i)] = i;
+      if (const auto* os = dynamic_cast<const OutlierSplit*>(&q)) {
+        std::vector<char> hi(static_cast<std::size_t>(d), 0);
+        int k = 0;
+        for (int c : os->outliers()) {
+          hi[static_cast<std::size_t>(c)] = 1;
+          order[static_cast<std::size_t>(k++)] = c;
+        }
+        require(k == n_hi, "LayerTables: outlier count differs from the format's");
+        for (int c = 0; c < d; ++c)
+          if (!hi[static_cast<std::size_t>(c)]) order[static_cast<std::size_t>(k++)] = c;
+        extract_signs(q, order, seg_dims, signs);
+        const int bits_hi = which == 0 ? fd.key_bits[0] : fd.value_bits[0];
+        const int bits_lo = which == 0 ? fd.key_bits[1] : fd.value_bits[1];
+        put_codebook(sphere_codebook(n_hi, bits_hi), cent, edges);
+        put_codebook(sphere_codebook(d - n_hi, bits_lo), cent + kMaxCodebook, edges + kMaxCodebook);
+      } else if (const auto* tq = dynamic_cast<const TurboQuantMse*>(&q)) {
+        require(tq->norm_correction(), "LayerTables: TurboQuant without norm correction has no kernel");
+        extract_signs(q, order, seg_dims, signs);
+        put_codebook(tq->codebook(), cent, edges);
+      } else if (const auto* ua = dynamic_cast<const UniformAffine*>(&q)) {
+        require(ua->group() == d, "LayerTables: only per-vector uniform values have a kernel");
+        for (int i = 0; i < (1 << ua->bits()); ++i) cent[i] = static_cast<float>(i);
+      }
+      for (int i = 0; i < d; ++i) perm[i] = order[static_cast<std::size_t>(i)];
+    }
+  }
+  // One allocation: key signs, value signs, key perm, value perm, 4 codebook tables.
+  const std::size_t nf = 2 * hd, ni = 2 * hd, nc = 8 * static_cast<std::size_t>(kMaxCodebook);
+  const std::size_t bytes = (nf + nc) * sizeof(float) + ni * sizeof(std::int32_t);
+  if (cudaMalloc(&dev_, bytes) != cudaSuccess) fail("LayerTables: cudaMalloc of " + std::to_string(bytes) + " bytes failed");
+  std::vector<std::uint8_t> host(bytes);
+  std::uint8_t* p = host.data();
+  auto put = [&](const void* src, std::size_t n) {
+    std::memcpy(p, src, n);
+    p += n;
+  };
+  put(ks.data(), hd * 4);
+  put(vs.data(), hd * 4);
+  put(kc.data(), kMaxCodebook * 8);
+  put(ke.data(), kMaxCodebook * 8);
+  put(vc.data(), kMaxCodebook * 8);
+  put(ve.data(), kMaxCodebook * 8);
+  put(kp.data(), hd * 4);
+  put(vp.data(), hd * 4);
+  if (cudaMemcpy(dev_, host.data(), bytes, cudaMemcpyHostToDevice) != cudaSuccess) fail("LayerTables: cudaMemcpy failed");
+  const auto* base = static_cast<const std::uint8_t*>(dev_);
+  fd.key_signs = reinterpret_cast<const float*>(base);
+  fd.value_signs = reinterpret_cast<const float*>(base + hd * 4);
+  fd.key_centroids = reinterpret_cast<const float*>(base + hd * 8);
+  fd.key_edges = fd.key_centroids + 2 * kMaxCodebook;
+  fd.value_centroids = fd.key_edges + 2 * kMaxCodebook;
+  fd.value_edges = fd.value_centroids + 2 * kMaxCodebook;
+  fd.key_perm = reinterpret_cast<const std::int32_t*>(fd.value_edges + 2 * kMaxCodebook);
+  fd.value_perm = fd.key_perm + hd;
+}
+
+LayerTables::~LayerTables() {
+  if (dev_) cudaFree(dev_);
+}
+
+std::size_t decode_bytes_read(const FormatDesc& f, const int* seq_lens_host, int batch, const ProtectLayout& prot) {
+  const PageLayout& pg = f.page;
+  const std::size_t per_token_head = pg.key_code_bytes + pg.value_code_bytes + pg.meta_bytes;
+  std::size_t total = 0;
+  for (int b = 0; b < batch; ++b) {
+    const std::int64_t L = seq_lens_host[b];
+    std::int64_t lo = 0, hi = L, nprot = 0;
+    if (prot.enabled()) {
+      lo = prot.packed_begin(L);
+      hi = prot.packed_end(L);
+      nprot = L - (hi - lo);
+    }
+    total += static_cast<std::size_t>(hi - lo) * per_token_head * static_cast<std::size_t>(f.kv_heads);
+    total += static_cast<std::size_t>(nprot) * 4u * static_cast<std::size_t>(f.head_dim) * static_cast<std::size_t>(f.kv_heads);
+    total += static_cast<std::size_t>((L + pg.tokens - 1) / pg.tokens) * 4u;
+  }
+  return total;
+}
+
+}  // namespace kvq::cuda

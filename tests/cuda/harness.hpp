@@ -1,0 +1,54 @@
+// harness.hpp: the tiny test harness of the GPU tests (no GoogleTest on the GPU host). CHECK
+// counts a result and prints failures; finish() prints "N passed, M failed" as the last line and
+// returns the exit status. A process without a usable GPU prints why and exits 0 (skip).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+namespace kvq::cudatest {
+
+struct Counter {
+  int passed = 0, failed = 0;
+};
+inline Counter& counter() {
+  static Counter c;
+  return c;
+}
+inline bool check(bool ok, const std::string& what) {
+  if (ok) {
+    ++counter().passed;
+  } else {
+    ++counter().failed;
+    std::printf("FAILED: %s\n", what.c_str());
+  }
+  return ok;
+}
+inline int finish() {
+  std::printf("%d passed, %d failed\n", counter().passed, counter().failed);
+  return counter().failed == 0 ? 0 : 1;
+}
+inline bool gpu_present() {
+  int n = 0;
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess || n == 0) {
+    std::printf("no CUDA device (%s): GPU tests skipped\n", e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
+    return false;
+  }
+  return true;
+}
+// Aborts the test binary on a CUDA API failure (later results would be meaningless).
+#define KVQ_CUDA_OK(expr)                                                                                \
+  do {                                                                                                   \
+    const cudaError_t kvq_e_ = (expr);                                                                   \
+    if (kvq_e_ != cudaSuccess) {                                                                         \
+      std::printf("FAILED: %s -> %s (%s:%d)\n", #expr, cudaGetErrorString(kvq_e_), __FILE__, __LINE__); \
+      ++::kvq::cudatest::counter().failed;                                                               \
+      std::exit(::kvq::cudatest::finish());                                                              \
+    }                                                                                                    \
+  } while (0)
+
+}  // namespace kvq::cudatest

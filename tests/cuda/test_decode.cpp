@@ -1,0 +1,375 @@
+// GPU tests of the GQA store and decode kernels against the scalar references of kvq_quant.
+//
+// Each case packs a paged cache on the CPU with make_quantizers (the oracle), uploads it, runs
+// the decode kernel and compares with attention computed in double over the decoded rows of the
+// same packed cache (protected positions from their bf16 rows): output NMSE <= 1e-5 (the error
+// budget of docs/kernels.md), NaN never passes, outputs poisoned before every run, the pool
+// poisoned with 0xff bytes (NaN in every float type) outside the written records. The store
+// kernel packs the same rows on the GPU and must reproduce the CPU bytes (tolerating records
+// whose double-precision norm rounds differently, counted and bounded). Inputs: Gaussian rows
+// with outlier channels and the tiny-gqa fixture keys / values (before RoPE: a kernel test needs
+// none). `--small` runs a reduced set (for compute-sanitizer).
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "harness.hpp"
+#include "kvq/cuda_protect.hpp"
+#include "kvq/formats.hpp"
+#include "kvq/numeric.hpp"
+#include "kvq/quantizers.hpp"
+#include "kvq/safetensors.hpp"
+#include "kvq_cuda.hpp"
+
+using namespace kvq;
+using kvq::cudatest::check;
+
+namespace {
+
+struct Case {
+  std::string fmt;
+  int d = 128, hq = 32, hkv = 8;
+  std::vector<int> lens;
+  bool fixture = false;
+  int sinks = 0, window = 0;
+  int splits = 0;
+  unsigned seed = 1;
+};
+
+template <class T>
+T* upload(const std::vector<T>& v) {
+  T* p = nullptr;
+  KVQ_CUDA_OK(cudaMalloc(&p, std::max<std::size_t>(1, v.size() * sizeof(T))));
+  if (!v.empty()) KVQ_CUDA_OK(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return p;
+}
+
+std::vector<float> fixture_all(const std::string& name) {
+  static SafetensorsFile f(std::string(KVQ_SOURCE_DIR) + "/models/tiny-gqa/reference.safetensors");
+  return f.get(name).to_float();  // [512][256]
+}
+
+double run_case(const Case& c) {
+  const FormatSpec& f = find_format(c.fmt);
+  CacheGeometry g;
+  g.n_layers = 1;
+  g.n_kv_heads = c.hkv;
+  g.head_dim = c.d;
+  g.v_head_dim = c.d;
+  const int B = static_cast<int>(c.lens.size()), D = c.d, H = c.hkv, G = c.hq / c.hkv;
+  const int maxL = *std::max_element(c.lens.begin(), c.lens.end());
+  std::mt19937 rng(c.seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+
+  // Rows [b][t][h][D], rounded to bf16 (the kernels' input type).
+  std::vector<std::vector<float>> K(B), V(B);
+  std::vector<float> fk, fv;
+  if (c.fixture) {
+    fk = fixture_all("layer1.k");
+    fv = fixture_all("layer1.v");
+  }
+  std::vector<float> chscale(static_cast<std::size_t>(D), 1.0f);
+  for (int i = 0; i < D; i += 9) chscale[static_cast<std::size_t>(i)] = 6.0f;
+  for (int b = 0; b < B; ++b) {
+    const std::size_t n = static_cast<std::size_t>(c.lens[static_cast<std::size_t>(b)]) * H * D;
+    K[b].resize(n);
+    V[b].resize(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      const int dd = static_cast<int>(i % D), h = static_cast<int>((i / D) % H);
+      const std::size_t t = i / (static_cast<std::size_t>(D) * H);
+      if (c.fixture) {
+        const std::size_t src = ((t + 37 * static_cast<std::size_t>(b)) % 512) * 256 + static_cast<std::size_t>((h % 2) * 128 + dd);
+        K[b][i] = fk[src];
+        V[b][i] = fv[src];
+      } else {
+        K[b][i] = nd(rng) * chscale[static_cast<std::size_t>(dd)] + 0.3f;
+        V[b][i] = nd(rng) * (dd % 17 == 0 ? 3.0f : 1.0f);
+      }
+      K[b][i] = round_bf16(K[b][i]);
+      V[b][i] = round_bf16(V[b][i]);
+    }
+  }
+  // Outlier channels for the split formats (from the data itself: a kernel test).
+  OutlierChannels oc;
+  if (f.kind == FormatKind::kTqSplit) {
+    const int cnt = split_outlier_count(f, D);
+    oc.key.resize(1);
+    oc.value.resize(1);
+    for (int h = 0; h < H; ++h) {
+      std::vector<float> kr, vr;
+      for (int b = 0; b < B; ++b)
+        for (int t = 0; t < c.lens[static_cast<std::size_t>(b)]; ++t)
+          for (int dd = 0; dd < D; ++dd) {
+            kr.push_back(K[b][(static_cast<std::size_t>(t) * H + h) * D + dd]);
+            vr.push_back(V[b][(static_cast<std::size_t>(t) * H + h) * D + dd]);
+          }
+      oc.key[0].push_back(select_outlier_channels(kr.data(), kr.size() / D, D, cnt));
+      oc.value[0].push_back(select_outlier_channels(vr.data(), vr.size() / D, D, cnt));
+    }
+  }
+  std::vector<QuantizerPair> qp;
+  for (int h = 0; h < H; ++h) qp.push_back(make_quantizers(f, g, 0, h, &oc));
+  const PageLayout pl = page_layout(f, g);
+
+  // Pages: shuffled ids, block tables [B][max_pages].
+  const int max_pages = (maxL + 63) / 64;
+  int n_pages = 0;
+  for (int L : c.lens) n_pages += (L + 63) / 64;
+  std::vector<int> ids(static_cast<std::size_t>(n_pages));
+  std::iota(ids.begin(), ids.end(), 0);
+  std::shuffle(ids.begin(), ids.end(), rng);
+  std::vector<std::int32_t> bt(static_cast<std::size_t>(B) * max_pages, -1);
+  {
+    int k = 0;
+    for (int b = 0; b < B; ++b)
+      for (int p = 0; p < (c.lens[static_cast<std::size_t>(b)] + 63) / 64; ++p)
+        bt[static_cast<std::size_t>(b) * max_pages + p] = ids[static_cast<std::size_t>(k++)];
+  }
+  std::vector<std::uint8_t> pool(static_cast<std::size_t>(n_pages) * pl.page_bytes, 0xff);
+  ProtectLayout pr;
+  pr.sinks = c.sinks;
+  pr.window = c.window;
+  pr.kv_heads = H;
+  pr.head_dim = D;
+  std::vector<std::uint16_t> prot(pr.enabled() ? pr.elements(B) : 0, 0xffff);
+  // Decoded rows for the reference.
+  std::vector<std::vector<float>> Kd(B), Vd(B);
+  std::vector<std::uint16_t> kbf, vbf;  // store-kernel input [tokens][H][D]
+  std::vector<std::int64_t> slots;
+  std::vector<std::int32_t> positions, seq_ids;
+  for (int b = 0; b < B; ++b) {
+    const int L = c.lens[static_cast<std::size_t>(b)];
+    Kd[b].resize(K[b].size());
+    Vd[b].resize(V[b].size());
+    for (int t = 0; t < L; ++t) {
+      const int page = bt[static_cast<std::size_t>(b) * max_pages + t / 64], off = t % 64;
+      std::uint8_t* base = pool.data() + static_cast<std::size_t>(page) * pl.page_bytes;
+      slots.push_back(static_cast<std::int64_t>(page) * 64 + off);
+      positions.push_back(t);
+      seq_ids.push_back(b);
+      for (int h = 0; h < H; ++h) {
+        const std::size_t r = (static_cast<std::size_t>(t) * H + h) * D;
+        qp[static_cast<std::size_t>(h)].key->encode(&K[b][r], base + pl.key_code(h, off), base + pl.key_meta(h, off));
+        qp[static_cast<std::size_t>(h)].value->encode(&V[b][r], base + pl.value_code(h, off), base + pl.value_meta(h, off));
+        for (std::uint32_t i = pl.key_meta_bytes + pl.value_meta_bytes; i < pl.meta_bytes; ++i) base[pl.key_meta(h, off) + i] = 0;
+        qp[static_cast<std::size_t>(h)].key->decode(base + pl.key_code(h, off), base + pl.key_meta(h, off), &Kd[b][r]);
+        qp[static_cast<std::size_t>(h)].value->decode(base + pl.value_code(h, off), base + pl.value_meta(h, off), &Vd[b][r]);
+        for (int dd = 0; dd < D; ++dd) {
+          kbf.push_back(float_to_bf16(K[b][r + static_cast<std::size_t>(dd)]));
+          vbf.push_back(float_to_bf16(V[b][r + static_cast<std::size_t>(dd)]));
+        }
+        if (pr.enabled()) {
+          const int s = pr.slot(t);
+          if (s >= 0)
+            for (int dd = 0; dd < D; ++dd) {
+              prot[pr.row(b, h, s) + static_cast<std::size_t>(dd)] = float_to_bf16(K[b][r + static_cast<std::size_t>(dd)]);
+              prot[pr.row(b, h, s) + static_cast<std::size_t>(D + dd)] = float_to_bf16(V[b][r + static_cast<std::size_t>(dd)]);
+            }
+        }
+      }
+    }
+  }
+  // Queries and the reference in double.
+  std::vector<float> q(static_cast<std::size_t>(B) * c.hq * D);
+  for (auto& x : q) x = nd(rng);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  std::vector<double> ref(q.size(), 0.0);
+  for (int b = 0; b < B; ++b) {
+    const int L = c.lens[static_cast<std::size_t>(b)];
+    const std::int64_t lo = pr.enabled() ? pr.packed_begin(L) : 0, hi = pr.enabled() ? pr.packed_end(L) : L;
+    for (int hh = 0; hh < c.hq; ++hh) {
+      const int h = hh / G;
+      const float* qq = &q[(static_cast<std::size_t>(b) * c.hq + hh) * D];
+      std::vector<double> s(static_cast<std::size_t>(L));
+      double mx = -1e300;
+      for (int t = 0; t < L; ++t) {
+        const bool packed = t >= lo && t < hi;
+        const std::size_t r = (static_cast<std::size_t>(t) * H + h) * D;
+        const float* kk = packed ? &Kd[b][r] : &K[b][r];
+        double acc = 0;
+        for (int dd = 0; dd < D; ++dd) acc += static_cast<double>(qq[dd]) * kk[dd];
+        s[static_cast<std::size_t>(t)] = acc * scale;
+        mx = std::max(mx, s[static_cast<std::size_t>(t)]);
+      }
+      double sum = 0;
+      for (auto& x : s) sum += (x = std::exp(x - mx));
+      double* o = &ref[(static_cast<std::size_t>(b) * c.hq + hh) * D];
+      for (int t = 0; t < L; ++t) {
+        const bool packed = t >= lo && t < hi;
+        const std::size_t r = (static_cast<std::size_t>(t) * H + h) * D;
+        const float* vv = packed ? &Vd[b][r] : &V[b][r];
+        for (int dd = 0; dd < D; ++dd) o[dd] += s[static_cast<std::size_t>(t)] / sum * vv[dd];
+      }
+    }
+  }
+
+  // GPU decode on the CPU-packed cache.
+  cuda::LayerTables tabs(f, g, 0, &oc);
+  std::uint8_t* dpool = upload(pool);
+  std::int32_t* dbt = upload(bt);
+  std::int32_t* dlens = upload(std::vector<std::int32_t>(c.lens.begin(), c.lens.end()));
+  float* dq = upload(q);
+  std::uint16_t* dprot = upload(prot);
+  float* dout = nullptr;
+  KVQ_CUDA_OK(cudaMalloc(&dout, q.size() * sizeof(float)));
+  cuda::DecodeParams p;
+  p.fmt = tabs.desc();
+  p.pool = dpool;
+  p.block_tables = dbt;
+  p.max_pages = max_pages;
+  p.seq_lens = dlens;
+  p.batch = B;
+  p.q_heads = c.hq;
+  p.max_seq_len = maxL;
+  p.q = dq;
+  p.out = dout;
+  p.scale = scale;
+  p.protect = pr;
+  p.protect_rows = pr.enabled() ? dprot : nullptr;
+  p.num_splits = c.splits;
+  p.workspace_bytes = cuda::decode_workspace_bytes(p);
+  KVQ_CUDA_OK(cudaMalloc(&p.workspace, p.workspace_bytes));
+  KVQ_CUDA_OK(cudaMemset(p.workspace, 0xff, p.workspace_bytes));
+  KVQ_CUDA_OK(cudaMemset(dout, 0xff, q.size() * sizeof(float)));
+  const std::string name = c.fmt + " d" + std::to_string(D) + " " + std::to_string(c.hq) + "/" + std::to_string(H) +
+                           " B" + std::to_string(B) + " maxL" + std::to_string(maxL) + (c.fixture ? " fixture" : "") +
+                           (pr.enabled() ? " S" + std::to_string(c.sinks) + "W" + std::to_string(c.window) : "") +
+                           (c.splits ? " splits" + std::to_string(c.splits) : "");
+  const cudaError_t e = cuda::decode(p);
+  check(e == cudaSuccess, name + ": decode launch: " + cudaGetErrorString(e));
+  KVQ_CUDA_OK(cudaDeviceSynchronize());
+  std::vector<float> out(q.size());
+  KVQ_CUDA_OK(cudaMemcpy(out.data(), dout, out.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    const double dlt = static_cast<double>(out[i]) - ref[i];
+    num += dlt * dlt;
+    den += ref[i] * ref[i];
+  }
+  const double nmse = num / den;
+  check(std::isfinite(nmse) && nmse <= 1e-5, name + ": decode NMSE " + std::to_string(nmse));
+  std::printf("  %-58s splits %3d  NMSE %.2e\n", name.c_str(), cuda::decode_splits(p), nmse);
+
+  // Store kernel: the same rows packed on the GPU must give the CPU's bytes.
+  if (!pr.enabled() || c.sinks > 0) {
+    std::vector<std::uint8_t> pool2(pool.size(), 0xff);
+    std::uint8_t* dpool2 = upload(pool2);
+    std::uint16_t* dk = upload(kbf);
+    std::uint16_t* dv = upload(vbf);
+    std::int64_t* dslots = upload(slots);
+    std::int32_t* dpos = upload(positions);
+    std::int32_t* dseq = upload(seq_ids);
+    std::vector<std::uint16_t> prot2(prot.size(), 0xffff);
+    std::uint16_t* dprot2 = upload(prot2);
+    cuda::StoreParams sp;
+    sp.fmt = tabs.desc();
+    sp.key = dk;
+    sp.value = dv;
+    sp.slot_mapping = dslots;
+    sp.n_tokens = static_cast<int>(slots.size());
+    sp.pool = dpool2;
+    sp.protect = pr;
+    sp.protect_rows = pr.enabled() ? dprot2 : nullptr;
+    sp.positions = dpos;
+    sp.seq_ids = dseq;
+    const cudaError_t se = cuda::store(sp);
+    check(se == cudaSuccess, name + ": store launch: " + cudaGetErrorString(se));
+    KVQ_CUDA_OK(cudaDeviceSynchronize());
+    KVQ_CUDA_OK(cudaMemcpy(pool2.data(), dpool2, pool2.size(), cudaMemcpyDeviceToHost));
+    std::size_t records = 0, differ = 0;
+    const std::size_t rec = pl.key_code_bytes + pl.value_code_bytes + pl.meta_bytes;
+    for (std::size_t i = 0; i < slots.size(); ++i) {
+      const std::size_t page = static_cast<std::size_t>(slots[i] / 64);
+      const int off = static_cast<int>(slots[i] % 64);
+      for (int h = 0; h < H; ++h) {
+        const std::uint8_t* a = pool.data() + page * pl.page_bytes;
+        const std::uint8_t* bb = pool2.data() + page * pl.page_bytes;
+        bool same = std::memcmp(a + pl.key_code(h, off), bb + pl.key_code(h, off), pl.key_code_bytes) == 0 &&
+                    std::memcmp(a + pl.value_code(h, off), bb + pl.value_code(h, off), pl.value_code_bytes) == 0 &&
+                    std::memcmp(a + pl.key_meta(h, off), bb + pl.key_meta(h, off), pl.meta_bytes) == 0;
+        ++records;
+        if (!same) ++differ;
+      }
+    }
+    (void)rec;
+    check(differ * 1000 <= records, name + ": store kernel: " + std::to_string(differ) + " of " +
+                                        std::to_string(records) + " records differ from the CPU reference");
+    if (pr.enabled()) {
+      std::vector<std::uint16_t> got(prot.size());
+      KVQ_CUDA_OK(cudaMemcpy(got.data(), dprot2, got.size() * 2, cudaMemcpyDeviceToHost));
+      check(got == prot, name + ": store kernel protection rows");
+    }
+    std::printf("  %-58s store: %zu / %zu records differ\n", "", differ, records);
+    cudaFree(dpool2);
+    cudaFree(dk);
+    cudaFree(dv);
+    cudaFree(dslots);
+    cudaFree(dpos);
+    cudaFree(dseq);
+    cudaFree(dprot2);
+  }
+  cudaFree(p.workspace);
+  cudaFree(dpool);
+  cudaFree(dbt);
+  cudaFree(dlens);
+  cudaFree(dq);
+  cudaFree(dprot);
+  cudaFree(dout);
+  return nmse;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (!kvq::cudatest::gpu_present()) return 0;
+  const bool small = argc > 1 && std::string(argv[1]) == "--small";
+  const std::vector<std::string> formats = {"bf16",    "tq-k8v4", "tq-4bit-nc", "tq-k3v4-nc", "tq-3bit-nc",
+                                            "tq-4bit", "tq-3bit", "tq-3.5bit",  "tq-2.5bit"};
+  std::vector<Case> cases;
+  unsigned seed = 11;
+  if (small) {
+    for (const char* fm : {"tq-4bit", "tq-4bit-nc", "tq-3.5bit"}) {
+      Case c;
+      c.fmt = fm;
+      c.hq = 8;
+      c.hkv = 2;
+      c.lens = {70, 33};
+      c.sinks = 4;
+      c.window = 8;
+      c.seed = seed++;
+      cases.push_back(c);
+    }
+  } else {
+    for (const auto& fm : formats) {
+      auto add = [&](int d, int hq, int hkv, std::vector<int> lens, bool fix, int s, int w, int splits) {
+        Case c;
+        c.fmt = fm;
+        c.d = d;
+        c.hq = hq;
+        c.hkv = hkv;
+        c.lens = std::move(lens);
+        c.fixture = fix;
+        c.sinks = s;
+        c.window = w;
+        c.splits = splits;
+        c.seed = seed++;
+        cases.push_back(c);
+      };
+      add(128, 32, 8, {1, 100, 257}, false, 0, 0, 0);
+      add(128, 4, 2, {512, 300}, true, 0, 0, 0);              // tiny-gqa fixture, G = 2
+      add(128, 16, 2, {64, 65, 1000, 7}, false, 0, 0, 0);     // G = 8, mixed lengths
+      add(128, 2, 2, {129, 3000}, false, 0, 0, 5);             // G = 1, forced splits
+      add(128, 8, 2, {2, 40, 333, 1500}, false, 4, 64, 0);    // protection, lengths below and above S + W
+      add(128, 4, 2, {511, 200}, true, 4, 32, 3);             // fixture with protection
+      add(64, 32, 8, {77, 300}, false, 0, 0, 0);
+      add(256, 16, 4, {33, 190}, false, 2, 16, 0);
+      add(96, 12, 4, {95, 250}, false, 0, 0, 0);
+    }
+  }
+  for (const auto& c : cases) run_case(c);
+  return kvq::cudatest::finish();
+}

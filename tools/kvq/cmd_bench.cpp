@@ -1,0 +1,297 @@
+// kvq bench decode: times the CUDA decode kernels (ours: bf16 and every TurboQuant-family format)
+// and the store kernel on the GPU, and merges the peers' timings (bench/gpu/peers.py: PyTorch
+// SDPA with the FlashAttention backend on a bf16 cache, vLLM's Triton TurboQuant decode) into
+// one table or JSON object (bench/results/decode-gqa-*.json).
+//
+// Method (docs/kernels.md): CUDA events around each launch (decode + combine), warm-up, median of
+// --reps runs, L2 flushed (a memset of 4x L2) before every run, and enough copies of the cache
+// that the inputs rotated over are >= 4x L2. GB/s counts every byte the format must read
+// (codes, metadata, block tables). copy_gbps: (read + written) / time of a 4 GiB device copy.
+#include <fmt/core.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "command.hpp"
+#include "kvq/common.hpp"
+#include "kvq/formats.hpp"
+
+#if defined(KVQ_WITH_KVQ_CUDA)
+#include <cuda_runtime.h>
+
+#include "kvq_cuda.hpp"
+#endif
+
+namespace kvq::cli {
+namespace {
+
+struct BenchOptions {
+  std::string batches = "8,32", contexts = "4096,16384,65536";
+  std::string formats = "bf16,tq-k8v4,tq-4bit-nc,tq-k3v4-nc,tq-3bit-nc,tq-4bit,tq-3.5bit,tq-3bit";
+  int q_heads = 32, kv_heads = 8, head_dim = 128, reps = 60, warmup = 5, store_tokens = 32768;
+  bool json = false;
+  std::string peers, commit = "unknown", command;
+};
+
+#if defined(KVQ_WITH_KVQ_CUDA)
+
+void ok(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) fail(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+struct DevBuf {
+  void* p = nullptr;
+  explicit DevBuf(std::size_t n) { ok(cudaMalloc(&p, std::max<std::size_t>(n, 1)), "cudaMalloc"); }
+  ~DevBuf() { cudaFree(p); }
+  DevBuf(const DevBuf&) = delete;
+  DevBuf& operator=(const DevBuf&) = delete;
+  template <class T>
+  T* as() const { return static_cast<T*>(p); }
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// Median microseconds of `reps` runs of fn(rep), each after an L2 flush, timed with events.
+template <class F>
+double time_us(F&& fn, int warmup, int reps, void* flush, std::size_t flush_bytes) {
+  cudaEvent_t a, b;
+  ok(cudaEventCreate(&a), "event");
+  ok(cudaEventCreate(&b), "event");
+  for (int i = 0; i < warmup; ++i) fn(i);
+  ok(cudaDeviceSynchronize(), "warm-up");
+  std::vector<double> t;
+  for (int i = 0; i < reps; ++i) {
+    ok(cudaMemsetAsync(flush, i & 0xff, flush_bytes), "flush");
+    ok(cudaEventRecord(a), "record");
+    fn(warmup + i);
+    ok(cudaEventRecord(b), "record");
+    ok(cudaEventSynchronize(b), "sync");
+    float ms = 0;
+    ok(cudaEventElapsedTime(&ms, a, b), "elapsed");
+    t.push_back(1000.0 * ms);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return median(t);
+}
+
+using PeerKey = std::tuple<std::string, int, int>;  // impl (+ format), batch, context
+
+void run_decode_bench(const BenchOptions& o) {
+  int dev = 0;
+  ok(cudaGetDevice(&dev), "cudaGetDevice");
+  cudaDeviceProp prop{};
+  ok(cudaGetDeviceProperties(&prop, dev), "cudaGetDeviceProperties");
+  const std::size_t l2 = static_cast<std::size_t>(prop.l2CacheSize);
+  const std::size_t flush_bytes = std::max<std::size_t>(4 * l2, 256u << 20);
+  DevBuf flush(flush_bytes);
+
+  // Copy bandwidth: (read + written) / time of a 4 GiB device-to-device copy.
+  double copy_gbps = 0;
+  {
+    const std::size_t n = 4ull << 30;
+    DevBuf src(n), dst(n);
+    ok(cudaMemset(src.p, 1, n), "memset");
+    const double us = time_us([&](int) { ok(cudaMemcpyAsync(dst.p, src.p, n, cudaMemcpyDeviceToDevice), "copy"); }, 2,
+                              10, flush.p, flush_bytes);
+    copy_gbps = 2.0 * static_cast<double>(n) / (us * 1e3);
+  }
+
+  std::map<PeerKey, double> peer_us;
+  nlohmann::json peer_info = nullptr;
+  if (!o.peers.empty()) {
+    std::ifstream in(o.peers);
+    if (!in) fail("cannot open peers file '" + o.peers + "'");
+    nlohmann::json pj = nlohmann::json::parse(in);
+    peer_info = pj.value("versions", nlohmann::json::object());
+    for (const auto& r : pj["rows"]) {
+      if (r["us"].is_null()) continue;
+      std::string impl = r["impl"].get<std::string>();
+      if (r.contains("format") && !r["format"].is_null()) impl += ":" + r["format"].get<std::string>();
+      peer_us[{impl, r["batch"].get<int>(), r["context"].get<int>()}] = r["us"].get<double>();
+    }
+  }
+  auto peer = [&](const std::string& impl, int b, int ctx) -> nlohmann::json {
+    auto it = peer_us.find({impl, b, ctx});
+    if (it == peer_us.end()) return nullptr;
+    return it->second;
+  };
+
+  const std::vector<int> batches = parse_int_list(o.batches), contexts = parse_int_list(o.contexts);
+  CacheGeometry g;
+  g.n_layers = 1;
+  g.n_kv_heads = o.kv_heads;
+  g.head_dim = o.head_dim;
+  g.v_head_dim = o.head_dim;
+  nlohmann::json rows = nlohmann::json::array(), store_rows = nlohmann::json::array();
+  std::mt19937 rng(7);
+
+  for (const auto& fname : split_list(o.formats)) {
+    const FormatSpec& f = find_format(fname);
+    OutlierChannels oc;
+    if (f.kind == FormatKind::kTqSplit) {  // evenly spaced channels: sizes and speed do not depend on which
+      const int cnt = split_outlier_count(f, o.head_dim);
+      std::vector<int> ch;
+      for (int i = 0; i < cnt; ++i) ch.push_back(i * o.head_dim / cnt);
+      oc.key.assign(1, std::vector<std::vector<int>>(static_cast<std::size_t>(o.kv_heads), ch));
+      oc.value = oc.key;
+    }
+    cuda::LayerTables tabs(f, g, 0, &oc);
+    const cuda::FormatDesc& fd = tabs.desc();
+    const PageLayout& pg = fd.page;
+
+    // Store kernel: store_tokens tokens x kv_heads rows from random bf16 keys / values.
+    {
+      const std::size_t n = static_cast<std::size_t>(o.store_tokens);
+      const std::size_t elems = n * static_cast<std::size_t>(o.kv_heads) * static_cast<std::size_t>(o.head_dim);
+      DevBuf k(elems * 2), v(elems * 2), slots(n * 8), pool((n / 64 + 1) * pg.page_bytes);
+      ok(cuda::fill_random_bf16(k.as<std::uint16_t>(), elems, 1), "fill");
+      ok(cuda::fill_random_bf16(v.as<std::uint16_t>(), elems, 2), "fill");
+      std::vector<std::int64_t> hs(n);
+      for (std::size_t i = 0; i < n; ++i) hs[i] = static_cast<std::int64_t>(i);
+      ok(cudaMemcpy(slots.p, hs.data(), n * 8, cudaMemcpyHostToDevice), "copy");
+      cuda::StoreParams sp;
+      sp.fmt = fd;
+      sp.key = k.as<std::uint16_t>();
+      sp.value = v.as<std::uint16_t>();
+      sp.slot_mapping = slots.as<std::int64_t>();
+      sp.n_tokens = static_cast<int>(n);
+      sp.pool = pool.as<std::uint8_t>();
+      const double us = time_us([&](int) { ok(cuda::store(sp), "store"); }, o.warmup, std::max(20, o.reps / 3), flush.p,
+                                flush_bytes);
+      const double bytes = static_cast<double>(elems) * 4.0 + static_cast<double>(n) * o.kv_heads *
+                                                                  (pg.key_code_bytes + pg.value_code_bytes + pg.meta_bytes) +
+                           static_cast<double>(n) * 8.0;
+      store_rows.push_back({{"format", fname}, {"tokens", n}, {"kv_heads", o.kv_heads}, {"head_dim", o.head_dim},
+                            {"us", us}, {"gbps", bytes / (us * 1e3)}, {"fraction_of_copy", bytes / (us * 1e3) / copy_gbps}});
+    }
+
+    for (int B : batches) {
+      for (int ctx : contexts) {
+        const int pages_per_seq = (ctx + 63) / 64;
+        const std::size_t n_pages = static_cast<std::size_t>(B) * pages_per_seq;
+        const std::size_t pool_bytes = n_pages * pg.page_bytes;
+        const std::size_t copies = std::clamp<std::size_t>((4 * l2 + pool_bytes - 1) / pool_bytes, 1, 64);
+        DevBuf pool(pool_bytes * copies);
+        ok(cuda::fill_random_pages(fd, pool.as<std::uint8_t>(), n_pages * copies, 3), "fill pages");
+        std::vector<std::int32_t> ids(n_pages);
+        for (std::size_t i = 0; i < n_pages; ++i) ids[i] = static_cast<std::int32_t>(i);
+        std::shuffle(ids.begin(), ids.end(), rng);
+        std::vector<std::int32_t> lens(static_cast<std::size_t>(B), ctx);
+        DevBuf bt(n_pages * 4), dl(static_cast<std::size_t>(B) * 4);
+        ok(cudaMemcpy(bt.p, ids.data(), n_pages * 4, cudaMemcpyHostToDevice), "copy");
+        ok(cudaMemcpy(dl.p, lens.data(), lens.size() * 4, cudaMemcpyHostToDevice), "copy");
+        const std::size_t qn = static_cast<std::size_t>(B) * o.q_heads * o.head_dim;
+        std::vector<float> hq(qn);
+        std::normal_distribution<float> nd(0.0f, 1.0f);
+        for (auto& x : hq) x = nd(rng);
+        DevBuf q(qn * 4), out(qn * 4);
+        ok(cudaMemcpy(q.p, hq.data(), qn * 4, cudaMemcpyHostToDevice), "copy");
+        cuda::DecodeParams p;
+        p.fmt = fd;
+        p.block_tables = bt.as<std::int32_t>();
+        p.max_pages = pages_per_seq;
+        p.seq_lens = dl.as<std::int32_t>();
+        p.batch = B;
+        p.q_heads = o.q_heads;
+        p.max_seq_len = ctx;
+        p.q = q.as<float>();
+        p.out = out.as<float>();
+        p.scale = 1.0f / std::sqrt(static_cast<float>(o.head_dim));
+        p.workspace_bytes = cuda::decode_workspace_bytes(p);
+        DevBuf ws(p.workspace_bytes);
+        p.workspace = ws.p;
+        const double us = time_us(
+            [&](int rep) {
+              p.pool = pool.as<std::uint8_t>() + static_cast<std::size_t>(rep % static_cast<int>(copies)) * pool_bytes;
+              ok(cuda::decode(p), "decode");
+            },
+            o.warmup, o.reps, flush.p, flush_bytes);
+        const double bytes = static_cast<double>(cuda::decode_bytes_read(fd, lens.data(), B, ProtectLayout{}));
+        const nlohmann::json flash = peer("sdpa_flash", B, ctx);
+        const std::string vpair = f.kind == FormatKind::kTqVllm ? fname : f.pair;
+        const nlohmann::json vllm = vpair.empty() ? nlohmann::json(nullptr) : peer("vllm_triton:" + vpair, B, ctx);
+        nlohmann::json row = {{"format", fname},
+                              {"batch", B},
+                              {"context", ctx},
+                              {"q_heads", o.q_heads},
+                              {"kv_heads", o.kv_heads},
+                              {"head_dim", o.head_dim},
+                              {"us", us},
+                              {"gbps", bytes / (us * 1e3)},
+                              {"speedup_vs_bf16_flash", flash.is_null() ? nlohmann::json(nullptr) : nlohmann::json(flash.get<double>() / us)},
+                              {"speedup_vs_vllm_triton", vllm.is_null() ? nlohmann::json(nullptr) : nlohmann::json(vllm.get<double>() / us)},
+                              {"bytes", bytes},
+                              {"splits", cuda::decode_splits(p)},
+                              {"compression_vs_bf16", static_cast<double>(bf16_token_bytes(g)) /
+                                                          static_cast<double>(fd.kv_heads * (pg.key_code_bytes + pg.value_code_bytes + pg.meta_bytes))},
+                              {"vllm_pair", vpair.empty() ? nlohmann::json(nullptr) : nlohmann::json(vpair)}};
+        rows.push_back(row);
+        if (!o.json)
+          fmt::print(stderr, "{:<11} B={:<3} ctx={:<6} {:9.1f} us {:7.0f} GB/s  vs flash {}  vs vllm {}\n", fname, B, ctx, us,
+                     bytes / (us * 1e3), row["speedup_vs_bf16_flash"].dump(), row["speedup_vs_vllm_triton"].dump());
+      }
+    }
+  }
+  // Peer rows as measured, for reference.
+  for (const auto& [k, us] : peer_us) {
+    rows.push_back({{"format", "peer:" + std::get<0>(k)}, {"batch", std::get<1>(k)}, {"context", std::get<2>(k)},
+                    {"q_heads", o.q_heads}, {"kv_heads", o.kv_heads}, {"head_dim", o.head_dim}, {"us", us},
+                    {"gbps", nullptr}, {"speedup_vs_bf16_flash", nullptr}, {"speedup_vs_vllm_triton", nullptr}});
+  }
+  nlohmann::json res = {{"gpu", prop.name},     {"copy_gbps", copy_gbps}, {"commit", o.commit},
+                        {"command", o.command}, {"sms", prop.multiProcessorCount}, {"l2_bytes", l2},
+                        {"peers", peer_info},   {"rows", rows},           {"store", store_rows}};
+  if (o.json) {
+    fmt::print("{}\n", res.dump(1));
+  } else {
+    fmt::print("gpu {}  copy {:.0f} GB/s\n", prop.name, copy_gbps);
+    for (const auto& s : store_rows)
+      fmt::print("store {:<11} {:8.1f} us {:7.0f} GB/s ({:.0f}% of copy)\n", s["format"].get<std::string>(),
+                 s["us"].get<double>(), s["gbps"].get<double>(), 100 * s["fraction_of_copy"].get<double>());
+  }
+}
+#endif
+
+void register_bench(CLI::App& app) {
+  auto* bench = app.add_subcommand("bench", "GPU kernel benchmarks");
+  bench->require_subcommand(1);
+  auto o = std::make_shared<BenchOptions>();
+  auto* dec = bench->add_subcommand("decode", "decode attention over GQA caches: ours vs bf16 FlashAttention and vLLM");
+  dec->add_option("--batch", o->batches, "batch sizes");
+  dec->add_option("--context", o->contexts, "context lengths");
+  dec->add_option("--formats", o->formats, "cache formats");
+  dec->add_option("--q-heads", o->q_heads, "query heads");
+  dec->add_option("--kv-heads", o->kv_heads, "KV heads");
+  dec->add_option("--head-dim", o->head_dim, "head dim");
+  dec->add_option("--reps", o->reps, "timed runs (median)")->check(CLI::Range(1, 100000));
+  dec->add_option("--warmup", o->warmup, "warm-up runs");
+  dec->add_option("--store-tokens", o->store_tokens, "tokens per store-kernel run");
+  dec->add_option("--peers", o->peers, "JSON written by bench/gpu/peers.py");
+  dec->add_option("--commit", o->commit, "commit recorded in the result");
+  dec->add_option("--command-line", o->command, "command recorded in the result");
+  dec->add_flag("--json", o->json, "print one JSON object");
+  dec->callback([o] {
+#if defined(KVQ_WITH_KVQ_CUDA)
+    run_decode_bench(*o);
+#else
+    fail("kvq was built without CUDA (configure with -DKVQ_CUDA=ON)");
+#endif
+  });
+}
+
+KVQ_REGISTER_COMMAND("bench", register_bench);
+
+}  // namespace
+}  // namespace kvq::cli
