@@ -185,6 +185,22 @@ TEST(PreTokenizer, SplitBehaviours) {
   EXPECT_EQ(isolated->encode("a--b"), (Ids{'a', '-', '-', 'b'}));
 }
 
+TEST(PreTokenizer, Llama3SplitRegex) {
+  // Llama-3's split: digits in groups of at most three, case-insensitive contractions, one
+  // leading non-letter glued to a word. Merges that would cross those cuts show where they are.
+  const std::string llama3 =
+      R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+  const std::vector<std::pair<std::string, std::string>> merges = {
+      {"3", "4"}, {"1", "2"}, {"12", "3"}, {"4", "5"}, {"'", "M"}, {"$", "x"}};
+  const auto tk = load(make_tokenizer(merges, split(llama3, "Isolated")));
+  EXPECT_EQ(tk->encode("12345"), (Ids{tk->token_id("123"), tk->token_id("45")}));
+  EXPECT_EQ(tk->encode("I'M"), (Ids{'I', tk->token_id("'M")}));
+  EXPECT_EQ(tk->encode("$x"), (Ids{tk->token_id("$x")}));
+  // Without the split, "12345" is one piece and (3,4) merges first.
+  const auto whole = load(make_tokenizer(merges, split("$^", "Isolated")));
+  EXPECT_EQ(whole->encode("12345"), (Ids{whole->token_id("12"), whole->token_id("34"), '5'}));
+}
+
 TEST(PreTokenizer, DigitsAndLiteralSplits) {
   const std::vector<std::pair<std::string, std::string>> merges = {{"1", "2"}, {"2", "3"}, {"x", "y"}};
   json digits = {{"type", "Sequence"},
