@@ -70,7 +70,7 @@ std::string error_of(const std::string& text, const std::string& label = "bad.js
   return "";
 }
 
-TEST(ByteLevelMap, IsABijectionWithPrintableIdentity) {
+TEST(TokenizerByteLevelMap, IsABijectionWithPrintableIdentity) {
   const auto& m = kvq::tok::byte_level_map();
   std::set<char32_t> seen;
   for (int b = 0; b < 256; ++b) {
@@ -85,7 +85,7 @@ TEST(ByteLevelMap, IsABijectionWithPrintableIdentity) {
   EXPECT_EQ(m.to_char['\n'], U'\u010A');  // "Ċ"
 }
 
-TEST(Bpe, LowestRankMergesFirst) {
+TEST(TokenizerBpe, LowestRankMergesFirst) {
   // "abc": the pair (b,c) has the lower rank, so the result is a + bc, not ab + c.
   const auto tk = load(make_tokenizer({{"b", "c"}, {"a", "b"}}));
   const auto ids = tk->encode("abc");
@@ -94,14 +94,14 @@ TEST(Bpe, LowestRankMergesFirst) {
   EXPECT_EQ(tk->token_text(ids[1]), "bc");
 }
 
-TEST(Bpe, LeftmostPairWinsATie) {
+TEST(TokenizerBpe, LeftmostPairWinsATie) {
   const auto tk = load(make_tokenizer({{"a", "a"}}));
   const auto aa = tk->token_id("aa");
   EXPECT_EQ(tk->encode("aaa"), (Ids{aa, 'a'}));
   EXPECT_EQ(tk->encode("aaaa"), (Ids{aa, aa}));
 }
 
-TEST(Bpe, MergesChainIntoLongerTokens) {
+TEST(TokenizerBpe, MergesChainIntoLongerTokens) {
   const auto tk = load(make_tokenizer({{"l", "o"}, {"lo", "w"}, {"e", "r"}, {"low", "er"}}));
   EXPECT_EQ(tk->encode("lower"), (Ids{tk->token_id("lower")}));
   EXPECT_EQ(tk->encode("lowe"), (Ids{tk->token_id("low"), 'e'}));
@@ -109,7 +109,7 @@ TEST(Bpe, MergesChainIntoLongerTokens) {
   EXPECT_EQ(tk->encode(" lower"), (Ids{' ', tk->token_id("lower")}));
 }
 
-TEST(Bpe, StringAndPairMergesAreEquivalent) {
+TEST(TokenizerBpe, StringAndPairMergesAreEquivalent) {
   const std::vector<std::pair<std::string, std::string>> merges = {
       {" ", "t"}, {"h", "e"}, {" t", "he"}, {"i", "n"}, {"in", "g"}};
   const auto a = load(make_tokenizer(merges, nullptr, nullptr, json::array(), false));
@@ -120,7 +120,7 @@ TEST(Bpe, StringAndPairMergesAreEquivalent) {
   EXPECT_EQ(a->encode(" the").size(), 1u);
 }
 
-TEST(Bpe, IgnoreMergesTakesWholeWordsFromTheVocab) {
+TEST(TokenizerBpe, IgnoreMergesTakesWholeWordsFromTheVocab) {
   // With ignore_merges a piece that is a vocabulary token is used as is, even when the merges
   // alone could not build it.
   json j = make_tokenizer({{"a", "b"}});
@@ -130,7 +130,7 @@ TEST(Bpe, IgnoreMergesTakesWholeWordsFromTheVocab) {
   EXPECT_EQ(load(j)->encode("xyz"), (Ids{300}));
 }
 
-TEST(PreTokenizer, Gpt2RegexSplitsContractionsDigitsAndSpaces) {
+TEST(TokenizerPreTokenizer, Gpt2RegexSplitsContractionsDigitsAndSpaces) {
   // A merge across every adjacent pair shows where the pieces end: bytes of one piece merge,
   // bytes of different pieces never do.
   const auto tk = load(make_tokenizer({{"'", "s"}, {"s", " "}, {" ", " "}, {"1", "2"}, {"2", "a"}}));
@@ -140,7 +140,7 @@ TEST(PreTokenizer, Gpt2RegexSplitsContractionsDigitsAndSpaces) {
   EXPECT_EQ(tk->encode("a   b"), (Ids{'a', tk->token_id(byte_token("  ")), ' ', 'b'}));
 }
 
-TEST(PreTokenizer, WhiteSpaceIsTheUnicodeProperty) {
+TEST(TokenizerPreTokenizer, WhiteSpaceIsTheUnicodeProperty) {
   // U+0085 (NEL) is White_Space (so "\s+(?!\S)" leaves it alone before "."), U+FEFF is not
   // (so it joins the following punctuation).
   EXPECT_EQ(kvq::tok::rewrite_whitespace_classes(R"(\s+(?!\S)|[^\s\p{L}]\\s\Q\s\E)"),
@@ -163,7 +163,7 @@ json split(const std::string& regex, const std::string& behavior, bool invert = 
                         {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", false}}})}};
 }
 
-TEST(PreTokenizer, SplitBehaviours) {
+TEST(TokenizerPreTokenizer, SplitBehaviours) {
   // Merges for every pair in "a-b-c" let the ids show the pieces.
   const std::vector<std::pair<std::string, std::string>> merges = {
       {"a", "-"}, {"-", "b"}, {"b", "-"}, {"-", "c"}, {"a-", "b"}, {"-b", "-"}};
@@ -185,7 +185,7 @@ TEST(PreTokenizer, SplitBehaviours) {
   EXPECT_EQ(isolated->encode("a--b"), (Ids{'a', '-', '-', 'b'}));
 }
 
-TEST(PreTokenizer, Llama3SplitRegex) {
+TEST(TokenizerPreTokenizer, Llama3SplitRegex) {
   // Llama-3's split: digits in groups of at most three, case-insensitive contractions, one
   // leading non-letter glued to a word. Merges that would cross those cuts show where they are.
   const std::string llama3 =
@@ -201,7 +201,7 @@ TEST(PreTokenizer, Llama3SplitRegex) {
   EXPECT_EQ(whole->encode("12345"), (Ids{whole->token_id("12"), whole->token_id("34"), '5'}));
 }
 
-TEST(PreTokenizer, DigitsAndLiteralSplits) {
+TEST(TokenizerPreTokenizer, DigitsAndLiteralSplits) {
   const std::vector<std::pair<std::string, std::string>> merges = {{"1", "2"}, {"2", "3"}, {"x", "y"}};
   json digits = {{"type", "Sequence"},
                  {"pretokenizers",
@@ -216,7 +216,7 @@ TEST(PreTokenizer, DigitsAndLiteralSplits) {
   EXPECT_EQ(load(make_tokenizer(merges, literal))->encode("xyx"), (Ids{'x', 'x'}));
 }
 
-TEST(PreTokenizer, AddPrefixSpace) {
+TEST(TokenizerPreTokenizer, AddPrefixSpace) {
   json pre = {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"use_regex", true}};
   const auto tk = load(make_tokenizer({{" ", "h"}, {" h", "i"}}, pre));
   EXPECT_EQ(tk->encode("hi"), (Ids{tk->token_id(byte_token(" hi"))}));
@@ -231,7 +231,7 @@ json added(const std::string& content, int id, bool special, bool lstrip = false
   return a;
 }
 
-TEST(AddedTokens, MatchedLiterallyLongestFirst) {
+TEST(TokenizerAddedTokens, MatchedLiterallyLongestFirst) {
   json toks = json::array({added("<s>", 300, true), added("<s>x", 301, true), added("[A]", 302, false)});
   const auto tk = load(make_tokenizer({}, nullptr, nullptr, toks));
   EXPECT_EQ(tk->encode("a<s>b"), (Ids{'a', 300, 'b'}));
@@ -247,14 +247,14 @@ TEST(AddedTokens, MatchedLiterallyLongestFirst) {
   EXPECT_EQ(tk->decode({'a', 300, 301}), "a<s><s>x");
 }
 
-TEST(AddedTokens, LstripRstripAbsorbWhiteSpace) {
+TEST(TokenizerAddedTokens, LstripRstripAbsorbWhiteSpace) {
   json toks = json::array({added("<m>", 300, true, true, false), added("<r>", 301, true, false, true)});
   const auto tk = load(make_tokenizer({}, nullptr, nullptr, toks));
   EXPECT_EQ(tk->encode("a  <m> b"), (Ids{'a', 300, ' ', 'b'}));
   EXPECT_EQ(tk->encode("a <r>  b"), (Ids{'a', ' ', 301, 'b'}));
 }
 
-TEST(AddedTokens, SingleWordRefusesMatchesInsideWords) {
+TEST(TokenizerAddedTokens, SingleWordRefusesMatchesInsideWords) {
   json toks = json::array({added("cat", 300, false, false, false, true)});
   const auto tk = load(make_tokenizer({}, nullptr, nullptr, toks));
   EXPECT_EQ(tk->encode("a cat."), (Ids{'a', ' ', 300, '.'}));
@@ -262,7 +262,7 @@ TEST(AddedTokens, SingleWordRefusesMatchesInsideWords) {
   EXPECT_EQ(tk->encode("cats"), bytes_of("cats"));
 }
 
-TEST(AddedTokens, NormalizedTokensMatchAfterNormalization) {
+TEST(TokenizerAddedTokens, NormalizedTokensMatchAfterNormalization) {
   // "é" written decomposed (e + U+0301) matches a normalized added token "é" only after NFC;
   // a token with normalized=false is searched for in the raw text and does not match.
   json nfc = {{"type", "NFC"}};
@@ -273,7 +273,7 @@ TEST(AddedTokens, NormalizedTokensMatchAfterNormalization) {
   EXPECT_EQ(load(make_tokenizer({}, nullptr, nfc, toks))->encode(decomposed), bytes_of("\u00e9"));
 }
 
-TEST(Normalizer, NfcComposesBeforeSplitting) {
+TEST(TokenizerNormalizer, NfcComposesBeforeSplitting) {
   json nfc = {{"type", "Sequence"}, {"normalizers", json::array({{{"type", "NFC"}}})}};
   const auto tk = load(make_tokenizer({}, nullptr, nfc));
   EXPECT_EQ(tk->encode("cafe\u0301"), bytes_of("caf\u00e9"));
@@ -284,7 +284,7 @@ TEST(Normalizer, NfcComposesBeforeSplitting) {
   EXPECT_EQ(load(make_tokenizer({}, nullptr, nfkc))->encode("\ufb01"), bytes_of("fi"));
 }
 
-TEST(InvalidUtf8, FallsBackToBytesAndRoundTrips) {
+TEST(TokenizerInvalidUtf8, FallsBackToBytesAndRoundTrips) {
   const auto tk = load(make_tokenizer({{"a", "b"}, {"\xff", "\xfe"}}));
   const std::string bad = "ab\xff\xfe" "ab\xc3" "(\xed\xa0\x80";
   const auto ids = tk->encode(bad);
@@ -293,7 +293,7 @@ TEST(InvalidUtf8, FallsBackToBytesAndRoundTrips) {
   EXPECT_EQ(ids[1], tk->token_id(byte_token("\xff\xfe")));
 }
 
-TEST(RoundTrip, ArbitraryBytes) {
+TEST(TokenizerRoundTrip, ArbitraryBytes) {
   const auto tk = load(make_tokenizer({{" ", "t"}, {"h", "e"}, {" t", "he"}, {"\xc3", "\xa9"}}));
   EXPECT_TRUE(rc::check("decode(encode(bytes)) == bytes", [&] {
     const auto s = *rc::gen::container<std::string>(rc::gen::arbitrary<char>());
@@ -301,7 +301,7 @@ TEST(RoundTrip, ArbitraryBytes) {
   }));
 }
 
-TEST(RoundTrip, UnicodeText) {
+TEST(TokenizerRoundTrip, UnicodeText) {
   const auto tk = load(make_tokenizer({{" ", "t"}, {"h", "e"}}));
   EXPECT_TRUE(rc::check("decode(encode(utf8)) == utf8", [&](const std::vector<char32_t>& cps) {
     std::string s;
@@ -315,7 +315,7 @@ TEST(RoundTrip, UnicodeText) {
   }));
 }
 
-TEST(Encode, LongRunsDoNotExhaustTheRegexStack) {
+TEST(TokenizerEncode, LongRunsDoNotExhaustTheRegexStack) {
   const auto tk = load(make_tokenizer({{" ", " "}, {"a", "a"}}));
   for (const std::string& s : {std::string(200000, ' '), std::string(200000, 'a'),
                                std::string(100000, '!') + std::string(100000, '\n')}) {
@@ -323,7 +323,7 @@ TEST(Encode, LongRunsDoNotExhaustTheRegexStack) {
   }
 }
 
-TEST(Encode, ConcurrentCallsAgree) {
+TEST(TokenizerEncode, ConcurrentCallsAgree) {
   const auto tk = load(make_tokenizer({{" ", "t"}, {"h", "e"}, {" t", "he"}}));
   std::string text;
   for (int i = 0; i < 2000; ++i) text += "the word " + std::to_string(i) + " then\n";
@@ -335,7 +335,7 @@ TEST(Encode, ConcurrentCallsAgree) {
   for (const auto& g : got) EXPECT_EQ(g, expected);
 }
 
-TEST(Decode, RejectsUnknownIds) {
+TEST(TokenizerDecode, RejectsUnknownIds) {
   json j = make_tokenizer({});
   j["added_tokens"] = json::array({added("<x>", 400, true)});
   const auto tk = load(j);
@@ -347,7 +347,7 @@ TEST(Decode, RejectsUnknownIds) {
   EXPECT_EQ(tk->token_text(' '), "\u0120");
 }
 
-TEST(Errors, MalformedJsonNamesTheFile) {
+TEST(TokenizerErrors, MalformedJsonNamesTheFile) {
   const auto msg = error_of("{\"model\": ", "some/tokenizer.json");
   EXPECT_NE(msg.find("some/tokenizer.json"), std::string::npos) << msg;
   EXPECT_NE(msg.find("malformed JSON"), std::string::npos) << msg;
@@ -355,7 +355,7 @@ TEST(Errors, MalformedJsonNamesTheFile) {
   EXPECT_NE(error_of("[1, 2]").find("object"), std::string::npos);
 }
 
-TEST(Errors, LoadMissingFile) {
+TEST(TokenizerErrors, LoadMissingFile) {
   try {
     kvq::Tokenizer::load("/nonexistent/tokenizer.json");
     FAIL() << "no error";
@@ -364,7 +364,7 @@ TEST(Errors, LoadMissingFile) {
   }
 }
 
-TEST(Errors, UnsupportedParts) {
+TEST(TokenizerErrors, UnsupportedParts) {
   struct Case {
     std::function<void(json&)> edit;
     const char* expect;
@@ -414,7 +414,7 @@ TEST(Errors, UnsupportedParts) {
   }
 }
 
-TEST(Errors, HostileRegexFailsCleanly) {
+TEST(TokenizerErrors, HostileRegexFailsCleanly) {
   // Catastrophic backtracking must end in kvq::Error (match limit), not hang or crash.
   const auto tk = load(make_tokenizer({}, split("(?:a|aa)+$", "Isolated")));
   EXPECT_THROW(tk->encode(std::string(5000, 'a') + "c"), kvq::Error);
