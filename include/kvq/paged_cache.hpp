@@ -81,10 +81,14 @@ class PagedCache final : public KvCache {
   std::size_t max_blocks() const { return max_blocks_; }    // 0 = unbounded
   CacheMemory memory(int seq) const;
   CacheMemory memory_total() const;
+  bool is_protected(int t, int as_of) const {
+    return t < opt_.protect.sinks || t > as_of - opt_.protect.window;
+  }
   bool preempted(int seq) const;      // evicted; its tokens must be appended again
   int preemptions() const { return preemptions_; }
-  // Decoded cache row of token t (what attention reads for a query at position `as_of`):
-  // for tests and diagnostics. k: key (latent) of every head, v: value (rope key).
+  // Decoded cache row of token t (what attention reads for a query at position `as_of`; with
+  // as_of < 0, always the packed copy): for tests and diagnostics. k: key (latent) of every
+  // head, v: value (rope key).
   void read_row(int seq, int layer, int t, int as_of, float* k, float* v) const;
 
   // Channel statistics for the outlier-split formats: while on, append() accumulates the mean

@@ -345,13 +345,15 @@ struct RowSource {
 void PagedCache::read_row(int seq, int layer, int t, int as_of, float* k, float* v) const {
   const auto& im = *impl_;
   const auto& s = im.seqs.at(static_cast<std::size_t>(seq));
-  require(t >= 0 && t <= as_of && as_of < s.layer_len.at(static_cast<std::size_t>(layer)), "read_row: position out of range");
+  require(t >= 0 && t < s.layer_len.at(static_cast<std::size_t>(layer)) && as_of < s.layer_len.at(static_cast<std::size_t>(layer)) &&
+              (as_of < 0 || t <= as_of),
+          "read_row: position out of range");
   RowSource src{&im, &im.layers[static_cast<std::size_t>(layer)], &s, &s.prot[static_cast<std::size_t>(layer)],
                 opt_.protect.sinks, opt_.protect.window, opt_.page_tokens};
   for (int h = 0; h < im.heads; ++h) {
     float* kh = k + static_cast<std::size_t>(h) * static_cast<std::size_t>(im.dk);
     float* vh = v + static_cast<std::size_t>(h) * static_cast<std::size_t>(im.dv);
-    if (src.is_protected(t, as_of)) {
+    if (as_of >= 0 && src.is_protected(t, as_of)) {
       const std::uint16_t* r = src.protected_row(t);
       from_bf16(r + static_cast<std::size_t>(h) * static_cast<std::size_t>(im.dk), static_cast<std::size_t>(im.dk), kh);
       from_bf16(r + im.rk + static_cast<std::size_t>(h) * static_cast<std::size_t>(im.dv), static_cast<std::size_t>(im.dv), vh);

@@ -189,14 +189,17 @@ void SafetensorsFile::parse(const std::uint8_t* base, std::size_t size) {
     if (!v["dtype"].is_string() || !parse_dtype(v["dtype"].get<std::string>(), t.dtype))
       fail(where + ": unsupported dtype " + v["dtype"].dump());
     if (!v["shape"].is_array()) fail(where + ": shape is not an array");
-    unsigned __int128 numel = 1;
+    std::uint64_t numel = 1;
+    bool zero = false;
     for (const auto& s : v["shape"]) {
       if (!s.is_number_unsigned()) fail(where + ": shape entries must be non-negative integers");
       const std::uint64_t d = s.get<std::uint64_t>();
+      if (d == 0) zero = true;
+      if (d != 0 && numel > (std::uint64_t{1} << 56) / d) fail(where + ": shape too large");
       numel *= d;
-      if (numel > (static_cast<unsigned __int128>(1) << 62)) fail(where + ": shape too large");
       t.shape.push_back(static_cast<std::int64_t>(d));
     }
+    if (zero) numel = 0;
     const auto& off = v["data_offsets"];
     if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() || !off[1].is_number_unsigned())
       fail(where + ": data_offsets must be two non-negative integers");
@@ -205,9 +208,9 @@ void SafetensorsFile::parse(const std::uint8_t* base, std::size_t size) {
     if (e > buf_size)
       fail(where + ": data [" + std::to_string(b) + ", " + std::to_string(e) + ") runs past the data buffer (" +
            std::to_string(buf_size) + " bytes): truncated file?");
-    const unsigned __int128 expect = numel * dtype_size(t.dtype);
+    const std::uint64_t expect = numel * dtype_size(t.dtype);  // < 2^59: no overflow
     if (expect != e - b)
-      fail(where + ": shape x dtype size = " + std::to_string(static_cast<std::uint64_t>(expect)) +
+      fail(where + ": shape x dtype size = " + std::to_string(expect) +
            " bytes but data_offsets span " + std::to_string(e - b));
     t.data = buf + b;
     t.nbytes = static_cast<std::size_t>(e - b);

@@ -21,10 +21,9 @@ std::string src(const std::string& rel) { return std::string(KVQ_SOURCE_DIR) + "
 
 std::vector<std::uint8_t> image(const std::string& header, std::size_t data_bytes, std::uint64_t declared = 0) {
   const std::uint64_t n = declared ? declared : header.size();
-  std::vector<std::uint8_t> v(8);
+  std::vector<std::uint8_t> v(8 + header.size() + data_bytes, 0);
   for (int i = 0; i < 8; ++i) v[static_cast<std::size_t>(i)] = static_cast<std::uint8_t>(n >> (8 * i));
-  v.insert(v.end(), header.begin(), header.end());
-  v.resize(v.size() + data_bytes, 0);
+  for (std::size_t i = 0; i < header.size(); ++i) v[8 + i] = static_cast<std::uint8_t>(header[i]);
   return v;
 }
 

@@ -114,8 +114,9 @@ TEST(TurboQuant, RotatedDomainEqualsDequantize) {
       }
       q->finish(acc.data(), vfast.data());
       EXPECT_LT(rel_error(fast.data(), ref.data(), n), 1e-6) << q->name() << " source " << source;
-      if (dynamic_cast<TurboQuantProd*>(q.get()) == nullptr)
+      if (dynamic_cast<TurboQuantProd*>(q.get()) == nullptr) {
         EXPECT_LT(rel_error(vfast.data(), vref.data(), static_cast<std::size_t>(d)), 1e-6) << q->name();
+      }
     }
   }
 }

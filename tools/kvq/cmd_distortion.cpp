@@ -175,7 +175,10 @@ nlohmann::json prod_experiment(Table& slopes, Table& att, int trials) {
   Mat k(n * d);
   for (std::size_t i = 0; i < n; ++i) {
     double s = 0;
-    for (int c = 0; c < d; ++c) s += std::pow(k[i * d + static_cast<std::size_t>(c)] = static_cast<float>(rng.normal()), 2);
+    for (int c = 0; c < d; ++c) {
+      k[i * d + static_cast<std::size_t>(c)] = static_cast<float>(rng.normal());
+      s += std::pow(k[i * d + static_cast<std::size_t>(c)], 2);
+    }
     for (int c = 0; c < d; ++c) k[i * d + static_cast<std::size_t>(c)] /= static_cast<float>(std::sqrt(s));
   }
   const std::size_t np = 512;
@@ -236,7 +239,10 @@ nlohmann::json prod_experiment(Table& slopes, Table& att, int trials) {
     for (auto& x : K) x = static_cast<float>(r2.normal());
     for (auto& x : V) x = static_cast<float>(r2.normal());
     double qq = 0;
-    for (auto& x : qv) qq += (x = r2.normal()) * x;
+    for (auto& x : qv) {
+      x = r2.normal();
+      qq += x * x;
+    }
     for (int c = 0; c < d; ++c) K[7 * d + static_cast<std::size_t>(c)] = static_cast<float>(9.0 * std::sqrt(d) * qv[static_cast<std::size_t>(c)] / qq + 0.3 * K[7 * d + static_cast<std::size_t>(c)]);
     std::vector<double> pref(n), oref(d);
     for (int s = 0; s < 3; ++s) {
