@@ -386,67 +386,70 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     const bool full = pos0 >= lo && pos0 + kChunk <= hi;
     auto valid = [&](int t) { return full || (pos0 + t >= lo && pos0 + t < hi); };
 
-    // ---- scores ----
+    // ---- scores: k-tiles outer, the 4 token n-tiles inner, so consecutive MMAs are independent ----
+    float acc[4][C::NSEG][4];
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int s = 0; s < C::NSEG; ++s) acc[nt][s][0] = acc[nt][s][1] = acc[nt][s][2] = acc[nt][s][3] = 0;
+    if constexpr (C::KC == KeyCode::kTq) {
+#define KVQ_KPAIRS(S)                                                                                  \
+  {                                                                                                    \
+    constexpr int NB = 4 * C::kb(S) * C::KT(S), NW = (NB + 31) / 32;                                   \
+    constexpr bool A32 = C::KCB % 4 == 0 && C::kcoff(S) % 4 == 0 && NB % 32 == 0;                      \
+    constexpr bool A128 = C::KCB % 16 == 0 && C::kcoff(S) % 16 == 0 && NB % 128 == 0;                  \
+    std::uint32_t wv[4][NW];                                                                           \
+    _Pragma("unroll") for (int nt = 0; nt < 4; ++nt)                                                   \
+        load_bits<NB, A32, A128>(sk + (nt * 8 + g) * C::KCB + C::kcoff(S), t4 * NB, wv[nt]);           \
+    const std::uint32_t* lut = sm.lutk[S] + lane;                                                      \
+    _Pragma("unroll") for (int kt = 0; kt < C::KT(S); ++kt) {                                          \
+      _Pragma("unroll") for (int nt = 0; nt < 4; ++nt) {                                               \
+        const std::uint32_t b0 = lut[get_bits(wv[nt], (2 * kt) * 2 * C::kb(S), 2 * C::kb(S)) * 32];    \
+        const std::uint32_t b1 = lut[get_bits(wv[nt], (2 * kt + 1) * 2 * C::kb(S), 2 * C::kb(S)) * 32];\
+        mma16816<kB>(acc[nt][S], qa[C::ktoff(S) + kt], b0, b1);                                        \
+      }                                                                                                \
+    }                                                                                                  \
+  }
+      KVQ_KPAIRS(0)
+      if constexpr (C::NSEG == 2) KVQ_KPAIRS(1)
+#undef KVQ_KPAIRS
+    } else {
+      // fp8 (1 byte per code) or bf16 (2 bytes): 2 * KT pairs = 4 * KT codes of this lane.
+      constexpr int BPC = C::KC == KeyCode::kFp8 ? 1 : 2;
+      constexpr int NB = 4 * C::KT(0) * BPC * 8, NW = NB / 32;
+      constexpr bool A128 = C::KCB % 16 == 0 && NB % 128 == 0;
+      std::uint32_t wv[4][NW];
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) load_bits<NB, true, A128>(sk + (nt * 8 + g) * C::KCB, t4 * NB, wv[nt]);
+#pragma unroll
+      for (int kt = 0; kt < C::KT(0); ++kt) {
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+          std::uint32_t b0, b1;
+          if constexpr (C::KC == KeyCode::kFp8) {
+            b0 = fp8x2_to_half2(get_bits(wv[nt], (2 * kt) * 16, 16));
+            b1 = fp8x2_to_half2(get_bits(wv[nt], (2 * kt + 1) * 16, 16));
+          } else {
+            b0 = wv[nt][2 * kt];
+            b1 = wv[nt][2 * kt + 1];
+          }
+          mma16816<kB>(acc[nt][0], qa[kt], b0, b1);
+        }
+      }
+    }
     float sc[4][2];
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
-      const std::uint8_t* krow = sk + (nt * 8 + g) * C::KCB;
-      float acc[C::NSEG][4];
-#pragma unroll
-      for (int s = 0; s < C::NSEG; ++s) {
-        acc[s][0] = acc[s][1] = acc[s][2] = acc[s][3] = 0;
-        if constexpr (C::KC == KeyCode::kTq) {
-          // this lane's 2*KT code pairs of the token: bits [t4 * NB, (t4 + 1) * NB) of segment s
-#define KVQ_KPAIRS(S)                                                                                  \
-  {                                                                                                    \
-    constexpr int NB = 4 * C::kb(S) * C::KT(S);                                                        \
-    constexpr bool A32 = C::KCB % 4 == 0 && C::kcoff(S) % 4 == 0 && NB % 32 == 0;                      \
-    constexpr bool A128 = C::KCB % 16 == 0 && C::kcoff(S) % 16 == 0 && NB % 128 == 0;                  \
-    std::uint32_t wv[(NB + 31) / 32];                                                                  \
-    load_bits<NB, A32, A128>(krow + C::kcoff(S), t4 * NB, wv);                                         \
-    const std::uint32_t* lut = sm.lutk[S] + lane;                                                      \
-    _Pragma("unroll") for (int kt = 0; kt < C::KT(S); ++kt) {                                          \
-      const std::uint32_t b0 = lut[get_bits(wv, (2 * kt) * 2 * C::kb(S), 2 * C::kb(S)) * 32];          \
-      const std::uint32_t b1 = lut[get_bits(wv, (2 * kt + 1) * 2 * C::kb(S), 2 * C::kb(S)) * 32];      \
-      mma16816<kB>(acc[S], qa[C::ktoff(S) + kt], b0, b1);                                              \
-    }                                                                                                  \
-  }
-          if (s == 0) KVQ_KPAIRS(0)
-          if constexpr (C::NSEG == 2) {
-            if (s == 1) KVQ_KPAIRS(1)
-          }
-#undef KVQ_KPAIRS
-        } else {
-          // fp8 (1 byte per code) or bf16 (2 bytes): 2 * KT pairs = 4 * KT codes of this lane.
-          constexpr int BPC = C::KC == KeyCode::kFp8 ? 1 : 2;
-          constexpr int NB = 4 * C::KT(0) * BPC * 8;
-          constexpr bool A128 = C::KCB % 16 == 0 && NB % 128 == 0;
-          std::uint32_t wv[(NB + 31) / 32];
-          load_bits<NB, true, A128>(krow, t4 * NB, wv);
-#pragma unroll
-          for (int kt = 0; kt < C::KT(0); ++kt) {
-            std::uint32_t b0, b1;
-            if constexpr (C::KC == KeyCode::kFp8) {
-              b0 = fp8x2_to_half2(get_bits(wv, (2 * kt) * 16, 16));
-              b1 = fp8x2_to_half2(get_bits(wv, (2 * kt + 1) * 16, 16));
-            } else {
-              b0 = wv[2 * kt];
-              b1 = wv[2 * kt + 1];
-            }
-            mma16816<kB>(acc[0], qa[kt], b0, b1);
-          }
-        }
-      }
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int t = nt * 8 + 2 * t4 + e;
         float v;
         if constexpr (C::KC == KeyCode::kTq) {
           const std::uint16_t* km = reinterpret_cast<const std::uint16_t*>(smeta + t * C::MB);
-          v = (acc[0][e] + acc[0][2 + e]) * half_bits_to_float(km[0]);
-          if constexpr (C::NSEG == 2) v += (acc[1][e] + acc[1][2 + e]) * half_bits_to_float(km[1]);
+          v = (acc[nt][0][e] + acc[nt][0][2 + e]) * half_bits_to_float(km[0]);
+          if constexpr (C::NSEG == 2) v += (acc[nt][1][e] + acc[nt][1][2 + e]) * half_bits_to_float(km[1]);
         } else {
-          v = acc[0][e] + acc[0][2 + e];
+          v = acc[nt][0][e] + acc[nt][0][2 + e];
         }
         sc[nt][e] = valid(t) ? v : -INFINITY;
       }

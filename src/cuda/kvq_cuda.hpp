@@ -87,6 +87,10 @@ struct StoreParams {
   std::uint16_t* protect_rows = nullptr;
   const std::int32_t* positions = nullptr;  // [n_tokens] position of the token in its sequence
   const std::int32_t* seq_ids = nullptr;    // [n_tokens] batch row
+  // [batch] sequence lengths after this call: a window row is written only if it is among the
+  // last `window` positions (several positions of one call can share a ring slot). nullptr:
+  // the caller guarantees that no two positions of one sequence in this call share a slot.
+  const std::int32_t* protect_seq_lens = nullptr;
 };
 cudaError_t store(const StoreParams& p, cudaStream_t stream = nullptr);
 

@@ -41,13 +41,78 @@ __device__ inline void warp_fwht(float* x, int n, int lane) {
   __syncwarp();
 }
 
+// Power-of-two n = 32 * NI held as v[i] = x[lane + 32 i]: butterflies across lanes by shuffles,
+// then within the lane; each output is the same a + b / a - b as the smem version.
+template <int NI>
+__device__ __forceinline__ void reg_fwht(float (&v)[NI], int lane) {
+#pragma unroll
+  for (int h = 1; h < 32; h <<= 1) {
+    const bool lower = (lane & h) == 0;
+#pragma unroll
+    for (int i = 0; i < NI; ++i) {
+      const float o = __shfl_xor_sync(0xffffffffu, v[i], h);
+      v[i] = lower ? v[i] + o : o - v[i];
+    }
+  }
+#pragma unroll
+  for (int hh = 1; hh < NI; hh <<= 1) {
+#pragma unroll
+    for (int i = 0; i < NI; ++i) {
+      if ((i & hh) == 0) {
+        const float a = v[i], b = v[i + hh];
+        v[i] = a + b;
+        v[i + hh] = a - b;
+      }
+    }
+  }
+  const float sc = static_cast<float>(1.0 / sqrt(static_cast<double>(32 * NI)));
+#pragma unroll
+  for (int i = 0; i < NI; ++i) v[i] *= sc;
+}
+
+// Number of the 2^bits - 1 sorted edges strictly below y (kvq::bucketize).
+__device__ __forceinline__ int bucket(const float* __restrict__ edges, int bits, float y) {
+  int lo = 0, n = (1 << bits) - 1;
+  while (n > 0) {
+    const int half = n >> 1;
+    if (__ldg(edges + lo + half) < y) {
+      lo += half + 1;
+      n -= half + 1;
+    } else {
+      n = half;
+    }
+  }
+  return lo;
+}
+
 __device__ inline double warp_sum(double v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
 
+template <int BITS>
+__device__ inline void warp_pack_t(const std::uint8_t* codes, int n, std::uint8_t* out, int lane) {
+  const int nbytes = (n * BITS + 7) / 8;
+  for (int j = lane; j < nbytes; j += 32) {
+    unsigned v = 0;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const int bit = 8 * j + k, i = bit / BITS;
+      if (i < n) v |= ((static_cast<unsigned>(codes[i]) >> (bit % BITS)) & 1u) << k;
+    }
+    out[j] = static_cast<std::uint8_t>(v);
+  }
+}
+
 // Packs n b-bit codes (LSB first) into (n * b + 7) / 8 bytes.
 __device__ inline void warp_pack(const std::uint8_t* codes, int n, int bits, std::uint8_t* out, int lane) {
+  switch (bits) {
+    case 2: warp_pack_t<2>(codes, n, out, lane); return;
+    case 3: warp_pack_t<3>(codes, n, out, lane); return;
+    case 4: warp_pack_t<4>(codes, n, out, lane); return;
+    case 5: warp_pack_t<5>(codes, n, out, lane); return;
+    default: break;
+  }
   const int nbytes = (n * bits + 7) / 8;
   for (int j = lane; j < nbytes; j += 32) {
     unsigned v = 0;
@@ -82,18 +147,30 @@ __device__ void encode_tq(const FormatDesc& f, bool is_key, int head, const std:
     for (int i = lane; i < n; i += 32) ss += static_cast<double>(x[off + i]) * static_cast<double>(x[off + i]);
     const float norm = static_cast<float>(sqrt(warp_sum(ss)));
     const float inv = norm > 0 ? 1.0f / norm : 0.0f;
-    for (int i = lane; i < n; i += 32) y[i] = (x[off + i] * inv) * signs[off + i];
-    __syncwarp();
-    warp_fwht(y, n, lane);
-    const int ne = (1 << bits) - 1;
     double c2 = 0;
-    for (int i = lane; i < n; i += 32) {
-      int c = 0;
-      for (int k = 0; k < ne; ++k) c += edges[k] < y[i] ? 1 : 0;
+    auto finish = [&](int i, float yi) {
+      const int c = bucket(edges, bits, yi);
       codes[i] = static_cast<std::uint8_t>(c);
-      const double cv = cent[c];
+      const double cv = __ldg(cent + c);
       c2 += cv * cv;
+    };
+#define KVQ_REG_PATH(NI)                                                     \
+  if (n == 32 * NI) {                                                        \
+    float v[NI];                                                             \
+    _Pragma("unroll") for (int i = 0; i < NI; ++i) {                         \
+      const int j = lane + 32 * i;                                           \
+      v[i] = (x[off + j] * inv) * signs[off + j];                            \
+    }                                                                        \
+    reg_fwht<NI>(v, lane);                                                   \
+    _Pragma("unroll") for (int i = 0; i < NI; ++i) finish(lane + 32 * i, v[i]); \
+  } else
+    KVQ_REG_PATH(1) KVQ_REG_PATH(2) KVQ_REG_PATH(4) KVQ_REG_PATH(8) {
+      for (int i = lane; i < n; i += 32) y[i] = (x[off + i] * inv) * signs[off + i];
+      __syncwarp();
+      warp_fwht(y, n, lane);
+      for (int i = lane; i < n; i += 32) finish(i, y[i]);
     }
+#undef KVQ_REG_PATH
     c2 = warp_sum(c2);
     __syncwarp();
     warp_pack(codes, n, bits, dst_codes + code_off, lane);
@@ -157,10 +234,16 @@ __global__ void __launch_bounds__(kStoreWarps * 32) store_kernel(const StorePara
     switch (f.key) {
       case KeyCode::kTq: encode_tq(f, true, head, krow, xs[w], ys[w], cs[w], kc, km, lane); break;
       case KeyCode::kFp8:
-        for (int i = lane; i < D; i += 32) kc[i] = float_to_fp8_e4m3(bf16_bits_to_float(krow[i]), true);
+        for (int i = 4 * lane; i < D; i += 128) {
+          std::uint32_t w = 0;
+#pragma unroll
+          for (int k = 0; k < 4; ++k) w |= static_cast<std::uint32_t>(float_to_fp8_e4m3(bf16_bits_to_float(krow[i + k]), true)) << (8 * k);
+          *reinterpret_cast<std::uint32_t*>(kc + i) = w;
+        }
         break;
       case KeyCode::kBf16:
-        for (int i = lane; i < D; i += 32) reinterpret_cast<std::uint16_t*>(kc)[i] = krow[i];
+        for (int i = lane; i < D / 2; i += 32)
+          reinterpret_cast<std::uint32_t*>(kc)[i] = reinterpret_cast<const std::uint32_t*>(krow)[i];
         break;
     }
     __syncwarp();
@@ -168,14 +251,18 @@ __global__ void __launch_bounds__(kStoreWarps * 32) store_kernel(const StorePara
       case ValueCode::kTq: encode_tq(f, false, head, vrow, xs[w], ys[w], cs[w], vc, vm, lane); break;
       case ValueCode::kUniform: encode_uniform(D, f.value_bits[0], vrow, xs[w], cs[w], vc, vm, lane); break;
       case ValueCode::kBf16:
-        for (int i = lane; i < D; i += 32) reinterpret_cast<std::uint16_t*>(vc)[i] = vrow[i];
+        for (int i = lane; i < D / 2; i += 32)
+          reinterpret_cast<std::uint32_t*>(vc)[i] = reinterpret_cast<const std::uint32_t*>(vrow)[i];
         break;
     }
     for (std::uint32_t i = pg.key_meta_bytes + pg.value_meta_bytes + lane; i < pg.meta_bytes; i += 32) km[i] = 0;
   }
   if (p.protect_rows && p.positions && p.seq_ids) {
-    const std::int32_t sl = p.protect.slot(p.positions[tok]);
-    if (sl >= 0) {
+    const std::int32_t pos = p.positions[tok];
+    const std::int32_t sl = p.protect.slot(pos);
+    const bool keep = pos < p.protect.sinks || !p.protect_seq_lens ||
+                      pos >= p.protect_seq_lens[p.seq_ids[tok]] - p.protect.window;
+    if (sl >= 0 && keep) {
       std::uint16_t* dst = p.protect_rows + p.protect.row(p.seq_ids[tok], head, sl);
       for (int i = lane; i < D; i += 32) {
         dst[i] = krow[i];

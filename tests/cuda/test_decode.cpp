@@ -276,6 +276,7 @@ double run_case(const Case& c) {
     sp.protect_rows = pr.enabled() ? dprot2 : nullptr;
     sp.positions = dpos;
     sp.seq_ids = dseq;
+    sp.protect_seq_lens = dlens;
     const cudaError_t se = cuda::store(sp);
     check(se == cudaSuccess, name + ": store launch: " + cudaGetErrorString(se));
     KVQ_CUDA_OK(cudaDeviceSynchronize());
