@@ -318,52 +318,70 @@ class DenseCache final : public KvCache {
     }
   }
 
+  // Decode-sized calls: per query, the visible rows are cut into blocks of 64 and split between
+  // threads (at least 8 blocks each); each thread widens a block to fp32, scores it for all query
+  // heads of a KV group with one small sgemm, and folds it into a running max / sum / output
+  // (online softmax); the threads' partial results are merged at the end.
   template <typename T>
   void attend_decode(const T* K, const T* V, int n_q, int pos0, const Shape& sh, float scale, const float* q,
                      float* out) const {
-    const int qs = sh.n_heads * sh.kd, os = sh.n_heads * sh.vd;
+    constexpr int kBlock = 64;
+    const int qs = sh.n_heads * sh.kd, os = sh.n_heads * sh.vd, nh = sh.n_heads;
     const int dc = g_.d_latent, dr = g_.d_rope;
-    const int nthreads = std::max(1, std::min(omp_get_max_threads(), (pos0 + n_q) / 256));
-    // Per query: all heads over key ranges split between threads, merged by max / sum.
     for (int i = 0; i < n_q; ++i) {
       const int L = pos0 + i + 1;
-      const int nh = sh.n_heads;
+      const int nblocks = (L + kBlock - 1) / kBlock;
+      const int nthreads = std::max(1, std::min(omp_get_max_threads(), nblocks / 8));
       std::vector<float> part_m(static_cast<std::size_t>(nthreads) * nh, -INFINITY), part_s(part_m.size(), 0.0f);
       std::vector<float> part_o(static_cast<std::size_t>(nthreads) * nh * sh.vd, 0.0f);
       const float* qi = q + static_cast<std::size_t>(i) * qs;
-#pragma omp parallel num_threads(nthreads)
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
       {
         const int t = omp_get_thread_num();
-        const int a = static_cast<int>(static_cast<std::int64_t>(L) * t / nthreads);
-        const int b = static_cast<int>(static_cast<std::int64_t>(L) * (t + 1) / nthreads);
-        std::vector<float> sc(static_cast<std::size_t>(std::max(0, b - a)) * nh);
-        for (int j = a; j < b; ++j) {
-          for (int h = 0; h < nh; ++h) {
-            const int g = h / sh.hq;
-            const float* qh = qi + static_cast<std::size_t>(h) * sh.kd;
-            float d;
-            if (g_.mla)
-              d = dot_row(qh, K + static_cast<std::size_t>(j) * dc, dc) +
-                  dot_row(qh + dc, V + static_cast<std::size_t>(j) * dr, dr);
-            else
-              d = dot_row(qh, K + static_cast<std::size_t>(j) * kw_ + static_cast<std::size_t>(g) * sh.kd, sh.kd);
-            sc[static_cast<std::size_t>(j - a) * nh + h] = d * scale;
+        const int nt = omp_get_num_threads();
+        const int b0 = static_cast<int>(static_cast<std::int64_t>(nblocks) * t / nt);
+        const int b1 = static_cast<int>(static_cast<std::int64_t>(nblocks) * (t + 1) / nt);
+        std::vector<float> kf(static_cast<std::size_t>(kBlock) * sh.kd), vf(g_.mla ? 0 : static_cast<std::size_t>(kBlock) * sh.vd);
+        std::vector<float> sc(static_cast<std::size_t>(sh.hq) * kBlock);
+        for (int g = 0; g < sh.groups; ++g) {
+          float* m = part_m.data() + static_cast<std::size_t>(t) * nh + static_cast<std::size_t>(g) * sh.hq;
+          float* sum = part_s.data() + static_cast<std::size_t>(t) * nh + static_cast<std::size_t>(g) * sh.hq;
+          float* o = part_o.data() + (static_cast<std::size_t>(t) * nh + static_cast<std::size_t>(g) * sh.hq) * sh.vd;
+          const float* qg = qi + static_cast<std::size_t>(g) * sh.hq * sh.kd;
+          for (int b = b0; b < b1; ++b) {
+            const int r0 = b * kBlock, nr = std::min(kBlock, L - r0);
+            for (int r = 0; r < nr; ++r) {
+              const std::size_t j = static_cast<std::size_t>(r0 + r);
+              float* kd = kf.data() + static_cast<std::size_t>(r) * sh.kd;
+              if (g_.mla) {
+                for (int d = 0; d < dc; ++d) kd[d] = widen1(K[j * dc + d]);
+                for (int d = 0; d < dr; ++d) kd[dc + d] = widen1(V[j * dr + d]);
+              } else {
+                const T* kr = K + j * kw_ + static_cast<std::size_t>(g) * sh.kd;
+                const T* vr = V + j * vw_ + static_cast<std::size_t>(g) * sh.vd;
+                float* vd = vf.data() + static_cast<std::size_t>(r) * sh.vd;
+                for (int d = 0; d < sh.kd; ++d) kd[d] = widen1(kr[d]);
+                for (int d = 0; d < sh.vd; ++d) vd[d] = widen1(vr[d]);
+              }
+            }
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, sh.hq, nr, sh.kd, scale, qg, sh.kd, kf.data(), sh.kd,
+                        0.0f, sc.data(), kBlock);
+            for (int h = 0; h < sh.hq; ++h) {
+              float* row = sc.data() + static_cast<std::size_t>(h) * kBlock;
+              float mb = -INFINITY;
+              for (int r = 0; r < nr; ++r) mb = std::max(mb, row[r]);
+              const float mn = std::max(m[h], mb);
+              const float f = m[h] == -INFINITY ? 0.0f : std::exp(m[h] - mn);
+              float add = 0.0f;
+              for (int r = 0; r < nr; ++r) add += row[r] = std::exp(row[r] - mn);
+              sum[h] = sum[h] * f + add;
+              m[h] = mn;
+              float* oh = o + static_cast<std::size_t>(h) * sh.vd;
+              for (int d = 0; d < sh.vd; ++d) oh[d] *= f;
+            }
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, sh.hq, sh.vd, nr, 1.0f, sc.data(), kBlock,
+                        g_.mla ? kf.data() : vf.data(), g_.mla ? sh.kd : sh.vd, 1.0f, o, sh.vd);
           }
-        }
-        for (int h = 0; h < nh; ++h) {
-          float mx = -INFINITY;
-          for (int j = a; j < b; ++j) mx = std::max(mx, sc[static_cast<std::size_t>(j - a) * nh + h]);
-          float sum = 0.0f;
-          float* o = part_o.data() + (static_cast<std::size_t>(t) * nh + h) * sh.vd;
-          const int g = h / sh.hq;
-          for (int j = a; j < b; ++j) {
-            const float p = std::exp(sc[static_cast<std::size_t>(j - a) * nh + h] - mx);
-            sum += p;
-            if (g_.mla) axpy_row(o, p, K + static_cast<std::size_t>(j) * dc, dc);
-            else axpy_row(o, p, V + static_cast<std::size_t>(j) * vw_ + static_cast<std::size_t>(g) * sh.vd, sh.vd);
-          }
-          part_m[static_cast<std::size_t>(t) * nh + h] = mx;
-          part_s[static_cast<std::size_t>(t) * nh + h] = sum;
         }
       }
       for (int h = 0; h < nh; ++h) {
