@@ -73,6 +73,7 @@ std::int64_t TensorView::numel() const {
 std::vector<float> TensorView::to_float() const {
   const std::size_t n = static_cast<std::size_t>(numel());
   std::vector<float> out(n);
+  if (n == 0) return out;
   const std::uint8_t* p = data;
   switch (dtype) {
     case DType::kF32: std::memcpy(out.data(), p, n * 4); break;
