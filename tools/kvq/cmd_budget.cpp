@@ -9,6 +9,7 @@
 
 #include "command.hpp"
 #include "kvq/formats.hpp"
+#include "kvq/paged_cache.hpp"
 #include "table.hpp"
 
 namespace {
@@ -42,7 +43,45 @@ kvq::CacheGeometry geometry_from_config(const std::string& dir) {
   return g;
 }
 
-void run(const std::vector<std::string>& models, const std::string& caches, double budget_gib, bool json) {
+// Persistent bytes of one request per layer and for the whole model (pages, protection rows,
+// reverse maps), the QuantMLA paper's accounting (docs/cache.md).
+void run_context(const std::vector<kvq::NamedShape>& shapes, const std::string& caches, const std::vector<int>& contexts,
+                 const kvq::ProtectionPolicy& pol, bool json) {
+  nlohmann::json rows = nlohmann::json::array();
+  kvq::cli::Table t({"model", "format", "context", "page bytes/layer", "pages/layer", "packed/layer", "protection/layer",
+                     "reverse map/layer", "total (model)", "bf16 total", "x vs bf16"});
+  for (const auto& s : shapes) {
+    std::vector<std::string> names = caches.empty() ? kvq::format_names(s.geometry.mla ? kvq::FormatFamily::kMLA : kvq::FormatFamily::kKV)
+                                                    : kvq::cli::split_list(caches);
+    for (const auto& n : names) {
+      for (int L : contexts) {
+        const auto m = kvq::PagedCache::account(s.geometry, n, pol, L);
+        const auto b = kvq::PagedCache::account(s.geometry, "bf16", kvq::ProtectionPolicy{}, L);
+        const std::size_t layers = static_cast<std::size_t>(s.geometry.n_layers);
+        const auto page = kvq::page_layout(kvq::find_format(n), s.geometry).page_bytes;
+        const double ratio = static_cast<double>(b.packed_bytes) / static_cast<double>(m.total());
+        rows.push_back({{"model", s.name}, {"format", n}, {"context", L}, {"sinks", pol.sinks}, {"window", pol.window},
+                        {"boundary_layers", pol.boundary_layers}, {"page_bytes_per_layer", page}, {"pages", m.blocks},
+                        {"packed_bytes", m.packed_bytes}, {"protection_bytes", m.protection_bytes},
+                        {"reverse_map_bytes", m.reverse_map_bytes}, {"total_bytes", m.total()},
+                        {"bf16_bytes", b.packed_bytes}, {"ratio_vs_bf16", ratio}});
+        t.add({s.name, n, std::to_string(L), std::to_string(page), std::to_string(m.blocks), std::to_string(m.packed_bytes / layers),
+               std::to_string(m.protection_bytes / layers), std::to_string(m.reverse_map_bytes / layers), std::to_string(m.total()),
+               std::to_string(b.packed_bytes), fmt::format("{:.2f}", ratio)});
+      }
+    }
+  }
+  if (json) {
+    fmt::print("{}\n", nlohmann::json({{"rows", rows}}).dump(1));
+    return;
+  }
+  fmt::print("Persistent bytes of one request (S = {}, W = {}, N = {}; pages of 64 tokens; bf16 = pages only)\n", pol.sinks,
+             pol.window, pol.boundary_layers);
+  t.print(stdout, 2);
+}
+
+void run(const std::vector<std::string>& models, const std::string& caches, double budget_gib, bool json,
+         const std::string& contexts, const std::string& protect) {
   std::vector<kvq::NamedShape> shapes;
   if (models.empty()) {
     shapes = kvq::named_shapes();
@@ -53,6 +92,11 @@ void run(const std::vector<std::string>& models, const std::string& caches, doub
         if (s.name == m) shapes.push_back(s), named = true;
       if (!named) shapes.push_back({m, geometry_from_config(kvq::cli::resolve_path(m))});
     }
+  }
+  if (!contexts.empty()) {
+    run_context(shapes, caches, kvq::cli::parse_int_list(contexts),
+                protect == "paper" ? kvq::ProtectionPolicy::paper() : kvq::ProtectionPolicy{}, json);
+    return;
   }
   const double budget = budget_gib * 1024.0 * 1024.0 * 1024.0;
   nlohmann::json rows = nlohmann::json::array();
@@ -86,11 +130,15 @@ void register_cmd(CLI::App& app) {
   auto caches = std::make_shared<std::string>();
   auto gib = std::make_shared<double>(40.0);
   auto json = std::make_shared<bool>(false);
+  auto ctx = std::make_shared<std::string>();
+  auto protect = std::make_shared<std::string>("none");
+  cmd->add_option("--context", *ctx, "comma-separated request lengths: print the persistent bytes of one request");
+  cmd->add_option("--protect", *protect, "with --context: none or paper (S = 4, W = 128)")->check(CLI::IsMember({"none", "paper"}));
   cmd->add_option("--model", *models, "model dir (config.json) or a named shape: Llama-3.1-8B, Llama-3.1-70B, DeepSeek-V2-Lite");
   cmd->add_option("--cache", *caches, "comma-separated formats (default: every format that fits)");
   cmd->add_option("--budget-gib", *gib, "memory budget for the cache, GiB")->check(CLI::PositiveNumber);
   cmd->add_flag("--json", *json, "print one JSON object");
-  cmd->callback([=] { run(*models, *caches, *gib, *json); });
+  cmd->callback([=] { run(*models, *caches, *gib, *json, *ctx, *protect); });
 }
 
 }  // namespace
