@@ -130,6 +130,33 @@ KVQ_AVX2 inline __m256i load_codes(const std::uint8_t* stream, int b, int j) {
   return _mm256_load_si256(reinterpret_cast<const __m256i*>(t));
 }
 
+// Centroid lookup of 8 codes: register permutes for up to 16 centroids (1-4 bits), a gather
+// beyond that. Same values as centroids_f[code].
+struct CentroidTable {
+  __m256 lo, hi;
+  const float* all;
+  int k;
+};
+KVQ_AVX2 inline CentroidTable make_table(const std::vector<float>& c) {
+  CentroidTable t;
+  alignas(32) float a[16] = {};
+  for (std::size_t i = 0; i < c.size() && i < 16; ++i) a[i] = c[i];
+  t.lo = _mm256_load_ps(a);
+  t.hi = _mm256_load_ps(a + 8);
+  t.all = c.data();
+  t.k = static_cast<int>(c.size());
+  return t;
+}
+KVQ_AVX2 inline __m256 lookup(const CentroidTable& t, __m256i idx) {
+  if (t.k <= 8) return _mm256_permutevar8x32_ps(t.lo, idx);
+  if (t.k <= 16) {
+    const __m256 a = _mm256_permutevar8x32_ps(t.lo, idx), b = _mm256_permutevar8x32_ps(t.hi, idx);
+    const __m256 use_hi = _mm256_castsi256_ps(_mm256_cmpgt_epi32(idx, _mm256_set1_epi32(7)));
+    return _mm256_blendv_ps(a, b, use_hi);
+  }
+  return _mm256_i32gather_ps(t.all, idx, 4);
+}
+
 bool blocks_ok(const HadamardRotation& r) {
   for (int b : r.blocks())
     if (b < 8) return false;
@@ -147,6 +174,7 @@ KVQ_AVX2 bool tq_encode_batch(const TurboQuantMse& q, const HadamardRotation& r,
   const std::size_t rb = q.bytes(), cbytes = q.code_bytes();
   std::vector<float> y(static_cast<std::size_t>(d));
   const float* signs = r.signs().data();
+  const CentroidTable table = make_table(cb.centroids_f);
   for (std::size_t v = 0; v < n; ++v) {
     const float* xv = x + v * static_cast<std::size_t>(d);
     std::uint8_t* out = rec + v * rb;
@@ -179,7 +207,7 @@ KVQ_AVX2 bool tq_encode_batch(const TurboQuantMse& q, const HadamardRotation& r,
         cnt = _mm256_sub_epi32(cnt, _mm256_castps_si256(_mm256_cmp_ps(_mm256_set1_ps(cb.edges_f[static_cast<std::size_t>(e)]), yv, _CMP_LT_OQ)));
       store_codes(cnt, b, out, i / 8);
       if (q.norm_correction()) {
-        const __m256 cv = _mm256_i32gather_ps(cb.centroids_f.data(), cnt, 4);
+        const __m256 cv = lookup(table, cnt);
         const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(cv)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(cv, 1));
         // Lanes i % 16 in 0..3, 4..7 go to c0, c1 for even groups of 8 and c2, c3 for odd ones.
         if ((i & 8) == 0) {
@@ -215,7 +243,7 @@ KVQ_AVX2 bool tq_decode_batch(const TurboQuantMse& q, const HadamardRotation& r,
   const auto& cb = q.codebook();
   const std::size_t rb = q.bytes(), cbytes = q.code_bytes();
   const float* signs = r.signs().data();
-  const float* cent = cb.centroids_f.data();
+  const CentroidTable table = make_table(cb.centroids_f);
   for (std::size_t v = 0; v < n; ++v) {
     const std::uint8_t* in = rec + v * rb;
     float* y = x + v * static_cast<std::size_t>(d);
@@ -223,7 +251,7 @@ KVQ_AVX2 bool tq_decode_batch(const TurboQuantMse& q, const HadamardRotation& r,
     std::memcpy(&h, in + cbytes, 2);
     const __m256 nv = _mm256_set1_ps(fp16_to_float(h));
     for (int i = 0; i < d; i += 8)
-      _mm256_storeu_ps(y + i, _mm256_mul_ps(nv, _mm256_i32gather_ps(cent, load_codes(in, q.bits(), i / 8), 4)));
+      _mm256_storeu_ps(y + i, _mm256_mul_ps(nv, lookup(table, load_codes(in, q.bits(), i / 8))));
     int off = 0;
     for (int b : r.blocks()) {
       fwht_avx2(y + off, b);
