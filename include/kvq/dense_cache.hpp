@@ -18,8 +18,10 @@ enum class DenseStorage {
 };
 
 // A dense cache for `max_seqs` sequences; storage grows as tokens are appended, up to
-// `max_tokens` per sequence (0: unbounded), past which append throws kvq::Error.
+// `max_tokens` per sequence (0: unbounded), past which append throws kvq::Error. Decode-sized
+// attention uses a second thread only for every `decode_rows_per_thread` visible rows (waking a
+// thread costs more than a short decode step on a busy machine).
 std::unique_ptr<KvCache> make_dense_cache(const CacheGeometry& geometry, int max_seqs = 1, int max_tokens = 0,
-                                          DenseStorage storage = DenseStorage::kBF16);
+                                          DenseStorage storage = DenseStorage::kBF16, int decode_rows_per_thread = 4096);
 
 }  // namespace kvq

@@ -121,8 +121,8 @@ inline float widen1(float f) { return f; }
 
 class DenseCache final : public KvCache {
  public:
-  DenseCache(const CacheGeometry& g, int max_seqs, int max_tokens, DenseStorage storage)
-      : g_(g), max_tokens_(max_tokens), f32_(storage == DenseStorage::kF32) {
+  DenseCache(const CacheGeometry& g, int max_seqs, int max_tokens, DenseStorage storage, int decode_rows_per_thread)
+      : g_(g), max_tokens_(max_tokens), f32_(storage == DenseStorage::kF32), decode_rows_per_thread_(decode_rows_per_thread) {
     require(g.n_layers > 0, "dense cache: n_layers must be positive");
     require(max_seqs > 0, "dense cache: max_seqs must be positive");
     if (g.mla) {
@@ -319,19 +319,22 @@ class DenseCache final : public KvCache {
   }
 
   // Decode-sized calls: per query, the visible rows are cut into blocks of 64 and split between
-  // threads (at least 8 blocks each); each thread widens a block to fp32, scores it for all query
+  // threads (at least decode_rows_per_thread / 64 blocks each); each thread widens a block to fp32, scores it for all query
   // heads of a KV group with one small sgemm, and folds it into a running max / sum / output
   // (online softmax); the threads' partial results are merged at the end.
   template <typename T>
   void attend_decode(const T* K, const T* V, int n_q, int pos0, const Shape& sh, float scale, const float* q,
                      float* out) const {
     constexpr int kBlock = 64;
+    // A thread gets at least decode_rows_per_thread_ rows (4096 by default): below that a decode
+    // step's attention is well under a millisecond, less than waking a thread costs when busy.
+    const int kMinBlocksPerThread = std::max(1, decode_rows_per_thread_ / kBlock);
     const int qs = sh.n_heads * sh.kd, os = sh.n_heads * sh.vd, nh = sh.n_heads;
     const int dc = g_.d_latent, dr = g_.d_rope;
     for (int i = 0; i < n_q; ++i) {
       const int L = pos0 + i + 1;
       const int nblocks = (L + kBlock - 1) / kBlock;
-      const int nthreads = std::max(1, std::min(omp_get_max_threads(), nblocks / 8));
+      const int nthreads = std::max(1, std::min(omp_get_max_threads(), nblocks / kMinBlocksPerThread));
       std::vector<float> part_m(static_cast<std::size_t>(nthreads) * nh, -INFINITY), part_s(part_m.size(), 0.0f);
       std::vector<float> part_o(static_cast<std::size_t>(nthreads) * nh * sh.vd, 0.0f);
       const float* qi = q + static_cast<std::size_t>(i) * qs;
@@ -407,6 +410,7 @@ class DenseCache final : public KvCache {
   CacheGeometry g_;
   int max_tokens_ = 0;
   bool f32_ = false;
+  int decode_rows_per_thread_ = 4096;
   int kw_ = 0, vw_ = 0;
   std::vector<Seq> seqs_;
 };
@@ -414,8 +418,8 @@ class DenseCache final : public KvCache {
 }  // namespace
 
 std::unique_ptr<KvCache> make_dense_cache(const CacheGeometry& geometry, int max_seqs, int max_tokens,
-                                          DenseStorage storage) {
-  return std::make_unique<DenseCache>(geometry, max_seqs, max_tokens, storage);
+                                          DenseStorage storage, int decode_rows_per_thread) {
+  return std::make_unique<DenseCache>(geometry, max_seqs, max_tokens, storage, decode_rows_per_thread);
 }
 
 }  // namespace kvq

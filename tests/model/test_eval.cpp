@@ -55,6 +55,9 @@ TEST(Eval, ValidationTextHas117Windows) {
   const auto stream =
       ppl_token_stream(read_text("data/validation.txt"), [&](std::string_view s) { return tok->encode(s); }, 1);
   std::printf("[ measure  ] validation.txt: %zu tokens in the protocol stream\n", stream.size());
+  // @huggingface/tokenizers: 239,828 tokens over the 30 documents (tests/data/tokenizer/
+  // reference_tiny.json), plus one <|eos|> each.
+  EXPECT_EQ(stream.size(), 239858u);
   EXPECT_EQ(ppl_full_windows(stream.size(), 2048), 117);
   EXPECT_EQ(stream.back(), 1);
   // The fixture's cache dump is validation text that transformers tokenized: the stream must hold it.

@@ -138,8 +138,8 @@ TEST_P(PerModel, LastLogitsEqualLastRow) {
   EXPECT_LE(max_abs_diff(last, want), 1e-5f);
 }
 
-// Long contexts take the decode path's split over threads (>= 8 blocks of 64 rows each) and its
-// max / sum merge; prefill 1500 tokens, then decode 36 and compare with one prefill of all.
+// Long contexts take the decode path's split over threads (forced here at 512 rows per thread)
+// and its max / sum merge; prefill 1500 tokens, decode 36 and compare with one prefill of all.
 TEST_P(PerModel, LongDecodeEqualsPrefill) {
   KVQ_REQUIRE_DIR(GetParam());
   auto m = Model::load(src_path(GetParam()));
@@ -153,7 +153,7 @@ TEST_P(PerModel, LongDecodeEqualsPrefill) {
   const int saved = omp_get_max_threads();
   omp_set_num_threads(2);
   const auto one_shot = run_all(*m, ids);
-  auto cache = make_dense_cache(m->cache_geometry(), 1, 0, DenseStorage::kF32);
+  auto cache = make_dense_cache(m->cache_geometry(), 1, 0, DenseStorage::kF32, 512);
   std::vector<float> got(static_cast<std::size_t>(1536 - n0) * V);
   m->forward(ids.data(), n0, *cache, 0, nullptr, LogitsMode::kNone);
   for (int i = n0; i < 1536; ++i)
