@@ -4,7 +4,11 @@
 //
 // Usage: bench_runtime [--threads N] [--reps R] [MODEL_DIR...]   (default: models/tiny-gqa and
 // models/tiny-mla under $KVQ_SOURCE_DIR or the current directory, 2 threads, 3 repetitions)
+//
+// Wall-clock rates depend on what else runs on the machine; the process CPU seconds per token
+// (all threads, getrusage) are printed beside them as the load-independent cost.
 #include <omp.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <chrono>
@@ -19,6 +23,16 @@
 namespace {
 
 using clock_type = std::chrono::steady_clock;
+
+double cpu_seconds() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return u.ru_utime.tv_sec + u.ru_stime.tv_sec + 1e-6 * (u.ru_utime.tv_usec + u.ru_stime.tv_usec);
+}
+
+struct Timing {
+  double wall = 0.0, cpu = 0.0;  // seconds per unit of work
+};
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -36,33 +50,39 @@ std::vector<std::int32_t> tokens(int n, int vocab) {
 }
 
 // Seconds for one prefill of n tokens (fresh cache), median over reps.
-double time_prefill(kvq::Model& m, int n, int reps) {
+Timing time_prefill(kvq::Model& m, int n, int reps) {
   const auto ids = tokens(n, m.config().vocab_size);
   std::vector<float> logits(m.config().vocab_size);
-  std::vector<double> t;
+  std::vector<double> t, c;
   for (int r = 0; r <= reps; ++r) {
     auto cache = kvq::make_dense_cache(m.cache_geometry());
     const auto a = clock_type::now();
+    const double ca = cpu_seconds();
     m.forward(ids.data(), n, *cache, 0, logits.data(), kvq::LogitsMode::kLast);
     const double s = std::chrono::duration<double>(clock_type::now() - a).count();
-    if (r > 0) t.push_back(s);  // first run warms up
+    if (r > 0) {  // first run warms up
+      t.push_back(s);
+      c.push_back(cpu_seconds() - ca);
+    }
   }
-  return median(t);
+  return {median(t), median(c)};
 }
 
 // Seconds per decoded token after a prefill of `context` tokens, over `steps` steps; median over reps.
-double time_decode(kvq::Model& m, int context, int steps, int reps) {
+Timing time_decode(kvq::Model& m, int context, int steps, int reps) {
   const auto ids = tokens(context + steps, m.config().vocab_size);
   std::vector<float> logits(m.config().vocab_size);
-  std::vector<double> t;
+  std::vector<double> t, c;
   for (int r = 0; r < reps; ++r) {
     auto cache = kvq::make_dense_cache(m.cache_geometry());
     m.forward(ids.data(), context, *cache, 0, logits.data(), kvq::LogitsMode::kLast);
     const auto a = clock_type::now();
+    const double ca = cpu_seconds();
     for (int i = 0; i < steps; ++i) m.forward(&ids[context + i], 1, *cache, 0, logits.data(), kvq::LogitsMode::kLast);
     t.push_back(std::chrono::duration<double>(clock_type::now() - a).count() / steps);
+    c.push_back((cpu_seconds() - ca) / steps);
   }
-  return median(t);
+  return {median(t), median(c)};
 }
 
 }  // namespace
@@ -83,19 +103,26 @@ int main(int argc, char** argv) {
   }
   omp_set_num_threads(threads);
   std::printf("threads %d, repetitions %d (median), dense bf16 cache\n\n", threads, reps);
-  std::printf("| model | weights MB | prefill 2048 tok/s | decode tok/s @1K | decode tok/s @4K |\n");
-  std::printf("|---|---:|---:|---:|---:|\n");
+  double l1 = 0, l5 = 0, l15 = 0;
+  if (FILE* f = std::fopen("/proc/loadavg", "r")) {
+    if (std::fscanf(f, "%lf %lf %lf", &l1, &l5, &l15) != 3) l1 = l5 = l15 = 0;
+    std::fclose(f);
+  }
+  std::printf("load average at start: %.2f %.2f %.2f\n\n", l1, l5, l15);
+  std::printf("| model | weights MB | prefill 2048 tok/s | decode tok/s @1K | decode tok/s @4K | prefill CPU ms/tok | decode CPU ms/tok @1K | @4K |\n");
+  std::printf("|---|---:|---:|---:|---:|---:|---:|---:|\n");
   for (const auto& d : dirs) {
     try {
       auto m = kvq::Model::load(d);
       const int maxp = m->config().max_position_embeddings;
       const int steps = 32;
-      const double pre = time_prefill(*m, 2048, reps);
-      const double d1 = time_decode(*m, 1024 - steps / 2, steps, reps);
+      const Timing pre = time_prefill(*m, 2048, reps);
+      const Timing d1 = time_decode(*m, 1024 - steps / 2, steps, reps);
       const int ctx4 = std::min(4096, maxp) - steps;
-      const double d4 = time_decode(*m, ctx4, steps, reps);
-      std::printf("| %s | %.1f | %.0f | %.1f | %.1f |\n", d.substr(d.rfind('/') + 1).c_str(),
-                  m->weight_bytes() / 1e6, 2048 / pre, 1.0 / d1, 1.0 / d4);
+      const Timing d4 = time_decode(*m, ctx4, steps, reps);
+      std::printf("| %s | %.1f | %.0f | %.1f | %.1f | %.3f | %.2f | %.2f |\n", d.substr(d.rfind('/') + 1).c_str(),
+                  m->weight_bytes() / 1e6, 2048 / pre.wall, 1.0 / d1.wall, 1.0 / d4.wall, 1e3 * pre.cpu / 2048,
+                  1e3 * d1.cpu, 1e3 * d4.cpu);
       std::fflush(stdout);
     } catch (const std::exception& e) {
       std::fprintf(stderr, "%s: %s\n", d.c_str(), e.what());
