@@ -76,8 +76,13 @@ int decode_splits(const DecodeParams& p) {
   const int sms = p.sm_count > 0 ? p.sm_count : detail::device_sms();
   const int chunks = std::max(1, (p.max_seq_len + detail::kChunk - 1) / detail::kChunk);
   const long units = static_cast<long>(p.batch) * std::max(1, p.fmt.kv_heads);
-  // One CTA per SM (the kernels take ~210 KB of shared memory). Cost model: waves x (chunks per
-  // CTA over 8 warps + a fixed prologue/epilogue of ~1.5 chunks).
+  // One CTA per SM (the kernels take ~190-210 KB of shared memory). Cost model: waves x (chunks
+  // per CTA over the CTA's warps + a fixed prologue/epilogue of ~1.5 chunks).
+  int warps = 8;
+  if (p.fmt.head_dim == 128) {
+    int fw = 0;
+    if (detail::decode_fast_d128(p, false, &fw, 0, 0, nullptr, nullptr, nullptr) == cudaSuccess && fw > 0) warps = fw;
+  }
   int best = 1;
   double best_t = 1e30;
   for (int ns = 1; ns <= std::min(chunks, 256); ++ns) {
@@ -85,7 +90,7 @@ int decode_splits(const DecodeParams& p) {
     const int ns_eff = (chunks + cps - 1) / cps;
     if (ns_eff != ns) continue;
     const double waves = std::ceil(static_cast<double>(units * ns) / sms);
-    const double t = waves * (std::ceil(cps / 8.0) + 1.5);
+    const double t = waves * (std::ceil(static_cast<double>(cps) / warps) + 1.5);
     if (t < best_t - 1e-9) {
       best_t = t;
       best = ns;

@@ -1,6 +1,42 @@
-// Decode kernels for head_dim 128 (every supported format); see decode.cuh.
+// Decode kernels for head_dim 128: the fast kernel (decode_fast.cuh) for G <= 4 and the
+// single-segment TurboQuant / fp8 formats, the generic kernel (decode.cuh) for everything else.
+#include "decode_fast.cuh"
 #include "decode_launch.cuh"
 
 namespace kvq::cuda::detail {
-KVQ_DEFINE_DECODE_D(128)
+
+namespace {
+KVQ_DEFINE_DECODE_FN(128, launch_decode_generic_d128, supported_generic_d128)
+
+bool fast_applies(const DecodeParams& p) {
+  const FormatDesc& f = p.fmt;
+  return f.head_dim == 128 && f.kv_heads > 0 && p.q_heads % f.kv_heads == 0 && p.q_heads / f.kv_heads <= 4 &&
+         f.segments == 1;
+}
+}  // namespace
+
+#define KVQ_FAST_CASE(KC, KB, VC, VB)                          \
+  if (format_is(p.fmt, KC, KB, 0, VC, VB, 0)) {                \
+    if (warps) *warps = FCfg<KC, KB, VC, VB>::WARPS;           \
+    if (!launch) return cudaSuccess;                           \
+    return launch_decode_fast<FCfg<KC, KB, VC, VB>>(p, nsplit, cps, po, pl, st); \
+  }
+
+// Launches the fast kernel when it applies (launch = false: only reports whether it would, and
+// its warps per CTA); cudaErrorNotSupported when it does not apply.
+cudaError_t decode_fast_d128(const DecodeParams& p, bool launch, int* warps, int nsplit, int cps, float* po, float* pl,
+                             cudaStream_t st) {
+  if (!fast_applies(p)) return cudaErrorNotSupported;
+  KVQ_FAST_FORMATS(KVQ_FAST_CASE)
+  return cudaErrorNotSupported;
+}
+#undef KVQ_FAST_CASE
+
+cudaError_t launch_decode_d128(const DecodeParams& p, int nsplit, int cps, float* po, float* pl, cudaStream_t st) {
+  const cudaError_t e = decode_fast_d128(p, true, nullptr, nsplit, cps, po, pl, st);
+  if (e != cudaErrorNotSupported) return e;
+  return launch_decode_generic_d128(p, nsplit, cps, po, pl, st);
+}
+bool supported_d128(const FormatDesc& f) { return supported_generic_d128(f); }
+
 }  // namespace kvq::cuda::detail

@@ -43,16 +43,17 @@ inline bool format_is(const FormatDesc& f, KeyCode kc, int kb0, int kb1, ValueCo
   if (format_is(fmt, KC, KB0, KB1, VC, VB0, VB1))      \
     return launch_decode<Cfg<D, KC, KB0, KB1, VC, VB0, VB1>>(p, nsplit, cps, po, pl, st);
 
-#define KVQ_DEFINE_DECODE_D(D)                                                                                   \
-  cudaError_t launch_decode_d##D(const DecodeParams& p, int nsplit, int cps, float* po, float* pl, cudaStream_t st) { \
+#define KVQ_DEFINE_DECODE_FN(D, LAUNCH, SUPPORTED)                                                           \
+  cudaError_t LAUNCH(const DecodeParams& p, int nsplit, int cps, float* po, float* pl, cudaStream_t st) {        \
     const FormatDesc& fmt = p.fmt;                                                                               \
     KVQ_DECODE_FORMATS(KVQ_DECODE_CASE, D)                                                                      \
     return cudaErrorInvalidValue;                                                                               \
   }                                                                                                              \
-  bool supported_d##D(const FormatDesc& fmt) {                                                                   \
+  bool SUPPORTED(const FormatDesc& fmt) {                                                                        \
     KVQ_DECODE_FORMATS(KVQ_SUPPORTED_CASE, D)                                                                   \
     return false;                                                                                                \
   }
+#define KVQ_DEFINE_DECODE_D(D) KVQ_DEFINE_DECODE_FN(D, launch_decode_d##D, supported_d##D)
 #define KVQ_SUPPORTED_CASE(D, KC, KB0, KB1, VC, VB0, VB1) \
   if (format_is(fmt, KC, KB0, KB1, VC, VB0, VB1)) return true;
 
@@ -60,6 +61,10 @@ cudaError_t launch_decode_d64(const DecodeParams&, int, int, float*, float*, cud
 cudaError_t launch_decode_d96(const DecodeParams&, int, int, float*, float*, cudaStream_t);
 cudaError_t launch_decode_d128(const DecodeParams&, int, int, float*, float*, cudaStream_t);
 cudaError_t launch_decode_d256(const DecodeParams&, int, int, float*, float*, cudaStream_t);
+// head_dim 128: the fast kernel (decode_fast.cuh) where it applies; cudaErrorNotSupported where
+// not. launch = false only reports its warps per CTA (for the split count).
+cudaError_t decode_fast_d128(const DecodeParams& p, bool launch, int* warps, int nsplit, int cps, float* po,
+                             float* pl, cudaStream_t st);
 bool supported_d64(const FormatDesc&);
 bool supported_d96(const FormatDesc&);
 bool supported_d128(const FormatDesc&);
