@@ -52,3 +52,32 @@ struct ProtectLayout {
 };
 
 }  // namespace kvq
+
+namespace kvq {
+
+// MLA variant: one protected row per (sequence, slot) holding the whole token, the content latent
+// followed by the RoPE key, as bf16 (d_latent + d_rope elements; no heads, no key/value pair):
+//   rows[seq][slot][d_latent + d_rope]
+// Slots and the packed range follow ProtectLayout (sinks first, then a ring of the last W).
+struct MlaProtectLayout {
+  std::int32_t sinks = 0;
+  std::int32_t window = 0;
+  std::int32_t d_latent = 512;
+  std::int32_t d_rope = 64;
+
+  KVQ_HD ProtectLayout base() const { return ProtectLayout{sinks, window, 1, 0}; }
+  KVQ_HD std::int32_t slots() const { return sinks + window; }
+  KVQ_HD bool enabled() const { return sinks + window > 0; }
+  KVQ_HD std::int32_t row_dim() const { return d_latent + d_rope; }
+  KVQ_HD std::int32_t slot(std::int64_t pos) const { return base().slot(pos); }
+  // Element offset (bf16 units) of the row of (seq, slot).
+  KVQ_HD std::uint64_t row(std::int64_t seq, std::int32_t s) const {
+    return (static_cast<std::uint64_t>(seq) * static_cast<std::uint64_t>(slots()) + static_cast<std::uint64_t>(s)) *
+           static_cast<std::uint64_t>(row_dim());
+  }
+  KVQ_HD std::uint64_t elements(std::int64_t seqs) const { return row(seqs, 0); }
+  KVQ_HD std::int64_t packed_begin(std::int64_t L) const { return base().packed_begin(L); }
+  KVQ_HD std::int64_t packed_end(std::int64_t L) const { return base().packed_end(L); }
+};
+
+}  // namespace kvq

@@ -1,0 +1,84 @@
+// kvq_cuda_mla.hpp: launchers of the CUDA kernels for MLA caches (absorbed form), sm_90a.
+//
+// Formats: bf16 and the QuantMLA group-64 affine formats c8r8, c4r8, c4r4, c3r4, c2r4 (content
+// latent d_c = 512 with bf16 scales, RoPE key d_r = 64 with one fp32 scale). One layer per launch;
+// pages are kvq::page_layout(find_format(name), geometry) with heads = 1 (64 tokens:
+// [content codes][rope codes][32-byte meta per token]). Protected rows follow
+// kvq::MlaProtectLayout (include/kvq/cuda_protect.hpp). Launchers take raw device pointers and a
+// plain Params struct and return cudaError_t (cudaErrorInvalidValue for an unsupported shape).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kvq/cuda_protect.hpp"
+#include "kvq/formats.hpp"
+#include "kvq/page_layout.hpp"
+
+namespace kvq::cuda {
+
+struct MlaFormat {
+  std::int32_t content_bits = 16;  // 16: bf16 cache (rope_bits 16 too)
+  std::int32_t rope_bits = 16;
+  std::int32_t d_latent = 512;
+  std::int32_t d_rope = 64;
+  PageLayout page;
+};
+// kvq::Error when the format is not an MLA format with a kernel (bf16, c*r* affine).
+MlaFormat mla_format(const FormatSpec& f, int d_latent = 512, int d_rope = 64);
+bool mla_supported(const MlaFormat& f);
+
+// ---- writer --------------------------------------------------------------------------------
+// Quantizes n_tokens new (latent, rope key) rows exactly as kvq::AffineGroup (bit-identical
+// codes and metadata) and writes them into their paged slots; with protection also copies the
+// bf16 row of every protected position into its slot.
+struct MlaStoreParams {
+  MlaFormat fmt;
+  const std::uint16_t* latent = nullptr;  // bf16 [n_tokens][d_latent], stride below
+  const std::uint16_t* rope = nullptr;    // bf16 [n_tokens][d_rope] (after RoPE)
+  std::int64_t latent_stride = 0;         // elements between tokens (0: d_latent)
+  std::int64_t rope_stride = 0;           // (0: d_rope)
+  const std::int64_t* slot_mapping = nullptr;  // [n_tokens]: page * 64 + offset; < 0 skips
+  std::int32_t n_tokens = 0;
+  std::uint8_t* pool = nullptr;
+  MlaProtectLayout protect;
+  std::uint16_t* protect_rows = nullptr;
+  const std::int32_t* positions = nullptr;        // [n_tokens]
+  const std::int32_t* seq_ids = nullptr;          // [n_tokens]
+  const std::int32_t* protect_seq_lens = nullptr;  // [batch] lengths after this call (see kvq_cuda.hpp)
+};
+cudaError_t mla_store(const MlaStoreParams& p, cudaStream_t stream = nullptr);
+
+// ---- decode --------------------------------------------------------------------------------
+// One query token per sequence, absorbed MLA: for head h of sequence b,
+//   s_j = scale * (q[b][h][0:d_c] . c_j + q[b][h][d_c:] . r_j),  out[b][h] = sum_j softmax(s)_j c_j
+// over positions [0, seq_lens[b]); c_j, r_j from the packed pages, or from the bf16 rows at
+// protected positions. out is in latent space (d_c), fp32.
+struct MlaDecodeParams {
+  MlaFormat fmt;
+  const std::uint8_t* pool = nullptr;
+  const std::int32_t* block_tables = nullptr;  // [batch][max_pages]
+  std::int32_t max_pages = 0;
+  const std::int32_t* seq_lens = nullptr;      // [batch]
+  std::int32_t batch = 0;
+  std::int32_t heads = 0;                      // multiple of 16, <= 128
+  std::int32_t max_seq_len = 0;                // host-side bound, for the split count
+  const float* q = nullptr;                    // [batch][heads][d_c + d_r]
+  float* out = nullptr;                        // [batch][heads][d_c]
+  float scale = 0;
+  MlaProtectLayout protect;
+  const std::uint16_t* protect_rows = nullptr;
+  void* workspace = nullptr;
+  std::size_t workspace_bytes = 0;
+  std::int32_t num_splits = 0;  // 0: chosen to fill the SMs
+  std::int32_t sm_count = 0;
+};
+int mla_decode_splits(const MlaDecodeParams& p);
+std::size_t mla_decode_workspace_bytes(const MlaDecodeParams& p);
+cudaError_t mla_decode(const MlaDecodeParams& p, cudaStream_t stream = nullptr);
+// Bytes one launch must read: whole pages of the packed range, protected rows, block tables.
+std::size_t mla_decode_bytes_read(const MlaFormat& f, const int* seq_lens_host, int batch, const MlaProtectLayout& prot);
+
+}  // namespace kvq::cuda

@@ -1,0 +1,591 @@
+// mla_decode.cu: paged split-KV decode for absorbed MLA (d_c = 512, d_r = 64) over bf16 and
+// QuantMLA affine caches, and the combine kernel that merges the splits' partial softmax states.
+//
+// One CTA (8 warps) = one sequence x 16 query heads x a range of pages (a split); a request with
+// H heads runs H / 16 such CTAs per split, reading the same pages (L2). Per 64-token page:
+//  1. cp.async brings the next page (packed bytes, or the bf16 rows into the other tile buffer)
+//     while the current one computes;
+//  2. affine formats: the packed page is dequantized once into a bf16 tile of integer codes
+//     (q - z), exact in bf16, with the per-token group scales kept apart in fp32;
+//  3. QK on tensor cores (mma.sync m16n8k16): warp w multiplies the 16 query rows of content
+//     group w (dims 64w..64w+63; the query in bf16 hi + lo, ~16 bits) with the tile and scales
+//     the per-token result by that group's scale; warps 0-3 add one 16-dim slice of the RoPE part
+//     each; the 8 partial scores are summed in shared memory;
+//  4. online softmax per head (running max, sum, rescale factor);
+//  5. PV on tensor cores: warp w accumulates output columns 64w..64w+63 from the same tile, with
+//     A = P scaled per token by the group's scale (hi + lo).
+// Protected positions (sinks, recent window) of an affine cache are read from their bf16 rows by
+// one extra split per sequence; the combine kernel merges every split's (max, sum, output) into
+// one softmax. A bf16 cache needs no protection: its rows are bf16 already.
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "device.cuh"
+#include "kvq_cuda_mla.hpp"
+
+namespace kvq::cuda {
+
+MlaFormat mla_format(const FormatSpec& f, int d_latent, int d_rope) {
+  if (f.family != FormatFamily::kMLA && f.kind != FormatKind::kBf16) fail("format '" + f.name + "' is not an MLA format");
+  MlaFormat m;
+  if (f.kind == FormatKind::kBf16) {
+    m.content_bits = m.rope_bits = 16;
+  } else if (f.kind == FormatKind::kMlaAffine) {
+    m.content_bits = f.key_bits;
+    m.rope_bits = f.value_bits;
+  } else {
+    fail("format '" + f.name + "' has no MLA CUDA kernel (bf16, c8r8, c4r8, c4r4, c3r4, c2r4)");
+  }
+  m.d_latent = d_latent;
+  m.d_rope = d_rope;
+  CacheGeometry g;
+  g.n_layers = 1;
+  g.mla = true;
+  g.d_latent = d_latent;
+  g.d_rope = d_rope;
+  m.page = page_layout(f, g);
+  return m;
+}
+
+bool mla_supported(const MlaFormat& f) {
+  if (f.d_latent != 512 || f.d_rope != 64 || f.page.tokens != 64 || f.page.heads != 1) return false;
+  const int c = f.content_bits, r = f.rope_bits;
+  if (c == 16) return r == 16 && f.page.key_code_bytes == 1024 && f.page.value_code_bytes == 128;
+  if (f.page.meta_bytes != 32) return false;
+  return (c == 8 && r == 8) || (c == 4 && (r == 8 || r == 4)) || ((c == 3 || c == 2) && r == 4);
+}
+
+namespace {
+
+using detail::cp_async16;
+using detail::cp_async_commit;
+using detail::cp_async_wait;
+using detail::mma16816;
+using detail::split2;
+
+constexpr int kDc = 512, kDr = 64, kD = 576, kT = 64, kHG = 16, kThreads = 256;
+constexpr int kKStride = kD + 8;  // bf16 per tile row: 1168 bytes, conflict-free ldmatrix rows
+constexpr int kSStride = kT + 4;  // floats per score row
+constexpr std::size_t kTileBytes = static_cast<std::size_t>(kT) * kKStride * 2;
+// Partial scores [8 warps][16][kSStride] (P overwrites warp 0's rows), scales, softmax state.
+constexpr std::size_t kSmemTail = static_cast<std::size_t>(8 * kHG * kSStride + kT * 8 + kT + 3 * kHG) * 4;
+// Pages in flight: the prefetch runs kStages - 1 pages ahead (the bf16 tile buffers are the stages).
+template <int CB>
+constexpr int kStages = CB == 16 ? 2 : (CB == 8 ? 3 : 4);
+
+__device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, bool valid) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const int n = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n) : "memory");
+}
+__device__ __forceinline__ void ldsm_x4(std::uint32_t (&r)[4], const void* p) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(s));
+}
+__device__ __forceinline__ void ldsm_x4_t(std::uint32_t (&r)[4], const void* p) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(s));
+}
+// Two integers (exact in bf16) packed as bf16x2.
+__device__ __forceinline__ std::uint32_t ints_bf16x2(int a, int b) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(static_cast<float>(a), static_cast<float>(b));
+  return *reinterpret_cast<const std::uint32_t*>(&v);
+}
+
+struct Smem {
+  std::uint8_t* stage[4];  // affine: packed pages
+  __nv_bfloat16* tile[2];  // bf16: two tile buffers; affine: tile[0] only
+  float* spart;            // [8][16][kSStride]
+  float* P;                // [16][kSStride]
+  float* sc;               // [64][8]
+  float* sr;               // [64]
+  float* mrow;             // [16]
+  float* lrow;
+  float* alpha;
+};
+
+template <int CB>
+__host__ __device__ constexpr std::size_t head_bytes(std::size_t page_bytes) {
+  return CB == 16 ? 2 * kTileBytes : kStages<CB> * page_bytes + kTileBytes;
+}
+template <int CB>
+std::size_t smem_bytes(std::size_t page_bytes) {
+  return head_bytes<CB>(page_bytes) + kSmemTail;
+}
+
+// Eight consecutive content codes (dims 8 ch .. 8 ch + 7) of one token as integers.
+template <int B>
+__device__ __forceinline__ void load_codes8(const std::uint8_t* row, int ch, int (&c)[8]) {
+  if constexpr (B == 8) {
+    const uint2 v = *reinterpret_cast<const uint2*>(row + 8 * ch);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) c[i] = (v.x >> (8 * i)) & 255;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) c[4 + i] = (v.y >> (8 * i)) & 255;
+  } else if constexpr (B == 4) {
+    const std::uint32_t v = *reinterpret_cast<const std::uint32_t*>(row + 4 * ch);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) c[i] = (v >> (4 * i)) & 15;
+  } else if constexpr (B == 2) {
+    const std::uint32_t v = *reinterpret_cast<const std::uint16_t*>(row + 2 * ch);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) c[i] = (v >> (2 * i)) & 3;
+  } else {
+    const std::uint8_t* b = row + 3 * ch;
+    const std::uint32_t v = b[0] | (static_cast<std::uint32_t>(b[1]) << 8) | (static_cast<std::uint32_t>(b[2]) << 16);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) c[i] = (v >> (3 * i)) & 7;
+  }
+}
+
+// Dequantizes one staged affine page into the tile (integers q - z) and the scales (0 for tokens
+// outside [tlo, thi), whose rows then contribute nothing).
+template <int CB, int RB>
+__device__ void dequant_page(const Smem& sm, const std::uint8_t* pg, const PageLayout& L, int tlo, int thi) {
+  const int tid = threadIdx.x;
+  __nv_bfloat16* K = sm.tile[0];
+#pragma unroll 4
+  for (int c = tid; c < kT * (kDc / 8); c += kThreads) {
+    const int tok = c >> 6, ch = c & 63;
+    int q[8];
+    load_codes8<CB>(pg + L.key_code_off + static_cast<std::size_t>(tok) * L.key_code_bytes, ch, q);
+    const int z = pg[L.meta_off + tok * 32 + 16 + (ch >> 3)];
+    uint4 v;
+    v.x = ints_bf16x2(q[0] - z, q[1] - z);
+    v.y = ints_bf16x2(q[2] - z, q[3] - z);
+    v.z = ints_bf16x2(q[4] - z, q[5] - z);
+    v.w = ints_bf16x2(q[6] - z, q[7] - z);
+    *reinterpret_cast<uint4*>(K + tok * kKStride + 8 * ch) = v;
+  }
+  for (int c = tid; c < kT * (kDr / 8); c += kThreads) {
+    const int tok = c >> 3, ch = c & 7;
+    int q[8];
+    load_codes8<RB>(pg + L.value_code_off + static_cast<std::size_t>(tok) * L.value_code_bytes, ch, q);
+    const int z = pg[L.meta_off + tok * 32 + 28];
+    uint4 v;
+    v.x = ints_bf16x2(q[0] - z, q[1] - z);
+    v.y = ints_bf16x2(q[2] - z, q[3] - z);
+    v.z = ints_bf16x2(q[4] - z, q[5] - z);
+    v.w = ints_bf16x2(q[6] - z, q[7] - z);
+    *reinterpret_cast<uint4*>(K + tok * kKStride + kDc + 8 * ch) = v;
+  }
+  if (tid < kT) {
+    const std::uint8_t* m = pg + L.meta_off + tid * 32;
+    const bool ok = tid >= tlo && tid < thi;
+#pragma unroll
+    for (int g = 0; g < 8; ++g)
+      sm.sc[tid * 8 + g] = ok ? detail::bf16_bits_to_float(reinterpret_cast<const std::uint16_t*>(m)[g]) : 0.0f;
+    sm.sr[tid] = ok ? *reinterpret_cast<const float*>(m + 24) : 0.0f;
+  }
+}
+
+// QK, online softmax and PV of one tile held in `K` (scales in sm.sc / sm.sr unless kUnit).
+template <bool kUnit>
+__device__ __forceinline__ void compute_tile(const Smem& sm, const __nv_bfloat16* K, const std::uint32_t (&qhi)[5][4],
+                                             const std::uint32_t (&qlo)[5][4], float (&o)[8][4], float scale, int tlo,
+                                             int thi) {
+  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, t = lane & 3;
+  // ---- QK: partial scores of content group w (+ RoPE slice w for w < 4)
+  {
+    float acc[8][4];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+#pragma unroll
+    for (int ks = 0; ks < 4; ks += 2) {
+#pragma unroll
+      for (int jn = 0; jn < 8; ++jn) {
+        std::uint32_t b[4];
+        ldsm_x4(b, K + (8 * jn + (lane & 7)) * kKStride + 64 * w + 16 * ks + 8 * (lane >> 3));
+        mma16816<true>(acc[jn], qhi[ks], b[0], b[1]);
+        mma16816<true>(acc[jn], qlo[ks], b[0], b[1]);
+        mma16816<true>(acc[jn], qhi[ks + 1], b[2], b[3]);
+        mma16816<true>(acc[jn], qlo[ks + 1], b[2], b[3]);
+      }
+    }
+#pragma unroll
+    for (int jn = 0; jn < 8; ++jn) {
+      const int c0 = 8 * jn + 2 * t;
+      const float s0 = kUnit ? 1.0f : sm.sc[c0 * 8 + w], s1 = kUnit ? 1.0f : sm.sc[(c0 + 1) * 8 + w];
+      acc[jn][0] *= s0;
+      acc[jn][1] *= s1;
+      acc[jn][2] *= s0;
+      acc[jn][3] *= s1;
+    }
+    if (w < 4) {
+      float ar[8][4];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) ar[j][0] = ar[j][1] = ar[j][2] = ar[j][3] = 0.0f;
+#pragma unroll
+      for (int jn = 0; jn < 8; jn += 2) {
+        std::uint32_t b[4];
+        ldsm_x4(b, K + (8 * jn + (lane & 7) + 8 * (lane >> 4)) * kKStride + kDc + 16 * w + 8 * ((lane >> 3) & 1));
+        mma16816<true>(ar[jn], qhi[4], b[0], b[1]);
+        mma16816<true>(ar[jn], qlo[4], b[0], b[1]);
+        mma16816<true>(ar[jn + 1], qhi[4], b[2], b[3]);
+        mma16816<true>(ar[jn + 1], qlo[4], b[2], b[3]);
+      }
+#pragma unroll
+      for (int jn = 0; jn < 8; ++jn) {
+        const int c0 = 8 * jn + 2 * t;
+        const float s0 = kUnit ? 1.0f : sm.sr[c0], s1 = kUnit ? 1.0f : sm.sr[c0 + 1];
+        acc[jn][0] += ar[jn][0] * s0;
+        acc[jn][1] += ar[jn][1] * s1;
+        acc[jn][2] += ar[jn][2] * s0;
+        acc[jn][3] += ar[jn][3] * s1;
+      }
+    }
+    float* sp = sm.spart + w * kHG * kSStride;
+#pragma unroll
+    for (int jn = 0; jn < 8; ++jn) {
+      const int c0 = 8 * jn + 2 * t;
+      *reinterpret_cast<float2*>(sp + g * kSStride + c0) = make_float2(acc[jn][0], acc[jn][1]);
+      *reinterpret_cast<float2*>(sp + (g + 8) * kSStride + c0) = make_float2(acc[jn][2], acc[jn][3]);
+    }
+  }
+  __syncthreads();
+  // ---- online softmax: 16 threads per head, 4 tokens each
+  {
+    const int h = tid >> 4, sub = tid & 15;
+    float s[4] = {0, 0, 0, 0};
+#pragma unroll
+    for (int ww = 0; ww < 8; ++ww) {
+      const float4 v = *reinterpret_cast<const float4*>(sm.spart + (ww * kHG + h) * kSStride + 4 * sub);
+      s[0] += v.x;
+      s[1] += v.y;
+      s[2] += v.z;
+      s[3] += v.w;
+    }
+    float mx = -INFINITY;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int tok = 4 * sub + k;
+      s[k] = (tok >= tlo && tok < thi) ? s[k] * scale : -INFINITY;
+      mx = fmaxf(mx, s[k]);
+    }
+#pragma unroll
+    for (int off = 8; off >= 1; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    const float m_old = sm.mrow[h];
+    const float m_new = fmaxf(m_old, mx);
+    float a = 1.0f, sum = 0.0f, pv[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      pv[k] = (m_new == -INFINITY || s[k] == -INFINITY) ? 0.0f : expf(s[k] - m_new);
+      sum += pv[k];
+    }
+    if (m_new != -INFINITY) a = m_old == -INFINITY ? 0.0f : expf(m_old - m_new);
+#pragma unroll
+    for (int off = 8; off >= 1; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    *reinterpret_cast<float4*>(sm.P + h * kSStride + 4 * sub) = make_float4(pv[0], pv[1], pv[2], pv[3]);
+    if (sub == 0) {
+      sm.lrow[h] = sm.lrow[h] * a + sum;
+      sm.mrow[h] = m_new;
+      sm.alpha[h] = a;
+    }
+  }
+  __syncthreads();
+  // ---- PV: warp w owns output columns 64w .. 64w + 63
+  {
+    const float a0 = sm.alpha[g], a1 = sm.alpha[g + 8];
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+      o[n][0] *= a0;
+      o[n][1] *= a0;
+      o[n][2] *= a1;
+      o[n][3] *= a1;
+    }
+#pragma unroll
+    for (int kt = 0; kt < 4; ++kt) {
+      const int k0 = 16 * kt + 2 * t;
+      float sc4[4];
+      const int toks[4] = {k0, k0 + 1, k0 + 8, k0 + 9};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) sc4[i] = kUnit ? 1.0f : sm.sc[toks[i] * 8 + w];
+      const float* P0 = sm.P + g * kSStride;
+      const float* P1 = sm.P + (g + 8) * kSStride;
+      std::uint32_t ah[4], al[4];
+      split2<true>(P0[k0] * sc4[0], P0[k0 + 1] * sc4[1], ah[0], al[0]);
+      split2<true>(P1[k0] * sc4[0], P1[k0 + 1] * sc4[1], ah[1], al[1]);
+      split2<true>(P0[k0 + 8] * sc4[2], P0[k0 + 9] * sc4[3], ah[2], al[2]);
+      split2<true>(P1[k0 + 8] * sc4[2], P1[k0 + 9] * sc4[3], ah[3], al[3]);
+#pragma unroll
+      for (int np = 0; np < 4; ++np) {
+        std::uint32_t b[4];
+        ldsm_x4_t(b, K + (16 * kt + (lane & 7) + 8 * ((lane >> 3) & 1)) * kKStride + 64 * w + 16 * np + 8 * (lane >> 4));
+        mma16816<true>(o[2 * np], ah, b[0], b[1]);
+        mma16816<true>(o[2 * np], al, b[0], b[1]);
+        mma16816<true>(o[2 * np + 1], ah, b[2], b[3]);
+        mma16816<true>(o[2 * np + 1], al, b[2], b[3]);
+      }
+    }
+  }
+}
+
+struct Work {
+  float* opart;  // [batch][heads][nsl][512]
+  float* ml;     // [batch][heads][nsl][2]
+  int nsplit;    // packed splits
+  int nsl;       // + 1 when a protect split runs
+};
+
+// Issues cp.async of the bf16 rows of packed page `page_idx` into tile buffer `K` (rows outside
+// [tlo, thi) zero-filled).
+__device__ __forceinline__ void load_bf16_page(__nv_bfloat16* K, const std::uint8_t* pg, const PageLayout& L, int tlo,
+                                               int thi) {
+  for (int c = threadIdx.x; c < kT * 72; c += kThreads) {
+    const int tok = c / 72, k = c % 72;
+    const bool ok = tok >= tlo && tok < thi;
+    const std::uint8_t* src = k < 64 ? pg + L.key_code_off + tok * 1024 + 16 * k : pg + L.value_code_off + tok * 128 + 16 * (k - 64);
+    cp_async16_zfill(K + tok * kKStride + 8 * k, ok ? src : pg, ok);
+  }
+}
+
+template <int CB, int RB>
+__global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(MlaDecodeParams p, Work wk) {
+  extern __shared__ __align__(16) std::uint8_t smem_raw[];
+  const PageLayout L = p.fmt.page;
+  constexpr bool kBf16 = CB == 16;
+  Smem sm;
+  std::uint8_t* base = smem_raw;
+  if constexpr (kBf16) {
+    sm.tile[0] = reinterpret_cast<__nv_bfloat16*>(base);
+    sm.tile[1] = reinterpret_cast<__nv_bfloat16*>(base + kTileBytes);
+    base += 2 * kTileBytes;
+  } else {
+    for (int s = 0; s < kStages<CB>; ++s) sm.stage[s] = base + s * L.page_bytes;
+    sm.tile[0] = sm.tile[1] = reinterpret_cast<__nv_bfloat16*>(base + kStages<CB> * L.page_bytes);
+    base += kStages<CB> * L.page_bytes + kTileBytes;
+  }
+  float* f = reinterpret_cast<float*>(base);
+  sm.spart = f;
+  sm.P = f;  // each P element overwrites the warp-0 partial score that only its own thread reads
+  f += 8 * kHG * kSStride;
+  sm.sc = f;
+  f += kT * 8;
+  sm.sr = f;
+  f += kT;
+  sm.mrow = f;
+  sm.lrow = f + kHG;
+  sm.alpha = f + 2 * kHG;
+
+  const int split = blockIdx.x, hg = blockIdx.y, b = blockIdx.z;
+  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, t = lane & 3;
+  const int Lq = p.seq_lens[b];
+  const bool prot = !kBf16 && p.protect.enabled();
+  const int pb = prot ? static_cast<int>(p.protect.packed_begin(Lq)) : 0;
+  const int pe = prot ? static_cast<int>(p.protect.packed_end(Lq)) : Lq;
+  const bool prot_split = prot && split == wk.nsplit;
+
+  if (tid < kHG) {
+    sm.mrow[tid] = -INFINITY;
+    sm.lrow[tid] = 0.0f;
+  }
+  // Query fragments (A operand, rows = the 16 heads): content k-steps of group w, RoPE slice w & 3.
+  std::uint32_t qhi[5][4], qlo[5][4];
+  {
+    const float* q0 = p.q + (static_cast<std::size_t>(b) * p.heads + hg * kHG + g) * kD;
+    const float* q1 = q0 + 8 * kD;
+#pragma unroll
+    for (int ks = 0; ks < 5; ++ks) {
+      const int d = ks < 4 ? 64 * w + 16 * ks + 2 * t : kDc + 16 * (w & 3) + 2 * t;
+      split2<true>(q0[d], q0[d + 1], qhi[ks][0], qlo[ks][0]);
+      split2<true>(q1[d], q1[d + 1], qhi[ks][1], qlo[ks][1]);
+      split2<true>(q0[d + 8], q0[d + 9], qhi[ks][2], qlo[ks][2]);
+      split2<true>(q1[d + 8], q1[d + 9], qhi[ks][3], qlo[ks][3]);
+    }
+  }
+  float o[8][4];
+#pragma unroll
+  for (int n = 0; n < 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+
+  if (prot_split) {
+    // Protected rows: positions [0, pb) and [pe, Lq), 64 rows per tile, straight into the tile.
+    const int nprot = pb + (Lq - pe);
+    __nv_bfloat16* K = sm.tile[0];
+    for (int tile = 0; tile * kT < nprot; ++tile) {
+      __syncthreads();
+      const int thi = min(kT, nprot - tile * kT);
+      for (int c = tid; c < kT * 72; c += kThreads) {
+        const int r = c / 72, k = c % 72;
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (r < thi) {
+          const int idx = tile * kT + r;
+          const int pos = idx < pb ? idx : pe + (idx - pb);
+          const std::uint16_t* row = p.protect_rows + p.protect.row(b, p.protect.slot(pos));
+          v = *reinterpret_cast<const uint4*>(row + 8 * k);
+        }
+        *reinterpret_cast<uint4*>(K + r * kKStride + 8 * k) = v;
+      }
+      if (tid < kT) {
+#pragma unroll
+        for (int gg = 0; gg < 8; ++gg) sm.sc[tid * 8 + gg] = 1.0f;
+        sm.sr[tid] = 1.0f;
+      }
+      __syncthreads();
+      compute_tile<false>(sm, K, qhi, qlo, o, p.scale, 0, thi);
+    }
+  } else {
+    const int first = pb / kT, end = pe > pb ? (pe + kT - 1) / kT : first;
+    const int np = end - first, per = (np + wk.nsplit - 1) / wk.nsplit;
+    const int p0 = first + split * per, p1 = min(p0 + per, end);
+    const int ntiles = max(0, p1 - p0);
+    const std::int32_t* bt = p.block_tables + static_cast<std::size_t>(b) * p.max_pages;
+    auto page_ptr = [&](int pi) { return p.pool + static_cast<std::size_t>(bt[pi]) * L.page_bytes; };
+    auto range = [&](int pi, int& lo, int& hi) {
+      lo = max(0, pb - pi * kT);
+      hi = min(kT, pe - pi * kT);
+    };
+    auto issue = [&](int it) {
+      const int pi = p0 + it;
+      if constexpr (kBf16) {
+        int lo, hi;
+        range(pi, lo, hi);
+        load_bf16_page(sm.tile[it & 1], page_ptr(pi), L, lo, hi);
+      } else {
+        const std::uint8_t* src = page_ptr(pi);
+        std::uint8_t* dst = sm.stage[it % kStages<CB>];
+        for (int c = tid; c < static_cast<int>(L.page_bytes / 16); c += kThreads) cp_async16(dst + 16 * c, src + 16 * c);
+      }
+    };
+    constexpr int NS = kStages<CB>;
+#pragma unroll
+    for (int s = 0; s < NS - 1; ++s) {
+      if (s < ntiles) issue(s);
+      cp_async_commit();
+    }
+    for (int it = 0; it < ntiles; ++it) {
+      cp_async_wait<NS - 2>();
+      __syncthreads();
+      if (it + NS - 1 < ntiles) issue(it + NS - 1);
+      cp_async_commit();
+      int lo, hi;
+      range(p0 + it, lo, hi);
+      if constexpr (kBf16) {
+        compute_tile<true>(sm, sm.tile[it & 1], qhi, qlo, o, p.scale, lo, hi);
+      } else {
+        dequant_page<CB, RB>(sm, sm.stage[it % NS], L, lo, hi);
+        __syncthreads();
+        compute_tile<false>(sm, sm.tile[0], qhi, qlo, o, p.scale, lo, hi);
+      }
+    }
+    cp_async_wait<0>();
+  }
+  __syncthreads();
+  // Partial state of this split: unnormalized output, running max and sum.
+  const std::size_t r0 = (static_cast<std::size_t>(b) * p.heads + hg * kHG + g) * wk.nsl + split;
+  const std::size_t r1 = r0 + 8 * static_cast<std::size_t>(wk.nsl);
+#pragma unroll
+  for (int n = 0; n < 8; ++n) {
+    const int c = 64 * w + 8 * n + 2 * t;
+    *reinterpret_cast<float2*>(wk.opart + r0 * kDc + c) = make_float2(o[n][0], o[n][1]);
+    *reinterpret_cast<float2*>(wk.opart + r1 * kDc + c) = make_float2(o[n][2], o[n][3]);
+  }
+  if (tid < kHG) {
+    const std::size_t r = (static_cast<std::size_t>(b) * p.heads + hg * kHG + tid) * wk.nsl + split;
+    wk.ml[2 * r] = sm.mrow[tid];
+    wk.ml[2 * r + 1] = sm.lrow[tid];
+  }
+}
+
+// out[b][h] = sum_s e^(m_s - M) O_s / sum_s e^(m_s - M) l_s over the splits s.
+__global__ void __launch_bounds__(128) mla_combine_kernel(const float* __restrict__ opart, const float* __restrict__ ml,
+                                                          int nsl, float* __restrict__ out) {
+  const std::size_t bh = static_cast<std::size_t>(blockIdx.y) * gridDim.x + blockIdx.x;
+  const float* m = ml + bh * nsl * 2;
+  float M = -INFINITY;
+  for (int s = 0; s < nsl; ++s) M = fmaxf(M, m[2 * s]);
+  float4 acc = make_float4(0, 0, 0, 0);
+  float den = 0.0f;
+  for (int s = 0; s < nsl; ++s) {
+    const float ms = m[2 * s];
+    if (ms == -INFINITY) continue;
+    const float e = expf(ms - M);
+    den += e * m[2 * s + 1];
+    const float4 v = reinterpret_cast<const float4*>(opart + (bh * nsl + s) * kDc)[threadIdx.x];
+    acc.x += e * v.x;
+    acc.y += e * v.y;
+    acc.z += e * v.z;
+    acc.w += e * v.w;
+  }
+  const float inv = den > 0.0f ? 1.0f / den : 0.0f;
+  reinterpret_cast<float4*>(out + bh * kDc)[threadIdx.x] = make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
+}
+
+int sm_count_of(const MlaDecodeParams& p) {
+  if (p.sm_count > 0) return p.sm_count;
+  int dev = 0, n = 132;
+  if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+  return n;
+}
+
+bool has_protect_split(const MlaDecodeParams& p) { return p.fmt.content_bits != 16 && p.protect.enabled(); }
+
+template <int CB, int RB>
+cudaError_t launch_decode(const MlaDecodeParams& p, cudaStream_t st) {
+  const std::size_t smem = smem_bytes<CB>(p.fmt.page.page_bytes);
+  cudaError_t e = cudaFuncSetAttribute(mla_decode_kernel<CB, RB>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(smem));
+  if (e != cudaSuccess) return e;
+  Work wk;
+  wk.nsplit = mla_decode_splits(p);
+  wk.nsl = wk.nsplit + (has_protect_split(p) ? 1 : 0);
+  const std::size_t rows = static_cast<std::size_t>(p.batch) * p.heads * wk.nsl;
+  wk.opart = static_cast<float*>(p.workspace);
+  wk.ml = wk.opart + rows * kDc;
+  const dim3 grid(wk.nsl, p.heads / kHG, p.batch);
+  mla_decode_kernel<CB, RB><<<grid, kThreads, smem, st>>>(p, wk);
+  if ((e = cudaGetLastError()) != cudaSuccess) return e;
+  mla_combine_kernel<<<dim3(p.heads, p.batch), 128, 0, st>>>(wk.opart, wk.ml, wk.nsl, p.out);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+int mla_decode_splits(const MlaDecodeParams& p) {
+  const int pages = std::max(1, (p.max_seq_len + kT - 1) / kT);
+  if (p.num_splits > 0) return std::min(p.num_splits, pages);
+  const int ctas = std::max(1, p.batch * (p.heads / kHG));
+  return std::clamp(sm_count_of(p) / ctas, 1, pages);
+}
+
+std::size_t mla_decode_workspace_bytes(const MlaDecodeParams& p) {
+  const std::size_t nsl = static_cast<std::size_t>(mla_decode_splits(p)) + (has_protect_split(p) ? 1 : 0);
+  return static_cast<std::size_t>(p.batch) * p.heads * nsl * (kDc + 2) * sizeof(float);
+}
+
+cudaError_t mla_decode(const MlaDecodeParams& p, cudaStream_t stream) {
+  const MlaFormat& f = p.fmt;
+  if (!mla_supported(f) || p.heads <= 0 || p.heads % kHG || p.heads > 128 || p.batch <= 0 || !p.pool ||
+      !p.block_tables || !p.seq_lens || !p.q || !p.out || !p.workspace)
+    return cudaErrorInvalidValue;
+  if (has_protect_split(p) && !p.protect_rows) return cudaErrorInvalidValue;
+  if (p.workspace_bytes < mla_decode_workspace_bytes(p)) return cudaErrorInvalidValue;
+  const int c = f.content_bits, r = f.rope_bits;
+  if (c == 16) return launch_decode<16, 16>(p, stream);
+  if (c == 8 && r == 8) return launch_decode<8, 8>(p, stream);
+  if (c == 4 && r == 8) return launch_decode<4, 8>(p, stream);
+  if (c == 4 && r == 4) return launch_decode<4, 4>(p, stream);
+  if (c == 3 && r == 4) return launch_decode<3, 4>(p, stream);
+  if (c == 2 && r == 4) return launch_decode<2, 4>(p, stream);
+  return cudaErrorInvalidValue;
+}
+
+std::size_t mla_decode_bytes_read(const MlaFormat& f, const int* seq_lens_host, int batch, const MlaProtectLayout& prot) {
+  const bool pr = f.content_bits != 16 && prot.enabled();
+  std::size_t bytes = 0;
+  for (int b = 0; b < batch; ++b) {
+    const std::int64_t L = seq_lens_host[b];
+    const std::int64_t pb = pr ? prot.packed_begin(L) : 0, pe = pr ? prot.packed_end(L) : L;
+    const std::int64_t pages = pe > pb ? (pe + kT - 1) / kT - pb / kT : 0;
+    bytes += static_cast<std::size_t>(pages) * (f.page.page_bytes + 4);
+    bytes += static_cast<std::size_t>(pb + (L - pe)) * 2 * (f.d_latent + f.d_rope);
+  }
+  return bytes;
+}
+
+}  // namespace kvq::cuda

@@ -1,0 +1,395 @@
+// GPU tests of the MLA writer and decode kernels (bf16, c8r8, c4r8, c4r4, c3r4, c2r4) against the
+// scalar references of kvq_quant.
+//
+// Writer: the GPU packs rows into a pool poisoned with 0xff and must reproduce, byte for byte,
+// the pool that the CPU builds with make_quantizers (AffineGroup) and the page layout; tokens are
+// appended in several calls through a shuffled slot mapping, and the bf16 protection ring must
+// match the CPU's after every call (rows leaving the window are overwritten). Decode: the cache is
+// packed on the CPU (the oracle), and the kernel's output is compared with absorbed-MLA attention
+// in double over the decoded rows of the same packed cache (protected positions from their bf16
+// rows): output NMSE <= 1e-5, NaN never passes. Inputs: Gaussian rows with outlier channels and
+// constant groups, and the tiny-mla fixture's latent / k_rope rows; mixed lengths, 16 to 128
+// heads, forced split counts, protection on and off. `--small` runs a reduced set (for
+// compute-sanitizer).
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "harness.hpp"
+#include "kvq/cuda_protect.hpp"
+#include "kvq/formats.hpp"
+#include "kvq/numeric.hpp"
+#include "kvq/quantizers.hpp"
+#include "kvq/safetensors.hpp"
+#include "kvq_cuda_mla.hpp"
+
+using namespace kvq;
+using kvq::cudatest::check;
+
+namespace {
+
+constexpr int kDc = 512, kDr = 64, kD = 576;
+
+template <class T>
+T* upload(const std::vector<T>& v) {
+  void* p = nullptr;
+  KVQ_CUDA_OK(cudaMalloc(&p, std::max<std::size_t>(v.size() * sizeof(T), 16)));
+  if (!v.empty()) KVQ_CUDA_OK(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return static_cast<T*>(p);
+}
+template <class T>
+std::vector<T> download(const T* p, std::size_t n) {
+  std::vector<T> v(n);
+  KVQ_CUDA_OK(cudaMemcpy(v.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
+  return v;
+}
+
+// n token rows [n][576] of bf16 values (latent then rope), as bf16 bits.
+std::vector<std::uint16_t> make_rows(int n, bool fixture, unsigned seed) {
+  std::vector<std::uint16_t> r(static_cast<std::size_t>(n) * kD);
+  if (fixture) {
+    static SafetensorsFile f(std::string(KVQ_SOURCE_DIR) + "/models/tiny-mla/reference.safetensors");
+    std::vector<std::vector<float>> lat, rope;
+    for (int l = 0; l < 4; ++l) {
+      lat.push_back(f.get("layer" + std::to_string(l) + ".latent").to_float());  // [512][512]
+      rope.push_back(f.get("layer" + std::to_string(l) + ".k_rope").to_float());  // [512][64]
+    }
+    for (int i = 0; i < n; ++i) {
+      const int l = (i / 512) % 4, j = i % 512;
+      for (int d = 0; d < kDc; ++d) r[static_cast<std::size_t>(i) * kD + d] = float_to_bf16(lat[l][static_cast<std::size_t>(j) * kDc + d]);
+      for (int d = 0; d < kDr; ++d)
+        r[static_cast<std::size_t>(i) * kD + kDc + d] = float_to_bf16(rope[l][static_cast<std::size_t>(j) * kDr + d]);
+    }
+    return r;
+  }
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (int i = 0; i < n; ++i) {
+    std::uint16_t* row = r.data() + static_cast<std::size_t>(i) * kD;
+    for (int d = 0; d < kD; ++d) {
+      float x = nd(rng);
+      if (d % 97 == 5) x *= 12.0f;  // outlier channels
+      if (d >= kDc) x *= 3.0f;
+      row[d] = float_to_bf16(x);
+    }
+    if (i % 13 == 3)
+      for (int d = 128; d < 192; ++d) row[d] = float_to_bf16(0.75f);  // constant group
+    if (i % 17 == 4)
+      for (int d = 256; d < 320; ++d) row[d] = 0;  // all-zero group
+  }
+  return r;
+}
+
+struct Cpu {
+  FormatSpec f;
+  cuda::MlaFormat mf;
+  QuantizerPair q;
+  explicit Cpu(const std::string& name) : f(find_format(name)), mf(cuda::mla_format(f)) {
+    CacheGeometry g;
+    g.n_layers = 1;
+    g.mla = true;
+    g.d_latent = kDc;
+    g.d_rope = kDr;
+    q = make_quantizers(f, g, 0, 0);
+  }
+  // Writes one token into its page slot exactly as the CPU paged cache lays it out.
+  void put(std::vector<std::uint8_t>& pool, std::int64_t slot, const std::uint16_t* row) const {
+    const PageLayout& L = mf.page;
+    std::uint8_t* page = pool.data() + static_cast<std::size_t>(slot / L.tokens) * L.page_bytes;
+    const int off = static_cast<int>(slot % L.tokens);
+    std::vector<float> x(kD);
+    for (int d = 0; d < kD; ++d) x[d] = bf16_to_float(row[d]);
+    std::vector<std::uint8_t> km(q.key->meta_bytes() + 1), vm(q.value->meta_bytes() + 1);
+    q.key->encode(x.data(), page + L.key_code(0, off), km.data());
+    q.value->encode(x.data() + kDc, page + L.value_code(0, off), vm.data());
+    if (L.meta_bytes) {
+      std::uint8_t* meta = page + L.key_meta(0, off);
+      std::memset(meta, 0, L.meta_bytes);
+      std::memcpy(meta, km.data(), q.key->meta_bytes());
+      std::memcpy(meta + q.key->meta_bytes(), vm.data(), q.value->meta_bytes());
+    }
+  }
+  void get(const std::vector<std::uint8_t>& pool, std::int64_t slot, double* out) const {
+    const PageLayout& L = mf.page;
+    const std::uint8_t* page = pool.data() + static_cast<std::size_t>(slot / L.tokens) * L.page_bytes;
+    const int off = static_cast<int>(slot % L.tokens);
+    std::vector<float> x(kD);
+    const std::uint8_t* meta = page + L.key_meta(0, off);
+    q.key->decode(page + L.key_code(0, off), meta, x.data());
+    q.value->decode(page + L.value_code(0, off), meta + q.key->meta_bytes(), x.data() + kDc);
+    for (int d = 0; d < kD; ++d) out[d] = x[d];
+  }
+};
+
+// ---- writer ------------------------------------------------------------------------------
+void test_writer(const std::string& fmt, bool fixture, int sinks, int window) {
+  const Cpu cpu(fmt);
+  const PageLayout& L = cpu.mf.page;
+  const std::vector<int> lens = {1, 70, 300, 131};
+  const int B = static_cast<int>(lens.size());
+  int total = 0, pages = 0;
+  for (int l : lens) {
+    total += l;
+    pages += (l + 63) / 64;
+  }
+  std::vector<std::uint16_t> rows = make_rows(total, fixture, 11);
+  // Block tables: a shuffled page order per sequence.
+  std::vector<int> perm(static_cast<std::size_t>(pages));
+  for (int i = 0; i < pages; ++i) perm[static_cast<std::size_t>(i)] = i;
+  std::mt19937 rng(5);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  std::vector<std::vector<int>> bt(static_cast<std::size_t>(B));
+  std::vector<int> row0(static_cast<std::size_t>(B));
+  for (int b = 0, k = 0, r = 0; b < B; ++b) {
+    row0[static_cast<std::size_t>(b)] = r;
+    r += lens[static_cast<std::size_t>(b)];
+    for (int p = 0; p < (lens[static_cast<std::size_t>(b)] + 63) / 64; ++p) bt[static_cast<std::size_t>(b)].push_back(perm[static_cast<std::size_t>(k++)]);
+  }
+  MlaProtectLayout prot{sinks, window, kDc, kDr};
+  const std::size_t pool_bytes = static_cast<std::size_t>(pages) * L.page_bytes;
+  std::vector<std::uint8_t> cpool(pool_bytes, 0xff);
+  std::vector<std::uint16_t> cprot(std::max<std::size_t>(prot.elements(B), 1), 0xffff);
+  std::uint8_t* dpool = upload(cpool);
+  std::uint16_t* dprot = upload(cprot);
+  // Appends in 3 calls: each call writes the next chunk of every sequence.
+  std::vector<int> done(static_cast<std::size_t>(B), 0);
+  bool ok_pool = true, ok_prot = true;
+  for (int call = 0; call < 3; ++call) {
+    std::vector<std::uint16_t> lat, rop;
+    std::vector<std::int64_t> slots;
+    std::vector<std::int32_t> pos, seq, after(static_cast<std::size_t>(B));
+    for (int b = 0; b < B; ++b) {
+      const int l = lens[static_cast<std::size_t>(b)];
+      const int upto = call == 2 ? l : std::min(l, (call + 1) * (l / 3 + 1));
+      for (int i = done[static_cast<std::size_t>(b)]; i < upto; ++i) {
+        const std::uint16_t* row = rows.data() + static_cast<std::size_t>(row0[static_cast<std::size_t>(b)] + i) * kD;
+        lat.insert(lat.end(), row, row + kDc);
+        rop.insert(rop.end(), row + kDc, row + kD);
+        const std::int64_t slot = static_cast<std::int64_t>(bt[static_cast<std::size_t>(b)][static_cast<std::size_t>(i / 64)]) * 64 + i % 64;
+        slots.push_back(slot);
+        pos.push_back(i);
+        seq.push_back(b);
+        cpu.put(cpool, slot, row);
+      }
+      after[static_cast<std::size_t>(b)] = upto;
+      // CPU ring: a position is kept if it is a sink or among the last `window` after this call.
+      for (int i = done[static_cast<std::size_t>(b)]; i < upto; ++i) {
+        const int s = prot.slot(i);
+        if (s < 0 || (i >= sinks && i < upto - window)) continue;
+        std::memcpy(cprot.data() + prot.row(b, s), rows.data() + static_cast<std::size_t>(row0[static_cast<std::size_t>(b)] + i) * kD, kD * 2);
+      }
+      done[static_cast<std::size_t>(b)] = upto;
+    }
+    if (slots.empty()) continue;
+    // Shuffle the tokens of the call (the kernel must not depend on order).
+    std::vector<std::size_t> order(slots.size());
+    for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::shuffle(order.begin(), order.end(), rng);
+    std::vector<std::uint16_t> lat2(lat.size()), rop2(rop.size());
+    std::vector<std::int64_t> slots2(slots.size());
+    std::vector<std::int32_t> pos2(pos.size()), seq2(seq.size());
+    for (std::size_t i = 0; i < order.size(); ++i) {
+      const std::size_t o = order[i];
+      std::memcpy(&lat2[i * kDc], &lat[o * kDc], kDc * 2);
+      std::memcpy(&rop2[i * kDr], &rop[o * kDr], kDr * 2);
+      slots2[i] = slots[o];
+      pos2[i] = pos[o];
+      seq2[i] = seq[o];
+    }
+    cuda::MlaStoreParams sp;
+    sp.fmt = cpu.mf;
+    sp.latent = upload(lat2);
+    sp.rope = upload(rop2);
+    sp.slot_mapping = upload(slots2);
+    sp.n_tokens = static_cast<int>(slots2.size());
+    sp.pool = dpool;
+    sp.protect = prot;
+    sp.protect_rows = prot.enabled() ? dprot : nullptr;
+    sp.positions = upload(pos2);
+    sp.seq_ids = upload(seq2);
+    sp.protect_seq_lens = upload(after);
+    KVQ_CUDA_OK(cuda::mla_store(sp));
+    KVQ_CUDA_OK(cudaDeviceSynchronize());
+    const std::vector<std::uint8_t> gpool = download(dpool, pool_bytes);
+    std::size_t bad = 0;
+    for (std::size_t i = 0; i < pool_bytes; ++i) bad += gpool[i] != cpool[i];
+    if (bad) std::printf("  %s call %d: %zu pool bytes differ\n", fmt.c_str(), call, bad);
+    ok_pool = ok_pool && bad == 0;
+    if (prot.enabled()) {
+      const std::vector<std::uint16_t> gprot = download(dprot, cprot.size());
+      ok_prot = ok_prot && gprot == cprot;
+    }
+    cudaFree(const_cast<std::uint16_t*>(sp.latent));
+    cudaFree(const_cast<std::uint16_t*>(sp.rope));
+    cudaFree(const_cast<std::int64_t*>(sp.slot_mapping));
+    cudaFree(const_cast<std::int32_t*>(sp.positions));
+    cudaFree(const_cast<std::int32_t*>(sp.seq_ids));
+    cudaFree(const_cast<std::int32_t*>(sp.protect_seq_lens));
+  }
+  const std::string what = fmt + (fixture ? " fixture" : " random") + " S=" + std::to_string(sinks) + " W=" + std::to_string(window);
+  check(ok_pool, "writer bytes identical to the CPU reference: " + what);
+  if (prot.enabled()) check(ok_prot, "writer protection ring identical: " + what);
+  cudaFree(dpool);
+  cudaFree(dprot);
+}
+
+// ---- decode ------------------------------------------------------------------------------
+struct Case {
+  std::string fmt;
+  int heads = 16;
+  std::vector<int> lens;
+  bool fixture = false;
+  int sinks = 0, window = 0;
+  int splits = 0;
+  unsigned seed = 1;
+};
+
+void test_decode(const Case& c) {
+  const Cpu cpu(c.fmt);
+  const PageLayout& L = cpu.mf.page;
+  const int B = static_cast<int>(c.lens.size()), H = c.heads;
+  int maxlen = 0, total = 0;
+  for (int l : c.lens) {
+    maxlen = std::max(maxlen, l);
+    total += l;
+  }
+  const int max_pages = std::max(1, (maxlen + 63) / 64);
+  std::vector<std::uint16_t> rows = make_rows(total, c.fixture, c.seed);
+  std::vector<int> row0(static_cast<std::size_t>(B));
+  for (int b = 0, r = 0; b < B; ++b) {
+    row0[static_cast<std::size_t>(b)] = r;
+    r += c.lens[static_cast<std::size_t>(b)];
+  }
+  const int pages = B * max_pages;
+  std::vector<int> perm(static_cast<std::size_t>(pages));
+  for (int i = 0; i < pages; ++i) perm[static_cast<std::size_t>(i)] = i;
+  std::mt19937 rng(c.seed * 7 + 1);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  std::vector<std::int32_t> bt(perm.begin(), perm.end());
+  std::vector<std::uint8_t> pool(static_cast<std::size_t>(pages) * L.page_bytes, 0xff);
+  MlaProtectLayout prot{c.sinks, c.window, kDc, kDr};
+  std::vector<std::uint16_t> prow(std::max<std::size_t>(prot.elements(B), 1), 0xffff);
+  for (int b = 0; b < B; ++b)
+    for (int i = 0; i < c.lens[static_cast<std::size_t>(b)]; ++i) {
+      const std::uint16_t* row = rows.data() + static_cast<std::size_t>(row0[static_cast<std::size_t>(b)] + i) * kD;
+      cpu.put(pool, static_cast<std::int64_t>(bt[static_cast<std::size_t>(b * max_pages + i / 64)]) * 64 + i % 64, row);
+      const int s = prot.slot(i);
+      if (s >= 0) std::memcpy(prow.data() + prot.row(b, s), row, kD * 2);  // in order: the ring keeps the last W
+    }
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> q(static_cast<std::size_t>(B) * H * kD);
+  for (auto& x : q) x = nd(rng);
+  const float scale = c.fixture ? 0.06f : 2.0f / std::sqrt(static_cast<float>(kD));
+
+  // Reference in double.
+  const bool use_prot = cpu.mf.content_bits != 16 && prot.enabled();
+  std::vector<double> ref(static_cast<std::size_t>(B) * H * kDc, 0.0);
+  for (int b = 0; b < B; ++b) {
+    const int len = c.lens[static_cast<std::size_t>(b)];
+    const std::int64_t pb = use_prot ? prot.packed_begin(len) : 0, pe = use_prot ? prot.packed_end(len) : len;
+    std::vector<double> kv(static_cast<std::size_t>(len) * kD);
+    for (int i = 0; i < len; ++i) {
+      double* dst = kv.data() + static_cast<std::size_t>(i) * kD;
+      if (i < pb || i >= pe) {
+        const std::uint16_t* r = prow.data() + prot.row(b, prot.slot(i));
+        for (int d = 0; d < kD; ++d) dst[d] = bf16_to_float(r[d]);
+      } else {
+        cpu.get(pool, static_cast<std::int64_t>(bt[static_cast<std::size_t>(b * max_pages + i / 64)]) * 64 + i % 64, dst);
+      }
+    }
+    for (int h = 0; h < H; ++h) {
+      const float* qh = q.data() + (static_cast<std::size_t>(b) * H + h) * kD;
+      std::vector<double> s(static_cast<std::size_t>(len));
+      double mx = -INFINITY;
+      for (int i = 0; i < len; ++i) {
+        double a = 0;
+        for (int d = 0; d < kD; ++d) a += static_cast<double>(qh[d]) * kv[static_cast<std::size_t>(i) * kD + d];
+        s[static_cast<std::size_t>(i)] = a * scale;
+        mx = std::max(mx, s[static_cast<std::size_t>(i)]);
+      }
+      double den = 0;
+      double* o = ref.data() + (static_cast<std::size_t>(b) * H + h) * kDc;
+      for (int i = 0; i < len; ++i) {
+        const double p = std::exp(s[static_cast<std::size_t>(i)] - mx);
+        den += p;
+        for (int d = 0; d < kDc; ++d) o[d] += p * kv[static_cast<std::size_t>(i) * kD + d];
+      }
+      if (den > 0)
+        for (int d = 0; d < kDc; ++d) o[d] /= den;
+    }
+  }
+
+  cuda::MlaDecodeParams p;
+  p.fmt = cpu.mf;
+  p.pool = upload(pool);
+  p.block_tables = upload(bt);
+  p.max_pages = max_pages;
+  p.seq_lens = upload(std::vector<std::int32_t>(c.lens.begin(), c.lens.end()));
+  p.batch = B;
+  p.heads = H;
+  p.max_seq_len = maxlen;
+  p.q = upload(q);
+  std::vector<float> poison(static_cast<std::size_t>(B) * H * kDc, NAN);
+  p.out = upload(poison);
+  p.scale = scale;
+  p.protect = prot;
+  p.protect_rows = upload(prow);
+  p.num_splits = c.splits;
+  p.workspace_bytes = cuda::mla_decode_workspace_bytes(p);
+  KVQ_CUDA_OK(cudaMalloc(&p.workspace, p.workspace_bytes));
+  KVQ_CUDA_OK(cuda::mla_decode(p));
+  KVQ_CUDA_OK(cudaDeviceSynchronize());
+  const std::vector<float> out = download(p.out, poison.size());
+  double num = 0, den = 0;
+  bool finite = true;
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    finite = finite && std::isfinite(out[i]);
+    const double e = out[i] - ref[i];
+    num += e * e;
+    den += ref[i] * ref[i];
+  }
+  const double nmse = den > 0 ? num / den : num;
+  std::string lens;
+  for (int l : c.lens) lens += std::to_string(l) + ",";
+  const std::string what = c.fmt + " H=" + std::to_string(H) + " lens=" + lens + (c.fixture ? " fixture" : " random") +
+                           " S=" + std::to_string(c.sinks) + " W=" + std::to_string(c.window) + " splits=" +
+                           std::to_string(cuda::mla_decode_splits(p));
+  std::printf("  %-44s nmse %.3g\n", what.c_str(), nmse);
+  check(finite && nmse <= 1e-5, "decode NMSE <= 1e-5: " + what);
+  for (const void* v : {static_cast<const void*>(p.pool), static_cast<const void*>(p.block_tables),
+                        static_cast<const void*>(p.seq_lens), static_cast<const void*>(p.q), static_cast<const void*>(p.out),
+                        static_cast<const void*>(p.protect_rows), static_cast<const void*>(p.workspace)})
+    cudaFree(const_cast<void*>(v));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (!cudatest::gpu_present()) return 0;
+  const bool small = argc > 1 && std::string(argv[1]) == "--small";
+  if (small) {
+    test_writer("c4r4", false, 2, 8);
+    test_decode({"c4r4", 16, {5, 130}, false, 2, 8, 0, 3});
+    test_decode({"bf16", 16, {70}, false, 0, 0, 0, 4});
+    return cudatest::finish();
+  }
+  const std::vector<std::string> fmts = {"bf16", "c8r8", "c4r8", "c4r4", "c3r4", "c2r4"};
+  for (const auto& f : fmts) {
+    test_writer(f, false, 0, 0);
+    test_writer(f, false, 4, 32);
+    test_writer(f, true, 4, 16);
+  }
+  for (const auto& f : fmts) {
+    test_decode({f, 16, {1, 64, 65, 700, 2500}, false, 0, 0, 0, 1});
+    test_decode({f, 32, {1000, 3, 129}, true, 4, 64, 0, 2});
+    test_decode({f, 16, {4, 20, 100, 1300}, false, 4, 16, 5, 3});  // token aging: 20 and 100 have rows that left the window
+  }
+  test_decode({"c4r4", 128, {900, 64}, true, 4, 128, 0, 4});
+  test_decode({"c2r4", 128, {2049}, false, 4, 128, 3, 5});
+  test_decode({"bf16", 128, {1500, 17}, true, 0, 0, 0, 6});
+  test_decode({"c4r4", 64, {0, 300}, false, 0, 0, 0, 7});
+  return cudatest::finish();
+}

@@ -1,0 +1,304 @@
+// kvq bench mla: times the CUDA MLA kernels (absorbed decode over bf16 and QuantMLA affine caches,
+// and the fused writer) on the GPU and prints a table or one JSON object
+// (bench/results/decode-mla-*.json).
+//
+// Method (docs/kernels.md): the decode + combine launches are captured once in a CUDA graph and
+// replayed; before every timed replay the L2 is flushed (a memset of 4x L2) and the replay is
+// bracketed by CUDA events; median of --reps replays after --warmup. Caches are written by the
+// writer kernel from random bf16 rows, so metadata is realistic. GB/s counts every byte the
+// kernel must read (whole pages of the packed range, protected bf16 rows, block tables).
+// speedup_vs_bf16 divides our bf16 kernel's time for the same batch / context / heads by the
+// row's time. speedup_vs_flashmla is null: FlashMLA is not installed on the GPU host.
+// copy_gbps: (read + written) / time of a 4 GiB device-to-device copy, in the same run.
+#include <fmt/core.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "command.hpp"
+#include "kvq/common.hpp"
+#include "kvq/formats.hpp"
+
+#if defined(KVQ_WITH_KVQ_CUDA)
+#include <cuda_runtime.h>
+
+#include "kvq_cuda.hpp"
+#include "kvq_cuda_mla.hpp"
+#endif
+
+namespace kvq::cli {
+namespace {
+
+struct MlaBenchOptions {
+  std::string batches = "8,32", contexts = "4096,32768,131072", heads = "16,128";
+  std::string formats = "bf16,c8r8,c4r4,c2r4", protect = "none,paper";
+  int reps = 30, warmup = 3, store_tokens = 1 << 20;
+  bool json = false;
+  std::string commit = "unknown", command;
+};
+
+#if defined(KVQ_WITH_KVQ_CUDA)
+
+void ok(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) fail(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+struct DevBuf {
+  void* p = nullptr;
+  explicit DevBuf(std::size_t n) { ok(cudaMalloc(&p, std::max<std::size_t>(n, 16)), "cudaMalloc"); }
+  ~DevBuf() { cudaFree(p); }
+  DevBuf(const DevBuf&) = delete;
+  DevBuf& operator=(const DevBuf&) = delete;
+  template <class T>
+  T* as() const { return static_cast<T*>(p); }
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// Median microseconds of `reps` replays of `graph` (or calls of fn when graph is null), each
+// after an L2 flush.
+template <class F>
+double time_us(cudaStream_t st, cudaGraphExec_t graph, F&& fn, int warmup, int reps, void* flush, std::size_t flush_bytes) {
+  cudaEvent_t a, b;
+  ok(cudaEventCreate(&a), "event");
+  ok(cudaEventCreate(&b), "event");
+  auto once = [&] {
+    if (graph) ok(cudaGraphLaunch(graph, st), "graph launch");
+    else fn();
+  };
+  for (int i = 0; i < warmup; ++i) once();
+  ok(cudaStreamSynchronize(st), "warm-up");
+  std::vector<double> t;
+  for (int i = 0; i < reps; ++i) {
+    ok(cudaMemsetAsync(flush, i & 0xff, flush_bytes, st), "flush");
+    ok(cudaEventRecord(a, st), "record");
+    once();
+    ok(cudaEventRecord(b, st), "record");
+    ok(cudaEventSynchronize(b), "sync");
+    float ms = 0;
+    ok(cudaEventElapsedTime(&ms, a, b), "elapsed");
+    t.push_back(1000.0 * ms);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return median(t);
+}
+
+MlaProtectLayout protect_of(const std::string& name) {
+  if (name == "none") return MlaProtectLayout{0, 0, 512, 64};
+  if (name == "paper") return MlaProtectLayout{4, 128, 512, 64};  // 132 protected rows
+  fail("--protect: 'none' or 'paper', got '" + name + "'");
+}
+
+void run_mla_bench(const MlaBenchOptions& o) {
+  int dev = 0;
+  ok(cudaGetDevice(&dev), "cudaGetDevice");
+  cudaDeviceProp prop{};
+  ok(cudaGetDeviceProperties(&prop, dev), "cudaGetDeviceProperties");
+  const std::size_t l2 = static_cast<std::size_t>(prop.l2CacheSize);
+  const std::size_t flush_bytes = std::max<std::size_t>(4 * l2, 256u << 20);
+  DevBuf flush(flush_bytes);
+  cudaStream_t st;
+  ok(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "stream");
+
+  double copy_gbps = 0;
+  {
+    const std::size_t n = 4ull << 30;
+    DevBuf src(n), dst(n);
+    ok(cudaMemset(src.p, 1, n), "memset");
+    const double us = time_us(st, nullptr, [&] { ok(cudaMemcpyAsync(dst.p, src.p, n, cudaMemcpyDeviceToDevice, st), "copy"); },
+                              2, 10, flush.p, flush_bytes);
+    copy_gbps = 2.0 * static_cast<double>(n) / (us * 1e3);
+  }
+
+  const std::vector<int> batches = parse_int_list(o.batches), contexts = parse_int_list(o.contexts),
+                         heads_list = parse_int_list(o.heads);
+  const std::vector<std::string> prots = split_list(o.protect);
+
+  // Random bf16 source rows, reused chunk by chunk to fill the pools.
+  const std::size_t src_tokens = static_cast<std::size_t>(o.store_tokens);
+  DevBuf src(src_tokens * 576 * 2), slots(src_tokens * 8);
+  ok(cuda::fill_random_bf16(src.as<std::uint16_t>(), src_tokens * 576, 1), "fill");
+  {
+    std::vector<std::int64_t> hs(src_tokens);
+    for (std::size_t i = 0; i < src_tokens; ++i) hs[i] = static_cast<std::int64_t>(i);
+    ok(cudaMemcpy(slots.p, hs.data(), src_tokens * 8, cudaMemcpyHostToDevice), "copy");
+  }
+  DevBuf lat(src_tokens * 512 * 2), rope(src_tokens * 64 * 2);
+  ok(cudaMemcpy2D(lat.p, 1024, src.p, 1152, 1024, src_tokens, cudaMemcpyDeviceToDevice), "split");
+  ok(cudaMemcpy2D(rope.p, 128, src.as<std::uint8_t>() + 1024, 1152, 128, src_tokens, cudaMemcpyDeviceToDevice), "split");
+
+  nlohmann::json rows = nlohmann::json::array(), store_rows = nlohmann::json::array();
+  std::map<std::tuple<int, int, int>, double> bf16_us;
+  std::mt19937 rng(7);
+
+  for (const auto& fname : split_list(o.formats)) {
+    const cuda::MlaFormat mf = cuda::mla_format(find_format(fname));
+    const PageLayout& pg = mf.page;
+    auto store_params = [&](std::uint8_t* pool, std::size_t n) {
+      cuda::MlaStoreParams sp;
+      sp.fmt = mf;
+      sp.latent = lat.as<std::uint16_t>();
+      sp.rope = rope.as<std::uint16_t>();
+      sp.slot_mapping = slots.as<std::int64_t>();
+      sp.n_tokens = static_cast<int>(n);
+      sp.pool = pool;
+      return sp;
+    };
+    // Writer: src_tokens tokens; bytes = bf16 rows + slot ids read, page records written.
+    {
+      DevBuf pool((src_tokens / 64 + 1) * pg.page_bytes);
+      const cuda::MlaStoreParams sp = store_params(pool.as<std::uint8_t>(), src_tokens);
+      const double us = time_us(st, nullptr, [&] { ok(cuda::mla_store(sp, st), "store"); }, o.warmup, std::max(10, o.reps / 2),
+                                flush.p, flush_bytes);
+      const double bytes = static_cast<double>(src_tokens) * (1152.0 + 8.0 + static_cast<double>(pg.page_bytes) / 64.0);
+      store_rows.push_back({{"format", fname}, {"tokens", src_tokens}, {"us", us}, {"gbps", bytes / (us * 1e3)},
+                            {"fraction_of_copy", bytes / (us * 1e3) / copy_gbps}});
+    }
+    for (int B : batches)
+      for (int ctx : contexts) {
+        const int pages_per_seq = (ctx + 63) / 64;
+        const std::size_t n_pages = static_cast<std::size_t>(B) * pages_per_seq;
+        DevBuf pool(n_pages * pg.page_bytes);
+        for (std::size_t t0 = 0; t0 < n_pages * 64; t0 += src_tokens) {
+          const std::size_t n = std::min(src_tokens, n_pages * 64 - t0);
+          ok(cuda::mla_store(store_params(pool.as<std::uint8_t>() + (t0 / 64) * pg.page_bytes, n), st), "fill pool");
+        }
+        std::vector<std::int32_t> ids(n_pages);
+        for (std::size_t i = 0; i < n_pages; ++i) ids[i] = static_cast<std::int32_t>(i);
+        std::shuffle(ids.begin(), ids.end(), rng);
+        std::vector<std::int32_t> lens(static_cast<std::size_t>(B), ctx);
+        DevBuf bt(n_pages * 4), dl(static_cast<std::size_t>(B) * 4);
+        ok(cudaMemcpy(bt.p, ids.data(), n_pages * 4, cudaMemcpyHostToDevice), "copy");
+        ok(cudaMemcpy(dl.p, lens.data(), lens.size() * 4, cudaMemcpyHostToDevice), "copy");
+        const std::size_t prot_elems = static_cast<std::size_t>(B) * 132 * 576;
+        DevBuf prot_rows(prot_elems * 2);
+        ok(cuda::fill_random_bf16(prot_rows.as<std::uint16_t>(), prot_elems, 9), "fill");
+        for (int H : heads_list) {
+          const std::size_t qn = static_cast<std::size_t>(B) * H * 576;
+          std::vector<float> hq(qn);
+          std::normal_distribution<float> nd(0.0f, 1.0f);
+          for (auto& x : hq) x = nd(rng);
+          DevBuf q(qn * 4), out(static_cast<std::size_t>(B) * H * 512 * 4);
+          ok(cudaMemcpy(q.p, hq.data(), qn * 4, cudaMemcpyHostToDevice), "copy");
+          for (const auto& pname : prots) {
+            if (mf.content_bits == 16 && pname != "none") continue;  // bf16 rows need no protection
+            cuda::MlaDecodeParams p;
+            p.fmt = mf;
+            p.pool = pool.as<std::uint8_t>();
+            p.block_tables = bt.as<std::int32_t>();
+            p.max_pages = pages_per_seq;
+            p.seq_lens = dl.as<std::int32_t>();
+            p.batch = B;
+            p.heads = H;
+            p.max_seq_len = ctx;
+            p.q = q.as<float>();
+            p.out = out.as<float>();
+            p.scale = 1.0f / std::sqrt(192.0f);
+            p.protect = protect_of(pname);
+            p.protect_rows = prot_rows.as<std::uint16_t>();
+            p.workspace_bytes = cuda::mla_decode_workspace_bytes(p);
+            DevBuf ws(p.workspace_bytes);
+            p.workspace = ws.p;
+            ok(cuda::mla_decode(p, st), "decode");  // sets the kernel attributes outside the capture
+            ok(cudaStreamSynchronize(st), "decode");
+            cudaGraph_t graph;
+            cudaGraphExec_t exec;
+            ok(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), "capture");
+            ok(cuda::mla_decode(p, st), "decode");
+            ok(cudaStreamEndCapture(st, &graph), "capture");
+            ok(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+            const double us = time_us(st, exec, [] {}, o.warmup, o.reps, flush.p, flush_bytes);
+            cudaGraphExecDestroy(exec);
+            cudaGraphDestroy(graph);
+            const double bytes = static_cast<double>(cuda::mla_decode_bytes_read(mf, lens.data(), B, p.protect));
+            if (mf.content_bits == 16) bf16_us[{B, ctx, H}] = us;
+            const auto it = bf16_us.find({B, ctx, H});
+            const nlohmann::json sp16 = it == bf16_us.end() ? nlohmann::json(nullptr) : nlohmann::json(it->second / us);
+            rows.push_back({{"format", fname},
+                            {"batch", B},
+                            {"context", ctx},
+                            {"heads", H},
+                            {"protect", pname},
+                            {"us", us},
+                            {"gbps", bytes / (us * 1e3)},
+                            {"fraction_of_copy", bytes / (us * 1e3) / copy_gbps},
+                            {"speedup_vs_bf16", sp16},
+                            {"speedup_vs_flashmla", nullptr},
+                            {"bytes", bytes},
+                            {"splits", cuda::mla_decode_splits(p)}});
+            if (!o.json)
+              fmt::print(stderr, "{:<5} B={:<3} ctx={:<7} H={:<4} {:<6} {:10.1f} us {:7.0f} GB/s  vs bf16 {}\n", fname, B, ctx,
+                         H, pname, us, bytes / (us * 1e3), sp16.dump());
+          }
+        }
+      }
+  }
+  nlohmann::json res = {{"gpu", prop.name},
+                        {"copy_gbps", copy_gbps},
+                        {"commit", o.commit},
+                        {"command", o.command},
+                        {"sms", prop.multiProcessorCount},
+                        {"l2_bytes", l2},
+                        {"flashmla", "not installed on the GPU host: speedup_vs_flashmla is null"},
+                        {"rows", rows},
+                        {"store", store_rows}};
+  if (o.json) {
+    fmt::print("{}\n", res.dump(1));
+  } else {
+    fmt::print("gpu {}  copy {:.0f} GB/s\n", prop.name, copy_gbps);
+    for (const auto& s : store_rows)
+      fmt::print("writer {:<5} {:8.1f} us {:7.0f} GB/s ({:.0f}% of copy)\n", s["format"].get<std::string>(),
+                 s["us"].get<double>(), s["gbps"].get<double>(), 100 * s["fraction_of_copy"].get<double>());
+  }
+  cudaStreamDestroy(st);
+}
+#endif
+
+// Attaches `mla` to the `bench` command of cmd_bench.cpp (registered before this one: commands
+// are registered in name order and "bench" < "bench-mla").
+void register_bench_mla(CLI::App& app) {
+  CLI::App* bench = nullptr;
+  try {
+    bench = app.get_subcommand("bench");
+  } catch (const CLI::OptionNotFound&) {
+    bench = app.add_subcommand("bench", "GPU kernel benchmarks");
+    bench->require_subcommand(1);
+  }
+  auto o = std::make_shared<MlaBenchOptions>();
+  auto* cmd = bench->add_subcommand("mla", "absorbed MLA decode and the MLA writer: bf16 vs QuantMLA affine caches");
+  cmd->add_option("--batch", o->batches, "batch sizes");
+  cmd->add_option("--context", o->contexts, "context lengths");
+  cmd->add_option("--heads", o->heads, "query heads (multiples of 16, <= 128)");
+  cmd->add_option("--formats", o->formats, "cache formats (bf16, c8r8, c4r8, c4r4, c3r4, c2r4)");
+  cmd->add_option("--protect", o->protect, "protection policies: none, paper (4 sinks + 128 recent rows)");
+  cmd->add_option("--reps", o->reps, "timed replays (median)")->check(CLI::Range(1, 100000));
+  cmd->add_option("--warmup", o->warmup, "warm-up replays");
+  cmd->add_option("--store-tokens", o->store_tokens, "tokens per writer run");
+  cmd->add_option("--commit", o->commit, "commit recorded in the result");
+  cmd->add_option("--command-line", o->command, "command recorded in the result");
+  cmd->add_flag("--json", o->json, "print one JSON object");
+  cmd->callback([o] {
+#if defined(KVQ_WITH_KVQ_CUDA)
+    run_mla_bench(*o);
+#else
+    fail("kvq was built without CUDA (configure with -DKVQ_CUDA=ON)");
+#endif
+  });
+}
+
+KVQ_REGISTER_COMMAND("bench-mla", register_bench_mla);
+
+}  // namespace
+}  // namespace kvq::cli
