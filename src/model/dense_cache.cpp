@@ -375,8 +375,7 @@ class DenseCache final : public KvCache {
               for (int r = 0; r < nr; ++r) mb = std::max(mb, row[r]);
               const float mn = std::max(m[h], mb);
               const float f = m[h] == -INFINITY ? 0.0f : std::exp(m[h] - mn);
-              float add = 0.0f;
-              for (int r = 0; r < nr; ++r) add += row[r] = std::exp(row[r] - mn);
+              const float add = vexp::exp_shift_sum(row, nr, mn);
               sum[h] = sum[h] * f + add;
               m[h] = mn;
               float* oh = o + static_cast<std::size_t>(h) * sh.vd;

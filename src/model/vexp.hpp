@@ -95,6 +95,28 @@ inline void softmax(float* row, int n, float scale) {
   for (int j = 0; j < n; ++j) row[j] *= inv;
 }
 
+// row[j] := exp(row[j] - m) for j < n; returns the sum.
+[[gnu::target("avx2,fma")]] inline float exp_shift_sum_avx2(float* row, int n, float m) {
+  const __m256 vm = _mm256_set1_ps(m);
+  __m256 acc = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + i), vm));
+    _mm256_storeu_ps(row + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  float sum = hsum8(acc);
+  for (; i < n; ++i) sum += row[i] = std::exp(row[i] - m);
+  return sum;
+}
+
+inline float exp_shift_sum(float* row, int n, float m) {
+  if (have_avx2()) return exp_shift_sum_avx2(row, n, m);
+  float sum = 0.0f;
+  for (int i = 0; i < n; ++i) sum += row[i] = std::exp(row[i] - m);
+  return sum;
+}
+
 // log(sum_j exp(row[j])) with the max taken out; partial sums in float lanes, total in double.
 [[gnu::target("avx2,fma")]] inline double logsumexp_avx2(const float* row, int n) {
   __m256 vm = _mm256_set1_ps(-INFINITY);
