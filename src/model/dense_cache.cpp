@@ -116,8 +116,18 @@ inline void axpy_row(float* y, float a, const float* x, int n) {
   if (cpu_has_avx2_fma()) return axpy_f32_avx2(y, a, x, n);
   for (int i = 0; i < n; ++i) y[i] += a * x[i];
 }
-inline float widen1(std::uint16_t h) { return bf16f(h); }
-inline float widen1(float f) { return f; }
+
+[[gnu::target("avx2,fma")]] void widen_bf16_avx2(const std::uint16_t* src, float* dst, int n) {
+  int i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load_bf16x8(src + i));
+  for (; i < n; ++i) dst[i] = bf16f(src[i]);
+}
+// dst[0..n) = src[0..n) as fp32.
+inline void widen_row(const std::uint16_t* src, float* dst, int n) {
+  if (cpu_has_avx2_fma()) return widen_bf16_avx2(src, dst, n);
+  for (int i = 0; i < n; ++i) dst[i] = bf16f(src[i]);
+}
+inline void widen_row(const float* src, float* dst, int n) { std::memcpy(dst, src, sizeof(float) * n); }
 
 class DenseCache final : public KvCache {
  public:
@@ -262,19 +272,17 @@ class DenseCache final : public KvCache {
 #pragma omp parallel for schedule(static)
       for (int j = 0; j < L; ++j) {
         float* dst = kf.data() + static_cast<std::size_t>(j) * sh.kd;
-        for (int d = 0; d < dc; ++d) dst[d] = widen1(K[static_cast<std::size_t>(j) * dc + d]);
-        for (int d = 0; d < dr; ++d) dst[dc + d] = widen1(V[static_cast<std::size_t>(j) * dr + d]);
+        widen_row(K + static_cast<std::size_t>(j) * dc, dst, dc);
+        widen_row(V + static_cast<std::size_t>(j) * dr, dst + dc, dr);
       }
     } else {
       vf.resize(static_cast<std::size_t>(L) * sh.vd);
 #pragma omp parallel for schedule(static)
       for (int j = 0; j < L; ++j) {
-        const T* kr = K + static_cast<std::size_t>(j) * kw_ + static_cast<std::size_t>(g) * sh.kd;
-        const T* vr = V + static_cast<std::size_t>(j) * vw_ + static_cast<std::size_t>(g) * sh.vd;
-        float* kd = kf.data() + static_cast<std::size_t>(j) * sh.kd;
-        float* vd = vf.data() + static_cast<std::size_t>(j) * sh.vd;
-        for (int d = 0; d < sh.kd; ++d) kd[d] = widen1(kr[d]);
-        for (int d = 0; d < sh.vd; ++d) vd[d] = widen1(vr[d]);
+        widen_row(K + static_cast<std::size_t>(j) * kw_ + static_cast<std::size_t>(g) * sh.kd,
+                  kf.data() + static_cast<std::size_t>(j) * sh.kd, sh.kd);
+        widen_row(V + static_cast<std::size_t>(j) * vw_ + static_cast<std::size_t>(g) * sh.vd,
+                  vf.data() + static_cast<std::size_t>(j) * sh.vd, sh.vd);
       }
     }
   }
@@ -357,14 +365,11 @@ class DenseCache final : public KvCache {
               const std::size_t j = static_cast<std::size_t>(r0 + r);
               float* kd = kf.data() + static_cast<std::size_t>(r) * sh.kd;
               if (g_.mla) {
-                for (int d = 0; d < dc; ++d) kd[d] = widen1(K[j * dc + d]);
-                for (int d = 0; d < dr; ++d) kd[dc + d] = widen1(V[j * dr + d]);
+                widen_row(K + j * dc, kd, dc);
+                widen_row(V + j * dr, kd + dc, dr);
               } else {
-                const T* kr = K + j * kw_ + static_cast<std::size_t>(g) * sh.kd;
-                const T* vr = V + j * vw_ + static_cast<std::size_t>(g) * sh.vd;
-                float* vd = vf.data() + static_cast<std::size_t>(r) * sh.vd;
-                for (int d = 0; d < sh.kd; ++d) kd[d] = widen1(kr[d]);
-                for (int d = 0; d < sh.vd; ++d) vd[d] = widen1(vr[d]);
+                widen_row(K + j * kw_ + static_cast<std::size_t>(g) * sh.kd, kd, sh.kd);
+                widen_row(V + j * vw_ + static_cast<std::size_t>(g) * sh.vd, vf.data() + static_cast<std::size_t>(r) * sh.vd, sh.vd);
               }
             }
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, sh.hq, nr, sh.kd, scale, qg, sh.kd, kf.data(), sh.kd,
