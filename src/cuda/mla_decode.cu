@@ -5,18 +5,20 @@
 // H heads runs H / 16 such CTAs per split, reading the same pages (L2). Per 64-token page:
 //  1. cp.async brings the next page (packed bytes, or the bf16 rows into the other tile buffer)
 //     while the current one computes;
-//  2. affine formats: the packed page is dequantized once into a bf16 tile of integer codes
-//     (q - z), exact in bf16, with the per-token group scales kept apart in fp32;
+//  2. affine formats: the packed page is dequantized once into an fp16 tile of integer codes
+//     (q - z), exact in fp16, with the per-token group scales kept apart in fp32;
 //  3. QK on tensor cores (mma.sync m16n8k16): warp w multiplies the 16 query rows of content
-//     group w (dims 64w..64w+63; the query in bf16 hi + lo, ~16 bits) with the tile and scales
-//     the per-token result by that group's scale; warps 0-3 add one 16-dim slice of the RoPE part
-//     each; the 8 partial scores are summed in shared memory;
+//     group w (dims 64w..64w+63) with the tile and scales the per-token result by that group's
+//     scale; warps 0-3 add one 16-dim slice of the RoPE part each; the 8 partial scores are
+//     summed in shared memory;
 //  4. online softmax per head (running max, sum, rescale factor);
 //  5. PV on tensor cores: warp w accumulates output columns 64w..64w+63 from the same tile, with
-//     A = P scaled per token by the group's scale (hi + lo).
-// Protected positions (sinks, recent window) of an affine cache are read from their bf16 rows by
-// one extra split per sequence; the combine kernel merges every split's (max, sum, output) into
-// one softmax. A bf16 cache needs no protection: its rows are bf16 already.
+//     A = P scaled per token by the group's scale.
+// Operands: affine tiles in fp16 (query, P single fp16: ~11 bits); bf16 tiles in bf16 with the
+// query and P as hi + lo pairs (~16 bits). Protected positions (sinks, recent window) of an
+// affine cache are read from their bf16 rows as extra tiles after the packed pages, in the same
+// online softmax; the combine kernel merges the splits' (max, sum, output). A bf16 cache needs
+// no protection: its rows are bf16 already.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -92,15 +94,39 @@ __device__ __forceinline__ void ldsm_x4_t(std::uint32_t (&r)[4], const void* p) 
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(s));
 }
-// Two integers (exact in bf16) packed as bf16x2.
-__device__ __forceinline__ std::uint32_t ints_bf16x2(int a, int b) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(static_cast<float>(a), static_cast<float>(b));
-  return *reinterpret_cast<const std::uint32_t*>(&v);
+// Eight integers (exact in fp16) as four fp16x2 words, in order.
+__device__ __forceinline__ uint4 ints_f16x8(const int (&c)[8], int z) {
+  uint4 v;
+  std::uint32_t* w = &v.x;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const __half2 h = __halves2half2(__int2half_rn(c[2 * i] - z), __int2half_rn(c[2 * i + 1] - z));
+    w[i] = *reinterpret_cast<const std::uint32_t*>(&h);
+  }
+  return v;
+}
+// Eight 4-bit codes (code i at bits 4i) minus z as fp16x2 words, by the 0x6400 exponent trick:
+// (0x6400 | n) is the fp16 1024 + n, and (1024 + n) - (1024 + z) = n - z exactly.
+__device__ __forceinline__ uint4 nibbles_f16x8(std::uint32_t v, int z) {
+  const std::uint32_t m = 0x000f000fu, e = 0x64006400u;
+  const std::uint32_t h04 = (v & m) | e, h15 = ((v >> 4) & m) | e, h26 = ((v >> 8) & m) | e, h37 = ((v >> 12) & m) | e;
+  const __half zz = __ushort_as_half(static_cast<unsigned short>(0x6400 + z));
+  const __half2 z2 = __halves2half2(zz, zz);
+  auto sub = [&](std::uint32_t a) {
+    const __half2 r = __hsub2(*reinterpret_cast<const __half2*>(&a), z2);
+    return *reinterpret_cast<const std::uint32_t*>(&r);
+  };
+  uint4 o;
+  o.x = sub(__byte_perm(h04, h15, 0x5410));  // codes 0, 1
+  o.y = sub(__byte_perm(h26, h37, 0x5410));  // 2, 3
+  o.z = sub(__byte_perm(h04, h15, 0x7632));  // 4, 5
+  o.w = sub(__byte_perm(h26, h37, 0x7632));  // 6, 7
+  return o;
 }
 
 struct Smem {
   std::uint8_t* stage[4];  // affine: packed pages
-  __nv_bfloat16* tile[2];  // bf16: two tile buffers; affine: tile[0] only
+  std::uint16_t* tile[2];  // bf16 cache: two tile buffers (bf16); affine: tile[0] only (fp16)
   float* spart;            // [8][16][kSStride]
   float* P;                // [16][kSStride]
   float* sc;               // [64][8]
@@ -119,7 +145,7 @@ std::size_t smem_bytes(std::size_t page_bytes) {
   return head_bytes<CB>(page_bytes) + kSmemTail;
 }
 
-// Eight consecutive content codes (dims 8 ch .. 8 ch + 7) of one token as integers.
+// Eight consecutive codes (dims 8 ch .. 8 ch + 7) of one token as integers.
 template <int B>
 __device__ __forceinline__ void load_codes8(const std::uint8_t* row, int ch, int (&c)[8]) {
   if constexpr (B == 8) {
@@ -143,37 +169,35 @@ __device__ __forceinline__ void load_codes8(const std::uint8_t* row, int ch, int
     for (int i = 0; i < 8; ++i) c[i] = (v >> (3 * i)) & 7;
   }
 }
+template <int B>
+__device__ __forceinline__ uint4 dequant8(const std::uint8_t* row, int ch, int z) {
+  if constexpr (B == 4) {
+    return nibbles_f16x8(*reinterpret_cast<const std::uint32_t*>(row + 4 * ch), z);
+  } else {
+    int c[8];
+    load_codes8<B>(row, ch, c);
+    return ints_f16x8(c, z);
+  }
+}
 
-// Dequantizes one staged affine page into the tile (integers q - z) and the scales (0 for tokens
-// outside [tlo, thi), whose rows then contribute nothing).
+// Dequantizes one staged affine page into the fp16 tile (integers q - z, exact) and the scales
+// (0 for tokens outside [tlo, thi), whose rows then contribute nothing).
 template <int CB, int RB>
-__device__ void dequant_page(const Smem& sm, const std::uint8_t* pg, const PageLayout& L, int tlo, int thi) {
+__device__ __forceinline__ void dequant_page(const Smem& sm, const std::uint8_t* pg, const PageLayout& L, int tlo, int thi) {
   const int tid = threadIdx.x;
-  __nv_bfloat16* K = sm.tile[0];
+  std::uint16_t* K = sm.tile[0];
 #pragma unroll 4
   for (int c = tid; c < kT * (kDc / 8); c += kThreads) {
     const int tok = c >> 6, ch = c & 63;
-    int q[8];
-    load_codes8<CB>(pg + L.key_code_off + static_cast<std::size_t>(tok) * L.key_code_bytes, ch, q);
     const int z = pg[L.meta_off + tok * 32 + 16 + (ch >> 3)];
-    uint4 v;
-    v.x = ints_bf16x2(q[0] - z, q[1] - z);
-    v.y = ints_bf16x2(q[2] - z, q[3] - z);
-    v.z = ints_bf16x2(q[4] - z, q[5] - z);
-    v.w = ints_bf16x2(q[6] - z, q[7] - z);
-    *reinterpret_cast<uint4*>(K + tok * kKStride + 8 * ch) = v;
+    *reinterpret_cast<uint4*>(K + tok * kKStride + 8 * ch) =
+        dequant8<CB>(pg + L.key_code_off + static_cast<std::size_t>(tok) * L.key_code_bytes, ch, z);
   }
   for (int c = tid; c < kT * (kDr / 8); c += kThreads) {
     const int tok = c >> 3, ch = c & 7;
-    int q[8];
-    load_codes8<RB>(pg + L.value_code_off + static_cast<std::size_t>(tok) * L.value_code_bytes, ch, q);
     const int z = pg[L.meta_off + tok * 32 + 28];
-    uint4 v;
-    v.x = ints_bf16x2(q[0] - z, q[1] - z);
-    v.y = ints_bf16x2(q[2] - z, q[3] - z);
-    v.z = ints_bf16x2(q[4] - z, q[5] - z);
-    v.w = ints_bf16x2(q[6] - z, q[7] - z);
-    *reinterpret_cast<uint4*>(K + tok * kKStride + kDc + 8 * ch) = v;
+    *reinterpret_cast<uint4*>(K + tok * kKStride + kDc + 8 * ch) =
+        dequant8<RB>(pg + L.value_code_off + static_cast<std::size_t>(tok) * L.value_code_bytes, ch, z);
   }
   if (tid < kT) {
     const std::uint8_t* m = pg + L.meta_off + tid * 32;
@@ -185,11 +209,47 @@ __device__ void dequant_page(const Smem& sm, const std::uint8_t* pg, const PageL
   }
 }
 
-// QK, online softmax and PV of one tile held in `K` (scales in sm.sc / sm.sr unless kUnit).
-template <bool kUnit>
-__device__ __forceinline__ void compute_tile(const Smem& sm, const __nv_bfloat16* K, const std::uint32_t (&qhi)[5][4],
-                                             const std::uint32_t (&qlo)[5][4], float (&o)[8][4], float scale, int tlo,
+// Protected bf16 rows [0, n) of one tile, converted to fp16 (finite bf16 latents are far inside
+// fp16's range; values below 2^-14 become fp16 subnormals) into the affine kernel's tile.
+__device__ __forceinline__ void load_protected(const Smem& sm, const MlaDecodeParams& p, int b, int first, int n,
+                                               int pb, int pe) {
+  std::uint16_t* K = sm.tile[0];
+  for (int c = threadIdx.x; c < kT * 72; c += kThreads) {
+    const int r = c / 72, k = c % 72;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (r < n) {
+      const int idx = first + r;
+      const int pos = idx < pb ? idx : pe + (idx - pb);
+      const uint4 u = *reinterpret_cast<const uint4*>(p.protect_rows + p.protect.row(b, p.protect.slot(pos)) + 8 * k);
+      const std::uint32_t* in = &u.x;
+      std::uint32_t* out = &v.x;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&in[i]));
+        const __half2 h = __floats2half2_rn(f.x, f.y);
+        out[i] = *reinterpret_cast<const std::uint32_t*>(&h);
+      }
+    }
+    *reinterpret_cast<uint4*>(K + r * kKStride + 8 * k) = v;
+  }
+  if (threadIdx.x < kT) {
+    const float one = threadIdx.x < n ? 1.0f : 0.0f;
+#pragma unroll
+    for (int g = 0; g < 8; ++g) sm.sc[threadIdx.x * 8 + g] = one;
+    sm.sr[threadIdx.x] = one;
+  }
+}
+
+// QK, online softmax and PV of one tile held in `K`.
+//  kAff = false (bf16 cache): bf16 operands, query and P as hi + lo pairs (~16 bits), unit scales.
+//  kAff = true (affine cache): fp16 operands (codes exact), query qa in fp16, per-token group
+//  scales from sm.sc / sm.sr; P is scaled per token by the group scale over its largest value in
+//  the tile (so it stays in [0, 1], clear of fp16 underflow) and the tile's sum is rescaled.
+template <bool kAff>
+__device__ __forceinline__ void compute_tile(const Smem& sm, const std::uint16_t* K, const std::uint32_t (&qa)[5][4],
+                                             const std::uint32_t (&qb)[5][4], float (&o)[8][4], float scale, int tlo,
                                              int thi) {
+  constexpr bool kB = !kAff;
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, t = lane & 3;
   // ---- QK: partial scores of content group w (+ RoPE slice w for w < 4)
   {
@@ -202,20 +262,24 @@ __device__ __forceinline__ void compute_tile(const Smem& sm, const __nv_bfloat16
       for (int jn = 0; jn < 8; ++jn) {
         std::uint32_t b[4];
         ldsm_x4(b, K + (8 * jn + (lane & 7)) * kKStride + 64 * w + 16 * ks + 8 * (lane >> 3));
-        mma16816<true>(acc[jn], qhi[ks], b[0], b[1]);
-        mma16816<true>(acc[jn], qlo[ks], b[0], b[1]);
-        mma16816<true>(acc[jn], qhi[ks + 1], b[2], b[3]);
-        mma16816<true>(acc[jn], qlo[ks + 1], b[2], b[3]);
+        mma16816<kB>(acc[jn], qa[ks], b[0], b[1]);
+        mma16816<kB>(acc[jn], qa[ks + 1], b[2], b[3]);
+        if constexpr (!kAff) {
+          mma16816<kB>(acc[jn], qb[ks], b[0], b[1]);
+          mma16816<kB>(acc[jn], qb[ks + 1], b[2], b[3]);
+        }
       }
     }
+    if constexpr (kAff) {
 #pragma unroll
-    for (int jn = 0; jn < 8; ++jn) {
-      const int c0 = 8 * jn + 2 * t;
-      const float s0 = kUnit ? 1.0f : sm.sc[c0 * 8 + w], s1 = kUnit ? 1.0f : sm.sc[(c0 + 1) * 8 + w];
-      acc[jn][0] *= s0;
-      acc[jn][1] *= s1;
-      acc[jn][2] *= s0;
-      acc[jn][3] *= s1;
+      for (int jn = 0; jn < 8; ++jn) {
+        const int c0 = 8 * jn + 2 * t;
+        const float s0 = sm.sc[c0 * 8 + w], s1 = sm.sc[(c0 + 1) * 8 + w];
+        acc[jn][0] *= s0;
+        acc[jn][1] *= s1;
+        acc[jn][2] *= s0;
+        acc[jn][3] *= s1;
+      }
     }
     if (w < 4) {
       float ar[8][4];
@@ -225,15 +289,17 @@ __device__ __forceinline__ void compute_tile(const Smem& sm, const __nv_bfloat16
       for (int jn = 0; jn < 8; jn += 2) {
         std::uint32_t b[4];
         ldsm_x4(b, K + (8 * jn + (lane & 7) + 8 * (lane >> 4)) * kKStride + kDc + 16 * w + 8 * ((lane >> 3) & 1));
-        mma16816<true>(ar[jn], qhi[4], b[0], b[1]);
-        mma16816<true>(ar[jn], qlo[4], b[0], b[1]);
-        mma16816<true>(ar[jn + 1], qhi[4], b[2], b[3]);
-        mma16816<true>(ar[jn + 1], qlo[4], b[2], b[3]);
+        mma16816<kB>(ar[jn], qa[4], b[0], b[1]);
+        mma16816<kB>(ar[jn + 1], qa[4], b[2], b[3]);
+        if constexpr (!kAff) {
+          mma16816<kB>(ar[jn], qb[4], b[0], b[1]);
+          mma16816<kB>(ar[jn + 1], qb[4], b[2], b[3]);
+        }
       }
 #pragma unroll
       for (int jn = 0; jn < 8; ++jn) {
         const int c0 = 8 * jn + 2 * t;
-        const float s0 = kUnit ? 1.0f : sm.sr[c0], s1 = kUnit ? 1.0f : sm.sr[c0 + 1];
+        const float s0 = kAff ? sm.sr[c0] : 1.0f, s1 = kAff ? sm.sr[c0 + 1] : 1.0f;
         acc[jn][0] += ar[jn][0] * s0;
         acc[jn][1] += ar[jn][1] * s1;
         acc[jn][2] += ar[jn][2] * s0;
@@ -282,6 +348,7 @@ __device__ __forceinline__ void compute_tile(const Smem& sm, const __nv_bfloat16
 #pragma unroll
     for (int off = 8; off >= 1; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
     *reinterpret_cast<float4*>(sm.P + h * kSStride + 4 * sub) = make_float4(pv[0], pv[1], pv[2], pv[3]);
+    __syncwarp();
     if (sub == 0) {
       sm.lrow[h] = sm.lrow[h] * a + sum;
       sm.mrow[h] = m_new;
@@ -292,50 +359,78 @@ __device__ __forceinline__ void compute_tile(const Smem& sm, const __nv_bfloat16
   // ---- PV: warp w owns output columns 64w .. 64w + 63
   {
     const float a0 = sm.alpha[g], a1 = sm.alpha[g + 8];
+    float smax = 1.0f, inv = 1.0f;
+    if constexpr (kAff) {
+      smax = fmaxf(sm.sc[lane * 8 + w], sm.sc[(lane + 32) * 8 + w]);
+#pragma unroll
+      for (int off = 16; off >= 1; off >>= 1) smax = fmaxf(smax, __shfl_xor_sync(0xffffffffu, smax, off));
+      inv = smax > 0.0f ? 1.0f / smax : 0.0f;
+    }
+    float ot[8][4];
 #pragma unroll
     for (int n = 0; n < 8; ++n) {
-      o[n][0] *= a0;
-      o[n][1] *= a0;
-      o[n][2] *= a1;
-      o[n][3] *= a1;
+      if constexpr (kAff) {
+        ot[n][0] = ot[n][1] = ot[n][2] = ot[n][3] = 0.0f;
+      } else {
+        o[n][0] *= a0;
+        o[n][1] *= a0;
+        o[n][2] *= a1;
+        o[n][3] *= a1;
+      }
     }
+    float(&acc)[8][4] = kAff ? ot : o;
 #pragma unroll
     for (int kt = 0; kt < 4; ++kt) {
       const int k0 = 16 * kt + 2 * t;
-      float sc4[4];
-      const int toks[4] = {k0, k0 + 1, k0 + 8, k0 + 9};
-#pragma unroll
-      for (int i = 0; i < 4; ++i) sc4[i] = kUnit ? 1.0f : sm.sc[toks[i] * 8 + w];
       const float* P0 = sm.P + g * kSStride;
       const float* P1 = sm.P + (g + 8) * kSStride;
       std::uint32_t ah[4], al[4];
-      split2<true>(P0[k0] * sc4[0], P0[k0 + 1] * sc4[1], ah[0], al[0]);
-      split2<true>(P1[k0] * sc4[0], P1[k0 + 1] * sc4[1], ah[1], al[1]);
-      split2<true>(P0[k0 + 8] * sc4[2], P0[k0 + 9] * sc4[3], ah[2], al[2]);
-      split2<true>(P1[k0 + 8] * sc4[2], P1[k0 + 9] * sc4[3], ah[3], al[3]);
+      if constexpr (kAff) {
+        const float s0 = sm.sc[k0 * 8 + w] * inv, s1 = sm.sc[(k0 + 1) * 8 + w] * inv;
+        const float s8 = sm.sc[(k0 + 8) * 8 + w] * inv, s9 = sm.sc[(k0 + 9) * 8 + w] * inv;
+        ah[0] = detail::pack2<false>(P0[k0] * s0, P0[k0 + 1] * s1);
+        ah[1] = detail::pack2<false>(P1[k0] * s0, P1[k0 + 1] * s1);
+        ah[2] = detail::pack2<false>(P0[k0 + 8] * s8, P0[k0 + 9] * s9);
+        ah[3] = detail::pack2<false>(P1[k0 + 8] * s8, P1[k0 + 9] * s9);
+      } else {
+        split2<true>(P0[k0], P0[k0 + 1], ah[0], al[0]);
+        split2<true>(P1[k0], P1[k0 + 1], ah[1], al[1]);
+        split2<true>(P0[k0 + 8], P0[k0 + 9], ah[2], al[2]);
+        split2<true>(P1[k0 + 8], P1[k0 + 9], ah[3], al[3]);
+      }
 #pragma unroll
       for (int np = 0; np < 4; ++np) {
         std::uint32_t b[4];
         ldsm_x4_t(b, K + (16 * kt + (lane & 7) + 8 * ((lane >> 3) & 1)) * kKStride + 64 * w + 16 * np + 8 * (lane >> 4));
-        mma16816<true>(o[2 * np], ah, b[0], b[1]);
-        mma16816<true>(o[2 * np], al, b[0], b[1]);
-        mma16816<true>(o[2 * np + 1], ah, b[2], b[3]);
-        mma16816<true>(o[2 * np + 1], al, b[2], b[3]);
+        mma16816<kB>(acc[2 * np], ah, b[0], b[1]);
+        mma16816<kB>(acc[2 * np + 1], ah, b[2], b[3]);
+        if constexpr (!kAff) {
+          mma16816<kB>(acc[2 * np], al, b[0], b[1]);
+          mma16816<kB>(acc[2 * np + 1], al, b[2], b[3]);
+        }
+      }
+    }
+    if constexpr (kAff) {
+#pragma unroll
+      for (int n = 0; n < 8; ++n) {
+        o[n][0] = o[n][0] * a0 + ot[n][0] * smax;
+        o[n][1] = o[n][1] * a0 + ot[n][1] * smax;
+        o[n][2] = o[n][2] * a1 + ot[n][2] * smax;
+        o[n][3] = o[n][3] * a1 + ot[n][3] * smax;
       }
     }
   }
 }
 
 struct Work {
-  float* opart;  // [batch][heads][nsl][512]
-  float* ml;     // [batch][heads][nsl][2]
-  int nsplit;    // packed splits
-  int nsl;       // + 1 when a protect split runs
+  float* opart;  // [batch][heads][nsplit][512]
+  float* ml;     // [batch][heads][nsplit][2]
+  int nsplit;
 };
 
-// Issues cp.async of the bf16 rows of packed page `page_idx` into tile buffer `K` (rows outside
+// Issues cp.async of the bf16 rows of one packed page into tile buffer `K` (rows outside
 // [tlo, thi) zero-filled).
-__device__ __forceinline__ void load_bf16_page(__nv_bfloat16* K, const std::uint8_t* pg, const PageLayout& L, int tlo,
+__device__ __forceinline__ void load_bf16_page(std::uint16_t* K, const std::uint8_t* pg, const PageLayout& L, int tlo,
                                                int thi) {
   for (int c = threadIdx.x; c < kT * 72; c += kThreads) {
     const int tok = c / 72, k = c % 72;
@@ -345,21 +440,26 @@ __device__ __forceinline__ void load_bf16_page(__nv_bfloat16* K, const std::uint
   }
 }
 
+// Work of one CTA: virtual tiles [v0, v1) of its sequence, where tiles [0, np) are the packed
+// pages of positions [pb, pe) and tiles [np, np + ceil(nprot / 64)) hold the protected rows, so
+// protected rows join the same online softmax as the packed pages of the last split.
 template <int CB, int RB>
 __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(MlaDecodeParams p, Work wk) {
   extern __shared__ __align__(16) std::uint8_t smem_raw[];
   const PageLayout L = p.fmt.page;
-  constexpr bool kBf16 = CB == 16;
+  constexpr bool kAff = CB != 16;
+  constexpr int NS = kStages<CB>;
   Smem sm;
   std::uint8_t* base = smem_raw;
-  if constexpr (kBf16) {
-    sm.tile[0] = reinterpret_cast<__nv_bfloat16*>(base);
-    sm.tile[1] = reinterpret_cast<__nv_bfloat16*>(base + kTileBytes);
+  if constexpr (!kAff) {
+    sm.tile[0] = reinterpret_cast<std::uint16_t*>(base);
+    sm.tile[1] = reinterpret_cast<std::uint16_t*>(base + kTileBytes);
     base += 2 * kTileBytes;
   } else {
-    for (int s = 0; s < kStages<CB>; ++s) sm.stage[s] = base + s * L.page_bytes;
-    sm.tile[0] = sm.tile[1] = reinterpret_cast<__nv_bfloat16*>(base + kStages<CB> * L.page_bytes);
-    base += kStages<CB> * L.page_bytes + kTileBytes;
+#pragma unroll
+    for (int s = 0; s < NS; ++s) sm.stage[s] = base + s * L.page_bytes;
+    sm.tile[0] = sm.tile[1] = reinterpret_cast<std::uint16_t*>(base + NS * L.page_bytes);
+    base += NS * L.page_bytes + kTileBytes;
   }
   float* f = reinterpret_cast<float*>(base);
   sm.spart = f;
@@ -376,109 +476,93 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(MlaDecodeParams
   const int split = blockIdx.x, hg = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, t = lane & 3;
   const int Lq = p.seq_lens[b];
-  const bool prot = !kBf16 && p.protect.enabled();
+  const bool prot = kAff && p.protect.enabled();
   const int pb = prot ? static_cast<int>(p.protect.packed_begin(Lq)) : 0;
   const int pe = prot ? static_cast<int>(p.protect.packed_end(Lq)) : Lq;
-  const bool prot_split = prot && split == wk.nsplit;
 
   if (tid < kHG) {
     sm.mrow[tid] = -INFINITY;
     sm.lrow[tid] = 0.0f;
   }
   // Query fragments (A operand, rows = the 16 heads): content k-steps of group w, RoPE slice w & 3.
-  std::uint32_t qhi[5][4], qlo[5][4];
+  std::uint32_t qa[5][4], qb[5][4];
   {
     const float* q0 = p.q + (static_cast<std::size_t>(b) * p.heads + hg * kHG + g) * kD;
     const float* q1 = q0 + 8 * kD;
 #pragma unroll
     for (int ks = 0; ks < 5; ++ks) {
       const int d = ks < 4 ? 64 * w + 16 * ks + 2 * t : kDc + 16 * (w & 3) + 2 * t;
-      split2<true>(q0[d], q0[d + 1], qhi[ks][0], qlo[ks][0]);
-      split2<true>(q1[d], q1[d + 1], qhi[ks][1], qlo[ks][1]);
-      split2<true>(q0[d + 8], q0[d + 9], qhi[ks][2], qlo[ks][2]);
-      split2<true>(q1[d + 8], q1[d + 9], qhi[ks][3], qlo[ks][3]);
+      if constexpr (kAff) {
+        qa[ks][0] = detail::pack2<false>(q0[d], q0[d + 1]);
+        qa[ks][1] = detail::pack2<false>(q1[d], q1[d + 1]);
+        qa[ks][2] = detail::pack2<false>(q0[d + 8], q0[d + 9]);
+        qa[ks][3] = detail::pack2<false>(q1[d + 8], q1[d + 9]);
+      } else {
+        split2<true>(q0[d], q0[d + 1], qa[ks][0], qb[ks][0]);
+        split2<true>(q1[d], q1[d + 1], qa[ks][1], qb[ks][1]);
+        split2<true>(q0[d + 8], q0[d + 9], qa[ks][2], qb[ks][2]);
+        split2<true>(q1[d + 8], q1[d + 9], qa[ks][3], qb[ks][3]);
+      }
     }
   }
   float o[8][4];
 #pragma unroll
   for (int n = 0; n < 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
 
-  if (prot_split) {
-    // Protected rows: positions [0, pb) and [pe, Lq), 64 rows per tile, straight into the tile.
-    const int nprot = pb + (Lq - pe);
-    __nv_bfloat16* K = sm.tile[0];
-    for (int tile = 0; tile * kT < nprot; ++tile) {
-      __syncthreads();
-      const int thi = min(kT, nprot - tile * kT);
-      for (int c = tid; c < kT * 72; c += kThreads) {
-        const int r = c / 72, k = c % 72;
-        uint4 v = make_uint4(0, 0, 0, 0);
-        if (r < thi) {
-          const int idx = tile * kT + r;
-          const int pos = idx < pb ? idx : pe + (idx - pb);
-          const std::uint16_t* row = p.protect_rows + p.protect.row(b, p.protect.slot(pos));
-          v = *reinterpret_cast<const uint4*>(row + 8 * k);
-        }
-        *reinterpret_cast<uint4*>(K + r * kKStride + 8 * k) = v;
-      }
-      if (tid < kT) {
-#pragma unroll
-        for (int gg = 0; gg < 8; ++gg) sm.sc[tid * 8 + gg] = 1.0f;
-        sm.sr[tid] = 1.0f;
-      }
-      __syncthreads();
-      compute_tile<false>(sm, K, qhi, qlo, o, p.scale, 0, thi);
+  const int first = pb / kT, end = pe > pb ? (pe + kT - 1) / kT : first;
+  const int np = end - first;
+  const int nprot = prot ? pb + (Lq - pe) : 0;
+  const int nv = np + (nprot + kT - 1) / kT;
+  const int per = (nv + wk.nsplit - 1) / wk.nsplit;
+  const int v0 = split * per, v1 = min(v0 + per, nv);
+  const int ntiles = max(0, v1 - v0);
+  const std::int32_t* bt = p.block_tables + static_cast<std::size_t>(b) * p.max_pages;
+  auto page_ptr = [&](int pi) { return p.pool + static_cast<std::size_t>(bt[pi]) * L.page_bytes; };
+  auto issue = [&](int it) {
+    const int vt = v0 + it;
+    if (vt >= np) return;  // protected tile: loaded when it is used
+    const int pi = first + vt;
+    if constexpr (!kAff) {
+      load_bf16_page(sm.tile[it & 1], page_ptr(pi), L, max(0, pb - pi * kT), min(kT, pe - pi * kT));
+    } else {
+      const std::uint8_t* src = page_ptr(pi);
+      std::uint8_t* dst = sm.stage[it % NS];
+      for (int c = tid; c < static_cast<int>(L.page_bytes / 16); c += kThreads) cp_async16(dst + 16 * c, src + 16 * c);
     }
-  } else {
-    const int first = pb / kT, end = pe > pb ? (pe + kT - 1) / kT : first;
-    const int np = end - first, per = (np + wk.nsplit - 1) / wk.nsplit;
-    const int p0 = first + split * per, p1 = min(p0 + per, end);
-    const int ntiles = max(0, p1 - p0);
-    const std::int32_t* bt = p.block_tables + static_cast<std::size_t>(b) * p.max_pages;
-    auto page_ptr = [&](int pi) { return p.pool + static_cast<std::size_t>(bt[pi]) * L.page_bytes; };
-    auto range = [&](int pi, int& lo, int& hi) {
+  };
+#pragma unroll
+  for (int s = 0; s < NS - 1; ++s) {
+    if (s < ntiles) issue(s);
+    cp_async_commit();
+  }
+  for (int it = 0; it < ntiles; ++it) {
+    cp_async_wait<NS - 2>();
+    __syncthreads();
+    if (it + NS - 1 < ntiles) issue(it + NS - 1);
+    cp_async_commit();
+    const int vt = v0 + it;
+    int lo = 0, hi = 0;
+    if (vt < np) {
+      const int pi = first + vt;
       lo = max(0, pb - pi * kT);
       hi = min(kT, pe - pi * kT);
-    };
-    auto issue = [&](int it) {
-      const int pi = p0 + it;
-      if constexpr (kBf16) {
-        int lo, hi;
-        range(pi, lo, hi);
-        load_bf16_page(sm.tile[it & 1], page_ptr(pi), L, lo, hi);
-      } else {
-        const std::uint8_t* src = page_ptr(pi);
-        std::uint8_t* dst = sm.stage[it % kStages<CB>];
-        for (int c = tid; c < static_cast<int>(L.page_bytes / 16); c += kThreads) cp_async16(dst + 16 * c, src + 16 * c);
-      }
-    };
-    constexpr int NS = kStages<CB>;
-#pragma unroll
-    for (int s = 0; s < NS - 1; ++s) {
-      if (s < ntiles) issue(s);
-      cp_async_commit();
+    } else {
+      hi = min(kT, nprot - (vt - np) * kT);
     }
-    for (int it = 0; it < ntiles; ++it) {
-      cp_async_wait<NS - 2>();
+    if constexpr (!kAff) {
+      compute_tile<false>(sm, sm.tile[it & 1], qa, qb, o, p.scale, lo, hi);
+    } else {
+      if (vt < np) dequant_page<CB, RB>(sm, sm.stage[it % NS], L, lo, hi);
+      else load_protected(sm, p, b, (vt - np) * kT, hi, pb, pe);
       __syncthreads();
-      if (it + NS - 1 < ntiles) issue(it + NS - 1);
-      cp_async_commit();
-      int lo, hi;
-      range(p0 + it, lo, hi);
-      if constexpr (kBf16) {
-        compute_tile<true>(sm, sm.tile[it & 1], qhi, qlo, o, p.scale, lo, hi);
-      } else {
-        dequant_page<CB, RB>(sm, sm.stage[it % NS], L, lo, hi);
-        __syncthreads();
-        compute_tile<false>(sm, sm.tile[0], qhi, qlo, o, p.scale, lo, hi);
-      }
+      compute_tile<true>(sm, sm.tile[0], qa, qb, o, p.scale, lo, hi);
     }
-    cp_async_wait<0>();
   }
+  cp_async_wait<0>();
   __syncthreads();
   // Partial state of this split: unnormalized output, running max and sum.
-  const std::size_t r0 = (static_cast<std::size_t>(b) * p.heads + hg * kHG + g) * wk.nsl + split;
-  const std::size_t r1 = r0 + 8 * static_cast<std::size_t>(wk.nsl);
+  const std::size_t r0 = (static_cast<std::size_t>(b) * p.heads + hg * kHG + g) * wk.nsplit + split;
+  const std::size_t r1 = r0 + 8 * static_cast<std::size_t>(wk.nsplit);
 #pragma unroll
   for (int n = 0; n < 8; ++n) {
     const int c = 64 * w + 8 * n + 2 * t;
@@ -486,7 +570,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(MlaDecodeParams
     *reinterpret_cast<float2*>(wk.opart + r1 * kDc + c) = make_float2(o[n][2], o[n][3]);
   }
   if (tid < kHG) {
-    const std::size_t r = (static_cast<std::size_t>(b) * p.heads + hg * kHG + tid) * wk.nsl + split;
+    const std::size_t r = (static_cast<std::size_t>(b) * p.heads + hg * kHG + tid) * wk.nsplit + split;
     wk.ml[2 * r] = sm.mrow[tid];
     wk.ml[2 * r + 1] = sm.lrow[tid];
   }
@@ -523,7 +607,7 @@ int sm_count_of(const MlaDecodeParams& p) {
   return n;
 }
 
-bool has_protect_split(const MlaDecodeParams& p) { return p.fmt.content_bits != 16 && p.protect.enabled(); }
+bool uses_protect(const MlaDecodeParams& p) { return p.fmt.content_bits != 16 && p.protect.enabled(); }
 
 template <int CB, int RB>
 cudaError_t launch_decode(const MlaDecodeParams& p, cudaStream_t st) {
@@ -533,14 +617,13 @@ cudaError_t launch_decode(const MlaDecodeParams& p, cudaStream_t st) {
   if (e != cudaSuccess) return e;
   Work wk;
   wk.nsplit = mla_decode_splits(p);
-  wk.nsl = wk.nsplit + (has_protect_split(p) ? 1 : 0);
-  const std::size_t rows = static_cast<std::size_t>(p.batch) * p.heads * wk.nsl;
+  const std::size_t rows = static_cast<std::size_t>(p.batch) * p.heads * wk.nsplit;
   wk.opart = static_cast<float*>(p.workspace);
   wk.ml = wk.opart + rows * kDc;
-  const dim3 grid(wk.nsl, p.heads / kHG, p.batch);
+  const dim3 grid(wk.nsplit, p.heads / kHG, p.batch);
   mla_decode_kernel<CB, RB><<<grid, kThreads, smem, st>>>(p, wk);
   if ((e = cudaGetLastError()) != cudaSuccess) return e;
-  mla_combine_kernel<<<dim3(p.heads, p.batch), 128, 0, st>>>(wk.opart, wk.ml, wk.nsl, p.out);
+  mla_combine_kernel<<<dim3(p.heads, p.batch), 128, 0, st>>>(wk.opart, wk.ml, wk.nsplit, p.out);
   return cudaGetLastError();
 }
 
@@ -554,7 +637,7 @@ int mla_decode_splits(const MlaDecodeParams& p) {
 }
 
 std::size_t mla_decode_workspace_bytes(const MlaDecodeParams& p) {
-  const std::size_t nsl = static_cast<std::size_t>(mla_decode_splits(p)) + (has_protect_split(p) ? 1 : 0);
+  const std::size_t nsl = static_cast<std::size_t>(mla_decode_splits(p));
   return static_cast<std::size_t>(p.batch) * p.heads * nsl * (kDc + 2) * sizeof(float);
 }
 
@@ -563,7 +646,7 @@ cudaError_t mla_decode(const MlaDecodeParams& p, cudaStream_t stream) {
   if (!mla_supported(f) || p.heads <= 0 || p.heads % kHG || p.heads > 128 || p.batch <= 0 || !p.pool ||
       !p.block_tables || !p.seq_lens || !p.q || !p.out || !p.workspace)
     return cudaErrorInvalidValue;
-  if (has_protect_split(p) && !p.protect_rows) return cudaErrorInvalidValue;
+  if (uses_protect(p) && !p.protect_rows) return cudaErrorInvalidValue;
   if (p.workspace_bytes < mla_decode_workspace_bytes(p)) return cudaErrorInvalidValue;
   const int c = f.content_bits, r = f.rope_bits;
   if (c == 16) return launch_decode<16, 16>(p, stream);
