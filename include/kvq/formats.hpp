@@ -59,11 +59,21 @@ const FormatSpec& find_format(std::string_view name);
 void check_format_fits(const FormatSpec& f, const CacheGeometry& g);
 std::vector<std::string> format_names(FormatFamily family);
 
-// Outlier channels for the split formats: per layer and KV head, sorted channel indices of the
-// keys and of the values (from calibration statistics, never from the evaluation text).
-struct OutlierChannels {
-  std::vector<std::vector<std::vector<int>>> key, value;  // [layer][head] -> channels
+// What kvq's own TurboQuant formats learn from calibration text (never the evaluation text),
+// per layer and KV head, from the rows as cached (keys after RoPE):
+//  - key / value: sorted outlier channels of the split formats (tq-3.5bit, tq-2.5bit);
+//  - key_mean / value_mean: per-channel means subtracted before quantization (centering). A
+//    fixed key offset shifts every score of a query by the same q . mu, so attention is
+//    unchanged while the quantized residual is smaller; a value offset is added back once after
+//    the softmax-weighted sum (the weights sum to one). Empty: no centering.
+struct FormatCalibration {
+  std::vector<std::vector<std::vector<int>>> key, value;            // [layer][head] -> channels
+  std::vector<std::vector<std::vector<float>>> key_mean, value_mean;  // [layer][head] -> d floats
 };
+using OutlierChannels = FormatCalibration;
+// True for the formats whose quantizers use calibration means when given (kvq's tq-4bit,
+// tq-3bit, tq-3.5bit, tq-2.5bit); the vLLM presets and the QJL format never center.
+bool format_uses_centering(const FormatSpec& f);
 // The `count` channels with the largest mean |x| over n rows of dimension d (sorted).
 std::vector<int> select_outlier_channels(const float* rows, std::size_t n, int d, int count);
 int split_outlier_count(const FormatSpec& f, int head_dim);

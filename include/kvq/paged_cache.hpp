@@ -91,11 +91,12 @@ class PagedCache final : public KvCache {
   // head, v: value (rope key).
   void read_row(int seq, int layer, int t, int as_of, float* k, float* v) const;
 
-  // Channel statistics for the outlier-split formats: while on, append() accumulates the mean
+  // Channel statistics for calibration: while on, append() accumulates the mean and the mean
   // |x| of every key and value channel per (layer, KV head), after RoPE, as stored.
   void collect_channel_stats(bool on) { stats_ = on; }
-  // The outlier channels of split format `f` from the statistics collected so far.
-  std::shared_ptr<OutlierChannels> outlier_channels(const FormatSpec& f) const;
+  // The calibration of format `f` from the statistics collected so far: outlier channels for
+  // the split formats (largest mean |x|), channel means for the centering formats.
+  std::shared_ptr<FormatCalibration> calibration(const FormatSpec& f) const;
 
   // Analytic persistent bytes of one request of `tokens` tokens (the same formula as memory(),
   // used by `kvq budget --context`).

@@ -78,9 +78,11 @@ struct ModelEvalResult {
 ModelEvalResult evaluate_model(const std::string& model_dir, const std::vector<CacheConfig>& configs,
                                const std::string& text_path, const EvalOptions& opt);
 
-// Outlier channels for a split format from `tokens` tokens of `text` (bf16 run, keys after RoPE).
-std::shared_ptr<OutlierChannels> calibrate_outliers(Model& model, const Tokenizer& tok, const std::string& text,
+// The calibration of format `f` (outlier channels, channel means) from `tokens` tokens of
+// `text` (bf16 run, rows as cached: keys after RoPE). Null for formats that learn nothing.
+std::shared_ptr<FormatCalibration> calibrate_format(Model& model, const Tokenizer& tok, const std::string& text,
                                                     const FormatSpec& f, int tokens, int ctx);
+bool format_needs_calibration(const FormatSpec& f);
 
 // The needle samples of models/README.md's protocol.
 struct NeedleSample {

@@ -30,16 +30,20 @@ namespace kvq {
 class TurboQuantMse final : public VectorQuantizer {
  public:
   // codebook: nullptr = sphere_codebook(dim, bits); vLLM's presets pass gaussian_codebook.
+  // offset: empty, or dim floats subtracted before quantization and added back on decode
+  // (centering; the prepared query carries q . offset, the value accumulator the weight sum).
   TurboQuantMse(int dim, int bits, std::shared_ptr<const Rotation> rotation, bool norm_correction,
-                const Codebook* codebook = nullptr);
+                const Codebook* codebook = nullptr, std::vector<float> offset = {});
   std::string name() const override;
   std::size_t code_bytes() const override;
   std::size_t meta_bytes() const override { return 2; }
   double code_bits() const override { return bits_; }
   void encode(const float* x, std::uint8_t* codes, std::uint8_t* meta) const override;
   void decode(const std::uint8_t* codes, const std::uint8_t* meta, float* x) const override;
+  int query_dim() const override { return dim_ + (offset_.empty() ? 0 : 1); }
   void prepare_query(const float* q, float* qp) const override;
   float score(const float* qp, const std::uint8_t* codes, const std::uint8_t* meta) const override;
+  int acc_dim() const override { return dim_ + (offset_.empty() ? 0 : 1); }
   void accumulate(float w, const std::uint8_t* codes, const std::uint8_t* meta, float* acc) const override;
   void finish(const float* acc, float* out) const override;
   void encode_batch(const float* x, std::size_t n, std::uint8_t* records) const override;
@@ -49,8 +53,11 @@ class TurboQuantMse final : public VectorQuantizer {
   bool norm_correction() const { return nc_; }
   const Codebook& codebook() const { return *cb_; }
   const Rotation& rotation() const { return *rot_; }
+  const std::vector<float>& offset() const { return offset_; }
   // Scalar reference of encode (the fast path is checked against it).
   void encode_reference(const float* x, std::uint8_t* codes, std::uint8_t* meta) const;
+  // The same for a vector already centered (x - offset): the SIMD paths' fallback.
+  void encode_centered_reference(const float* xc, std::uint8_t* codes, std::uint8_t* meta) const;
   void decode_reference(const std::uint8_t* codes, const std::uint8_t* meta, float* x) const;
   // Rotated-domain codeword of a code (unit-norm direction times stored norm), for tests.
   void rotated_codeword(const std::uint8_t* codes, const std::uint8_t* meta, float* y) const;
@@ -60,6 +67,7 @@ class TurboQuantMse final : public VectorQuantizer {
   bool nc_;
   std::shared_ptr<const Rotation> rot_;
   const Codebook* cb_;
+  std::vector<float> offset_;
 };
 
 class TurboQuantProd final : public VectorQuantizer {
@@ -88,19 +96,24 @@ class TurboQuantProd final : public VectorQuantizer {
 class OutlierSplit final : public VectorQuantizer {
  public:
   // `outliers`: sorted distinct channel indices that get `bits_hi`; the rest get `bits_lo`.
+  // offset: empty or dim floats (centering, as TurboQuantMse), split between the instances.
   OutlierSplit(int dim, std::vector<int> outliers, int bits_hi, int bits_lo, bool randomize_signs,
-               std::uint64_t key_hi, std::uint64_t key_lo, bool norm_correction);
+               std::uint64_t key_hi, std::uint64_t key_lo, bool norm_correction, std::vector<float> offset = {});
   std::string name() const override;
   std::size_t code_bytes() const override { return hi_->code_bytes() + lo_->code_bytes(); }
   std::size_t meta_bytes() const override { return 4; }
   double code_bits() const override;
   void encode(const float* x, std::uint8_t* codes, std::uint8_t* meta) const override;
   void decode(const std::uint8_t* codes, const std::uint8_t* meta, float* x) const override;
+  int query_dim() const override { return hi_->query_dim() + lo_->query_dim(); }
+  int acc_dim() const override { return hi_->acc_dim() + lo_->acc_dim(); }
   void prepare_query(const float* q, float* qp) const override;
   float score(const float* qp, const std::uint8_t* codes, const std::uint8_t* meta) const override;
   void accumulate(float w, const std::uint8_t* codes, const std::uint8_t* meta, float* acc) const override;
   void finish(const float* acc, float* out) const override;
   const std::vector<int>& outliers() const { return hi_idx_; }
+  const TurboQuantMse& hi() const { return *hi_; }
+  const TurboQuantMse& lo() const { return *lo_; }
 
  private:
   std::vector<int> hi_idx_, lo_idx_;

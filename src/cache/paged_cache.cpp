@@ -77,6 +77,8 @@ struct PagedCache::Impl {
   std::vector<std::vector<std::uint64_t>> reverse;
   std::size_t n_blocks = 0;
   std::vector<std::vector<std::vector<double>>> kabs, vabs;  // [layer][head][dim] sums of |x|
+  std::vector<std::vector<std::vector<double>>> ksum, vsum;  // [layer][head][dim] sums of x
+  std::vector<std::vector<std::vector<double>>> ksq, vsq;    // [layer][head][dim] sums of x^2
   std::vector<std::size_t> stat_rows;                       // rows accumulated per layer
 
   std::size_t row_floats() const { return rk + rv; }
@@ -119,6 +121,8 @@ PagedCache::PagedCache(const CacheGeometry& g, CacheOptions opt, int max_seqs)
                  std::vector<std::vector<double>>(static_cast<std::size_t>(im.heads), std::vector<double>(static_cast<std::size_t>(im.dk), 0.0)));
   im.vabs.assign(static_cast<std::size_t>(g.n_layers),
                  std::vector<std::vector<double>>(static_cast<std::size_t>(im.heads), std::vector<double>(static_cast<std::size_t>(im.dv), 0.0)));
+  im.ksum = im.ksq = im.kabs;
+  im.vsum = im.vsq = im.vabs;
   im.stat_rows.assign(static_cast<std::size_t>(g.n_layers), 0);
   im.reverse.resize(static_cast<std::size_t>(g.n_layers));
 }
@@ -256,9 +260,23 @@ void PagedCache::append(int seq, int layer, int n, const float* k, const float* 
     if (stats_) {
       auto& ka = im.kabs[static_cast<std::size_t>(layer)][static_cast<std::size_t>(h)];
       auto& va = im.vabs[static_cast<std::size_t>(layer)][static_cast<std::size_t>(h)];
+      auto& ks = im.ksum[static_cast<std::size_t>(layer)][static_cast<std::size_t>(h)];
+      auto& vs = im.vsum[static_cast<std::size_t>(layer)][static_cast<std::size_t>(h)];
+      auto& kq2 = im.ksq[static_cast<std::size_t>(layer)][static_cast<std::size_t>(h)];
+      auto& vq2 = im.vsq[static_cast<std::size_t>(layer)][static_cast<std::size_t>(h)];
       for (int i = 0; i < n; ++i) {
-        for (int c = 0; c < im.dk; ++c) ka[static_cast<std::size_t>(c)] += std::fabs(kx[static_cast<std::size_t>(i) * static_cast<std::size_t>(im.dk) + static_cast<std::size_t>(c)]);
-        for (int c = 0; c < im.dv; ++c) va[static_cast<std::size_t>(c)] += std::fabs(vx[static_cast<std::size_t>(i) * static_cast<std::size_t>(im.dv) + static_cast<std::size_t>(c)]);
+        for (int c = 0; c < im.dk; ++c) {
+          const float x = kx[static_cast<std::size_t>(i) * static_cast<std::size_t>(im.dk) + static_cast<std::size_t>(c)];
+          ka[static_cast<std::size_t>(c)] += std::fabs(x);
+          ks[static_cast<std::size_t>(c)] += x;
+          kq2[static_cast<std::size_t>(c)] += static_cast<double>(x) * x;
+        }
+        for (int c = 0; c < im.dv; ++c) {
+          const float x = vx[static_cast<std::size_t>(i) * static_cast<std::size_t>(im.dv) + static_cast<std::size_t>(c)];
+          va[static_cast<std::size_t>(c)] += std::fabs(x);
+          vs[static_cast<std::size_t>(c)] += x;
+          vq2[static_cast<std::size_t>(c)] += static_cast<double>(x) * x;
+        }
       }
     }
   }
@@ -646,14 +664,31 @@ CacheMemory PagedCache::account(const CacheGeometry& g, const std::string& forma
   return m;
 }
 
-std::shared_ptr<OutlierChannels> PagedCache::outlier_channels(const FormatSpec& f) const {
+std::shared_ptr<FormatCalibration> PagedCache::calibration(const FormatSpec& f) const {
   const auto& im = *impl_;
-  auto oc = std::make_shared<OutlierChannels>();
+  auto oc = std::make_shared<FormatCalibration>();
   for (int l = 0; l < geo_.n_layers; ++l) {
-    require(im.stat_rows[static_cast<std::size_t>(l)] > 0, "outlier calibration: no rows collected for layer " + std::to_string(l));
+    const std::size_t rows = im.stat_rows[static_cast<std::size_t>(l)];
+    require(rows > 0, "calibration: no rows collected for layer " + std::to_string(l));
     oc->key.emplace_back();
     oc->value.emplace_back();
+    oc->key_mean.emplace_back();
+    oc->value_mean.emplace_back();
     for (int h = 0; h < im.heads; ++h) {
+      auto mean = [&](const std::vector<double>& s) {
+        std::vector<float> m(s.size());
+        for (std::size_t i = 0; i < s.size(); ++i) m[i] = static_cast<float>(s[i] / static_cast<double>(rows));
+        return m;
+      };
+      if (format_uses_centering(f)) {
+        oc->key_mean.back().push_back(mean(im.ksum[static_cast<std::size_t>(l)][static_cast<std::size_t>(h)]));
+        oc->value_mean.back().push_back(mean(im.vsum[static_cast<std::size_t>(l)][static_cast<std::size_t>(h)]));
+      }
+      if (f.kind != FormatKind::kTqSplit) {
+        oc->key.back().emplace_back();
+        oc->value.back().emplace_back();
+        continue;
+      }
       auto pick = [&](const std::vector<double>& a, int count) {
         std::vector<int> idx(a.size());
         for (std::size_t i = 0; i < idx.size(); ++i) idx[i] = static_cast<int>(i);
@@ -662,8 +697,19 @@ std::shared_ptr<OutlierChannels> PagedCache::outlier_channels(const FormatSpec& 
         std::sort(idx.begin(), idx.end());
         return idx;
       };
-      oc->key.back().push_back(pick(im.kabs[static_cast<std::size_t>(l)][static_cast<std::size_t>(h)], split_outlier_count(f, im.dk)));
-      oc->value.back().push_back(pick(im.vabs[static_cast<std::size_t>(l)][static_cast<std::size_t>(h)], split_outlier_count(f, im.dv)));
+      // Outliers: the channels with the largest spread around the mean that centering removes
+      // (E[(x - mu)^2]); without centering, the chapter's largest mean |x|.
+      auto spread = [&](const std::vector<double>& sum, const std::vector<double>& sq, const std::vector<double>& ab) {
+        std::vector<double> r(sum.size());
+        for (std::size_t i = 0; i < r.size(); ++i) {
+          const double m = sum[i] / static_cast<double>(rows);
+          r[i] = format_uses_centering(f) ? sq[i] / static_cast<double>(rows) - m * m : ab[i];
+        }
+        return r;
+      };
+      const std::size_t L = static_cast<std::size_t>(l), H = static_cast<std::size_t>(h);
+      oc->key.back().push_back(pick(spread(im.ksum[L][H], im.ksq[L][H], im.kabs[L][H]), split_outlier_count(f, im.dk)));
+      oc->value.back().push_back(pick(spread(im.vsum[L][H], im.vsq[L][H], im.vabs[L][H]), split_outlier_count(f, im.dv)));
     }
   }
   return oc;

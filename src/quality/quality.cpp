@@ -159,8 +159,13 @@ std::vector<NeedleSample> make_needle_samples(const Tokenizer& tok, const std::v
   return out;
 }
 
-std::shared_ptr<OutlierChannels> calibrate_outliers(Model& model, const Tokenizer& tok, const std::string& text,
+bool format_needs_calibration(const FormatSpec& f) {
+  return f.kind == FormatKind::kTqSplit || format_uses_centering(f);
+}
+
+std::shared_ptr<FormatCalibration> calibrate_format(Model& model, const Tokenizer& tok, const std::string& text,
                                                     const FormatSpec& f, int tokens, int ctx) {
+  if (!format_needs_calibration(f)) return nullptr;
   const auto& cfg = model.config();
   const auto stream = ppl_token_stream(text, [&](std::string_view s) { return tok.encode(s); }, cfg.eos_token_ids.at(0));
   CacheOptions o;
@@ -174,7 +179,7 @@ std::shared_ptr<OutlierChannels> calibrate_outliers(Model& model, const Tokenize
     model.forward(&stream[off], n, cache, 0, nullptr, LogitsMode::kNone);
     done += n;
   }
-  return cache.outlier_channels(f);
+  return cache.calibration(f);
 }
 
 namespace {
@@ -311,10 +316,10 @@ ModelEvalResult evaluate_model(const std::string& model_dir, const std::vector<C
   std::map<std::string, std::shared_ptr<const OutlierChannels>> outliers;
   for (const auto& c : configs) {
     const auto& f = find_format(c.format);
-    if (f.kind != FormatKind::kTqSplit || outliers.count(c.format)) continue;
-    require(!opt.calib_text.empty(), "format " + c.format + " needs a calibration text for its outlier channels");
+    if (!format_needs_calibration(f) || outliers.count(c.format)) continue;
+    require(!opt.calib_text.empty(), "format " + c.format + " needs a calibration text");
     if (opt.progress) opt.progress("calibrating " + c.format, 0.0);
-    outliers[c.format] = calibrate_outliers(*model, *tok, read_text(opt.calib_text), f, opt.calib_tokens, opt.ctx);
+    outliers[c.format] = calibrate_format(*model, *tok, read_text(opt.calib_text), f, opt.calib_tokens, opt.ctx);
   }
   auto oc_of = [&](const CacheConfig& c) {
     auto it = outliers.find(c.format);

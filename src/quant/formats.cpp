@@ -114,6 +114,22 @@ std::vector<int> select_outlier_channels(const float* rows, std::size_t n, int d
   return idx;
 }
 
+bool format_uses_centering(const FormatSpec& f) {
+  return f.kind == FormatKind::kTqOurs || f.kind == FormatKind::kTqSplit;
+}
+
+namespace {
+std::vector<float> calib_mean(const std::vector<std::vector<std::vector<float>>>& m, int layer, int head, int d) {
+  if (layer >= static_cast<int>(m.size()) || head >= static_cast<int>(m[static_cast<std::size_t>(layer)].size())) return {};
+  const auto& v = m[static_cast<std::size_t>(layer)][static_cast<std::size_t>(head)];
+  if (v.empty()) return {};
+  require(static_cast<int>(v.size()) == d, "calibration mean of layer " + std::to_string(layer) + ", head " +
+                                               std::to_string(head) + " has " + std::to_string(v.size()) + " floats, expected " +
+                                               std::to_string(d));
+  return v;
+}
+}  // namespace
+
 QuantizerPair make_quantizers(const FormatSpec& f, const CacheGeometry& g, int layer, int head,
                               const OutlierChannels* outliers) {
   check_format_fits(f, g);
@@ -144,11 +160,16 @@ QuantizerPair make_quantizers(const FormatSpec& f, const CacheGeometry& g, int l
     case FormatKind::kTqQjl: {
       auto rk = std::make_shared<HadamardRotation>(dk, true, key_of(layer, head, kKeySigns));
       auto rv = std::make_shared<HadamardRotation>(dv, true, key_of(layer, head, kValueSigns));
+      std::vector<float> km, vm;
+      if (outliers && format_uses_centering(f)) {
+        km = calib_mean(outliers->key_mean, layer, head, dk);
+        vm = calib_mean(outliers->value_mean, layer, head, dv);
+      }
       if (f.kind == FormatKind::kTqQjl)
         p.key = std::make_unique<TurboQuantProd>(dk, f.key_bits, rk, key_of(layer, head, kStreamQjl));
       else
-        p.key = std::make_unique<TurboQuantMse>(dk, f.key_bits, rk, true);
-      p.value = std::make_unique<TurboQuantMse>(dv, f.value_bits, rv, true);
+        p.key = std::make_unique<TurboQuantMse>(dk, f.key_bits, rk, true, nullptr, std::move(km));
+      p.value = std::make_unique<TurboQuantMse>(dv, f.value_bits, rv, true, nullptr, std::move(vm));
       break;
     }
     case FormatKind::kTqSplit: {
@@ -159,9 +180,10 @@ QuantizerPair make_quantizers(const FormatSpec& f, const CacheGeometry& g, int l
       const auto& ko = outliers->key[static_cast<std::size_t>(layer)][static_cast<std::size_t>(head)];
       const auto& vo = outliers->value[static_cast<std::size_t>(layer)][static_cast<std::size_t>(head)];
       p.key = std::make_unique<OutlierSplit>(dk, ko, f.key_bits + 1, f.key_bits, true, key_of(layer, head, kKeySigns),
-                                             key_of(layer, head, kKeyOutlier), true);
-      p.value = std::make_unique<OutlierSplit>(dv, vo, f.value_bits + 1, f.value_bits, true,
-                                               key_of(layer, head, kValueSigns), key_of(layer, head, kValueOutlier), true);
+                                             key_of(layer, head, kKeyOutlier), true, calib_mean(outliers->key_mean, layer, head, dk));
+      p.value = std::make_unique<OutlierSplit>(dv, vo, f.value_bits + 1, f.value_bits, true, key_of(layer, head, kValueSigns),
+                                               key_of(layer, head, kValueOutlier), true,
+                                               calib_mean(outliers->value_mean, layer, head, dv));
       break;
     }
     case FormatKind::kMlaAffine:

@@ -184,7 +184,7 @@ KVQ_AVX2 bool tq_encode_batch(const TurboQuantMse& q, const HadamardRotation& r,
       bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_sub_ps(t, t), _mm256_setzero_ps(), _CMP_NEQ_UQ));  // NaN or Inf
     }
     if (_mm256_movemask_ps(bad)) {
-      q.encode_reference(xv, out, out + cbytes);  // reports the coordinate
+      q.encode_centered_reference(xv, out, out + cbytes);  // reports the coordinate
       continue;
     }
     const float norm = static_cast<float>(std::sqrt(sum_squares_avx2(xv, d)));
@@ -227,7 +227,7 @@ KVQ_AVX2 bool tq_encode_batch(const TurboQuantMse& q, const HadamardRotation& r,
       stored = static_cast<float>(norm / std::sqrt((s4[0] + s4[1]) + (s4[2] + s4[3])));
     }
     if (!(std::fabs(stored) <= 65504.0f)) {
-      q.encode_reference(xv, out, out + cbytes);  // throws with the message
+      q.encode_centered_reference(xv, out, out + cbytes);  // throws with the message
       continue;
     }
     const std::uint16_t h = float_to_fp16(stored);

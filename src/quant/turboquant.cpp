@@ -46,20 +46,34 @@ float l2norm(const float* x, int n) { return static_cast<float>(std::sqrt(sum_sq
 // ---- TurboQuantMse -------------------------------------------------------------------------
 
 TurboQuantMse::TurboQuantMse(int dim, int bits, std::shared_ptr<const Rotation> rotation, bool norm_correction,
-                             const Codebook* codebook)
+                             const Codebook* codebook, std::vector<float> offset)
     : VectorQuantizer(dim), bits_(bits), nc_(norm_correction), rot_(std::move(rotation)),
-      cb_(codebook ? codebook : &sphere_codebook(dim, bits)) {
+      cb_(codebook ? codebook : &sphere_codebook(dim, bits)), offset_(std::move(offset)) {
+  require(offset_.empty() || static_cast<int>(offset_.size()) == dim, "TurboQuantMse: offset must have dim floats");
+  for (float v : offset_) require(std::isfinite(v), "TurboQuantMse: non-finite calibration offset");
   require(cb_->bits == bits && cb_->dim == dim, "TurboQuantMse: codebook does not match dimension and bits");
   require(rot_ && rot_->dim() == dim, "TurboQuantMse: rotation dimension must equal " + std::to_string(dim));
 }
 
 std::string TurboQuantMse::name() const {
-  return "turboquant-mse-" + std::to_string(bits_) + "bit" + (nc_ ? "-nc" : "") + "/" + rot_->describe();
+  return "turboquant-mse-" + std::to_string(bits_) + "bit" + (nc_ ? "-nc" : "") + (offset_.empty() ? "" : "-centered") + "/" +
+         rot_->describe();
 }
 
 std::size_t TurboQuantMse::code_bytes() const { return packed_bytes(static_cast<std::size_t>(dim_), bits_); }
 
 void TurboQuantMse::encode_reference(const float* x, std::uint8_t* codes, std::uint8_t* meta) const {
+  check_finite(x);
+  if (offset_.empty()) {
+    encode_centered_reference(x, codes, meta);
+    return;
+  }
+  std::vector<float> xc(static_cast<std::size_t>(dim_));
+  for (int i = 0; i < dim_; ++i) xc[static_cast<std::size_t>(i)] = x[i] - offset_[static_cast<std::size_t>(i)];
+  encode_centered_reference(xc.data(), codes, meta);
+}
+
+void TurboQuantMse::encode_centered_reference(const float* x, std::uint8_t* codes, std::uint8_t* meta) const {
   check_finite(x);
   const std::size_t d = static_cast<std::size_t>(dim_);
   std::vector<float> u(d), y(d);
@@ -89,6 +103,7 @@ void TurboQuantMse::decode_reference(const std::uint8_t* codes, const std::uint8
   std::vector<float> y(static_cast<std::size_t>(dim_));
   rotated_codeword(codes, meta, y.data());
   rot_->inverse(y.data(), x);
+  for (std::size_t i = 0; i < offset_.size(); ++i) x[i] += offset_[i];
 }
 
 void TurboQuantMse::encode(const float* x, std::uint8_t* codes, std::uint8_t* meta) const {
@@ -98,32 +113,65 @@ void TurboQuantMse::decode(const std::uint8_t* codes, const std::uint8_t* meta, 
   decode_reference(codes, meta, x);
 }
 
-void TurboQuantMse::prepare_query(const float* q, float* qp) const { rot_->forward(q, qp); }
+void TurboQuantMse::prepare_query(const float* q, float* qp) const {
+  rot_->forward(q, qp);
+  if (!offset_.empty()) {
+    double c = 0;
+    for (int i = 0; i < dim_; ++i) c += static_cast<double>(q[i]) * offset_[static_cast<std::size_t>(i)];
+    qp[dim_] = static_cast<float>(c);
+  }
+}
 
 float TurboQuantMse::score(const float* qp, const std::uint8_t* codes, const std::uint8_t* meta) const {
   float s = 0;
   const float* c = cb_->centroids_f.data();
   for (int i = 0; i < dim_; ++i) s += qp[i] * c[unpack_one(codes, static_cast<std::size_t>(i), bits_)];
-  return s * load_fp16(meta);
+  return s * load_fp16(meta) + (offset_.empty() ? 0.0f : qp[dim_]);
 }
 
 void TurboQuantMse::accumulate(float w, const std::uint8_t* codes, const std::uint8_t* meta, float* acc) const {
   const float wn = w * load_fp16(meta);
   const float* c = cb_->centroids_f.data();
   for (int i = 0; i < dim_; ++i) acc[i] += wn * c[unpack_one(codes, static_cast<std::size_t>(i), bits_)];
+  if (!offset_.empty()) acc[dim_] += w;
 }
 
-void TurboQuantMse::finish(const float* acc, float* out) const { rot_->inverse(acc, out); }
+void TurboQuantMse::finish(const float* acc, float* out) const {
+  rot_->inverse(acc, out);
+  if (!offset_.empty())
+    for (int i = 0; i < dim_; ++i) out[i] += acc[dim_] * offset_[static_cast<std::size_t>(i)];
+}
 
 void TurboQuantMse::encode_batch(const float* x, std::size_t n, std::uint8_t* records) const {
   const auto* hr = dynamic_cast<const HadamardRotation*>(rot_.get());
-  if (hr && simd::tq_encode_batch(*this, *hr, x, n, records)) return;
+  if (hr && simd::available()) {
+    if (offset_.empty()) {
+      if (simd::tq_encode_batch(*this, *hr, x, n, records)) return;
+    } else {
+      // Center in chunks, then the SIMD path (non-finite input falls back to the reference).
+      const std::size_t d = static_cast<std::size_t>(dim_), chunk = 64;
+      std::vector<float> xc(chunk * d);
+      bool ok = true;
+      for (std::size_t v0 = 0; v0 < n && ok; v0 += chunk) {
+        const std::size_t m = std::min(chunk, n - v0);
+        for (std::size_t v = 0; v < m; ++v)
+          for (std::size_t i = 0; i < d; ++i) xc[v * d + i] = x[(v0 + v) * d + i] - offset_[i];
+        ok = simd::tq_encode_batch(*this, *hr, xc.data(), m, records + v0 * bytes());
+      }
+      if (ok) return;
+    }
+  }
   VectorQuantizer::encode_batch(x, n, records);
 }
 
 void TurboQuantMse::decode_batch(const std::uint8_t* records, std::size_t n, float* x) const {
   const auto* hr = dynamic_cast<const HadamardRotation*>(rot_.get());
-  if (hr && simd::tq_decode_batch(*this, *hr, records, n, x)) return;
+  if (hr && simd::tq_decode_batch(*this, *hr, records, n, x)) {
+    if (!offset_.empty())
+      for (std::size_t v = 0; v < n; ++v)
+        for (std::size_t i = 0; i < offset_.size(); ++i) x[v * offset_.size() + i] += offset_[i];
+    return;
+  }
   VectorQuantizer::decode_batch(records, n, x);
 }
 
@@ -201,8 +249,9 @@ float TurboQuantProd::score(const float* qp, const std::uint8_t* codes, const st
 // ---- OutlierSplit --------------------------------------------------------------------------
 
 OutlierSplit::OutlierSplit(int dim, std::vector<int> outliers, int bits_hi, int bits_lo, bool randomize_signs,
-                           std::uint64_t key_hi, std::uint64_t key_lo, bool norm_correction)
+                           std::uint64_t key_hi, std::uint64_t key_lo, bool norm_correction, std::vector<float> offset)
     : VectorQuantizer(dim), hi_idx_(std::move(outliers)) {
+  require(offset.empty() || static_cast<int>(offset.size()) == dim, "OutlierSplit: offset must have dim floats");
   std::vector<char> is_hi(static_cast<std::size_t>(dim), 0);
   for (std::size_t i = 0; i < hi_idx_.size(); ++i) {
     const int c = hi_idx_[i];
@@ -214,10 +263,15 @@ OutlierSplit::OutlierSplit(int dim, std::vector<int> outliers, int bits_hi, int 
     if (!is_hi[static_cast<std::size_t>(c)]) lo_idx_.push_back(c);
   const int nh = static_cast<int>(hi_idx_.size()), nl = static_cast<int>(lo_idx_.size());
   require(nh >= 3 && nl >= 3, "OutlierSplit: each channel subset needs at least 3 channels");
+  std::vector<float> oh, ol;
+  if (!offset.empty()) {
+    for (int c : hi_idx_) oh.push_back(offset[static_cast<std::size_t>(c)]);
+    for (int c : lo_idx_) ol.push_back(offset[static_cast<std::size_t>(c)]);
+  }
   hi_ = std::make_unique<TurboQuantMse>(nh, bits_hi, std::make_shared<HadamardRotation>(nh, randomize_signs, key_hi),
-                                        norm_correction);
+                                        norm_correction, nullptr, std::move(oh));
   lo_ = std::make_unique<TurboQuantMse>(nl, bits_lo, std::make_shared<HadamardRotation>(nl, randomize_signs, key_lo),
-                                        norm_correction);
+                                        norm_correction, nullptr, std::move(ol));
 }
 
 std::string OutlierSplit::name() const {
@@ -251,22 +305,22 @@ void OutlierSplit::prepare_query(const float* q, float* qp) const {
   for (std::size_t i = 0; i < h.size(); ++i) h[i] = q[hi_idx_[i]];
   for (std::size_t i = 0; i < l.size(); ++i) l[i] = q[lo_idx_[i]];
   hi_->prepare_query(h.data(), qp);
-  lo_->prepare_query(l.data(), qp + h.size());
+  lo_->prepare_query(l.data(), qp + hi_->query_dim());
 }
 
 float OutlierSplit::score(const float* qp, const std::uint8_t* codes, const std::uint8_t* meta) const {
-  return hi_->score(qp, codes, meta) + lo_->score(qp + hi_idx_.size(), codes + hi_->code_bytes(), meta + 2);
+  return hi_->score(qp, codes, meta) + lo_->score(qp + hi_->query_dim(), codes + hi_->code_bytes(), meta + 2);
 }
 
 void OutlierSplit::accumulate(float w, const std::uint8_t* codes, const std::uint8_t* meta, float* acc) const {
   hi_->accumulate(w, codes, meta, acc);
-  lo_->accumulate(w, codes + hi_->code_bytes(), meta + 2, acc + hi_idx_.size());
+  lo_->accumulate(w, codes + hi_->code_bytes(), meta + 2, acc + hi_->acc_dim());
 }
 
 void OutlierSplit::finish(const float* acc, float* out) const {
   std::vector<float> h(hi_idx_.size()), l(lo_idx_.size());
   hi_->finish(acc, h.data());
-  lo_->finish(acc + hi_idx_.size(), l.data());
+  lo_->finish(acc + hi_->acc_dim(), l.data());
   for (std::size_t i = 0; i < h.size(); ++i) out[hi_idx_[i]] = h[i];
   for (std::size_t i = 0; i < l.size(); ++i) out[lo_idx_[i]] = l[i];
 }

@@ -47,16 +47,21 @@ std::vector<float> randn(std::size_t n, unsigned seed, float scale = 1.0f) {
 std::size_t kdim(const CacheGeometry& g) { return g.mla ? static_cast<std::size_t>(g.d_latent) : static_cast<std::size_t>(g.n_kv_heads * g.head_dim); }
 std::size_t vdim(const CacheGeometry& g) { return g.mla ? static_cast<std::size_t>(g.d_rope) : static_cast<std::size_t>(g.n_kv_heads * g.v_head_dim); }
 
+// Calibration with outlier channels and channel means (centering formats use the means).
 std::shared_ptr<OutlierChannels> fake_outliers(const CacheGeometry& g, const FormatSpec& f) {
   auto oc = std::make_shared<OutlierChannels>();
   for (int l = 0; l < g.n_layers; ++l) {
     oc->key.emplace_back();
     oc->value.emplace_back();
+    oc->key_mean.emplace_back();
+    oc->value_mean.emplace_back();
     for (int h = 0; h < g.n_kv_heads; ++h) {
       std::vector<int> c;
       for (int i = 0; i < split_outlier_count(f, g.head_dim); ++i) c.push_back(2 * i + (l + h) % 2);
       oc->key.back().push_back(c);
       oc->value.back().push_back(c);
+      oc->key_mean.back().push_back(randn(static_cast<std::size_t>(g.head_dim), 70 + static_cast<unsigned>(l * 2 + h), 0.5f));
+      oc->value_mean.back().push_back(randn(static_cast<std::size_t>(g.v_head_dim), 90 + static_cast<unsigned>(l * 2 + h), 0.3f));
     }
   }
   return oc;
@@ -100,7 +105,7 @@ TEST(PagedCache, FastEqualsReferenceEveryFormat) {
         CacheOptions o;
         o.format = f.name;
         if (protect) o.protect = {3, 20, 0};
-        if (f.kind == FormatKind::kTqSplit) o.outliers = fake_outliers(g, f);
+        if (f.kind == FormatKind::kTqSplit || format_uses_centering(f)) o.outliers = fake_outliers(g, f);
         PagedCache c(g, o);
         fill(c, 0, {70, 45}, 7);  // 115 tokens: two pages, the second chunk prefill-sized
         for (int layer = 0; layer < 2; ++layer) {

@@ -41,6 +41,9 @@ TEST(Simd, BatchPathsEqualReference) {
         TurboQuantMse q(d, b, std::make_shared<HadamardRotation>(d, signs, 5), true);
         compare(q, kvq::testing::gaussian(static_cast<std::size_t>(d) * 333, 1), "gaussian");
         if (d == 128) compare(q, real_k, "tiny-gqa keys");
+        TurboQuantMse qc(d, b, std::make_shared<HadamardRotation>(d, signs, 5), true, nullptr,
+                         kvq::testing::gaussian(static_cast<std::size_t>(d), 9, 0.7f));
+        compare(qc, kvq::testing::gaussian(static_cast<std::size_t>(d) * 100, 4), "gaussian, centered");
       }
     }
   }
