@@ -37,9 +37,11 @@ struct FCfg {
   static constexpr int VMB = VC == ValueCode::kTq ? 2 : 4;
   static constexpr int MB = KMB + VMB;
   static constexpr int KENT = KC == KeyCode::kTq ? 1 << (2 * KB) : 0;
-  static constexpr int VENT = 1 << (2 * VB);
-  static constexpr int LUT_BYTES = (KENT > VENT ? KENT : VENT) * 256;
-  static constexpr int Q_BYTES = 4 * D * 4;
+  // 4-bit uniform values are decoded arithmetically (fp16 magic numbers), no table.
+  static constexpr bool kMagicV = VC == ValueCode::kUniform && VB == 4;
+  static constexpr int VENT = kMagicV ? 0 : 1 << (2 * VB);
+  static constexpr int LUT_BYTES = (KENT > VENT ? KENT : VENT) * 256;  // may be 0
+  static constexpr int Q_BYTES = 4 * D * 4 + 2 * 16 * 4;  // query [4][D], then centroids [2][16]
   static constexpr int STAGE_BYTES = align16c(kChunk * (KCB + VCB + MB)) + 16;
   static constexpr int WFIT = (kSmemBudget - LUT_BYTES - Q_BYTES) / (2 * STAGE_BYTES);
   static constexpr int WARPS = WFIT >= 16 ? 16 : (WFIT / 2) * 2;
@@ -86,15 +88,19 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     return;
   }
 
-  const std::int64_t lo = prot ? prl.packed_begin(L) : 0;
-  const std::int64_t hi = prot ? prl.packed_end(L) : L;
-  const int c_lo = static_cast<int>(lo / kChunk);
-  const int c_hi = hi > lo ? static_cast<int>((hi + kChunk - 1) / kChunk) : c_lo;
+  const int lo = prot ? static_cast<int>(prl.packed_begin(L)) : 0;
+  const int hi = prot ? static_cast<int>(prl.packed_end(L)) : L;
+  const int c_lo = lo / kChunk;
+  const int c_hi = hi > lo ? (hi + kChunk - 1) / kChunk : c_lo;
   const int cb = max(c_lo, split * cps), ce = min(c_hi, (split + 1) * cps);
   if (cb >= ce) {
     for (int h = tid; h < G; h += C::THREADS) plse[static_cast<std::size_t>(h) * NS] = -INFINITY;
     return;
   }
+  // Token order inside a chunk: logical token x (the MMA's column / k index) is physical token
+  // x ^ ((x >> 1) & 1), so that the value-code loads of the 4 lanes of a quad fall on two bank
+  // groups instead of one.
+  auto phys = [](int x) { return x ^ ((x >> 1) & 1); };
 
   std::uint8_t* const lut = smem_raw;
   float* const qs = reinterpret_cast<float*>(smem_raw + C::LUT_BYTES);
@@ -106,9 +112,9 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   std::uint8_t* my_stages = stages + static_cast<std::size_t>(w) * 2 * C::STAGE_BYTES;
   const std::int32_t* bt = p.block_tables + static_cast<std::size_t>(b) * p.max_pages;
 
-  auto issue = [&](int i) {
+  auto page_of = [&](int i) { return i < nloc ? bt[(cb + w + i * C::WARPS) >> 1] : 0; };
+  auto issue = [&](int i, int page) {
     const int c = cb + w + i * C::WARPS;
-    const int page = bt[c >> 1];
     const int off = (c & 1) * kChunk;
     const std::uint8_t* base = pool + static_cast<std::size_t>(page) * page_bytes;
     std::uint8_t* dst = my_stages + (i & 1) * C::STAGE_BYTES;
@@ -117,38 +123,34 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     const std::uint8_t* srcv = base + voff + slot * C::VCB;
     const std::uint8_t* srcm = base + moff + slot * C::MB;
     constexpr int nk = kChunk * C::KCB / 16, nv = kChunk * C::VCB / 16, nm = kChunk * C::MB / 16;
+    static_assert(nk % 32 == 0 && nv % 32 == 0 && nm <= 32, "chunk regions");
 #pragma unroll
-    for (int j = lane; j < nk + nv + nm; j += 32) {
-      if (j < nk) cp_async16(dst + 16 * j, srck + 16 * j);
-      else if (j < nk + nv) cp_async16(dst + 16 * j, srcv + 16 * (j - nk));
-      else cp_async16(dst + 16 * j, srcm + 16 * (j - nk - nv));
-    }
+    for (int j = 0; j < nk / 32; ++j) cp_async16(dst + 16 * (lane + 32 * j), srck + 16 * (lane + 32 * j));
+#pragma unroll
+    for (int j = 0; j < nv / 32; ++j)
+      cp_async16(dst + 16 * (nk + lane + 32 * j), srcv + 16 * (lane + 32 * j));
+    if (lane < nm) cp_async16(dst + 16 * (nk + nv + lane), srcm + 16 * lane);
   };
-  if (nloc > 0) issue(0);
+  int page_next = page_of(1);
+  if (nloc > 0) issue(0, page_of(0));
   cp_async_commit();
 
-  // Pair tables: row e (256 bytes) = 32 copies of the key pair e, then 32 of the value pair e.
-  {
-    const float* kc = p.fmt.key_centroids;
-    const float* vc = p.fmt.value_centroids;
-    constexpr int NE = C::LUT_BYTES / 256;
-    for (int i = tid; i < NE * 64; i += C::THREADS) {
-      const int e = i >> 6, half = (i >> 5) & 1;
-      std::uint32_t v = 0;
-      if (half == 0) {
-        if constexpr (C::KENT > 0) {
-          if (e < C::KENT) v = pack2<false>(kc[e & ((1 << C::KB) - 1)], kc[e >> C::KB]);
-        }
-      } else if (e < C::VENT) {
-        v = pack2<false>(vc[e & ((1 << C::VB) - 1)], vc[e >> C::VB]);
-      }
-      reinterpret_cast<std::uint32_t*>(lut)[i] = v;
-    }
-  }
-  // Query: scaled into the log2 domain, gathered and rotated like the keys.
+  // Query (scaled into the log2 domain, gathered and signed like the keys) and the centroids
+  // into shared memory: one round of global loads for both.
+  float* const cent = qs + 4 * D;  // [0, 16): key centroids, [16, 32): value centroids
   {
     const float qscale = p.scale * kLog2e;
     const float* qg = p.q + row0 * D;
+    if (tid < 32) {
+      const int k = tid & 15;
+      float c = 0;
+      if (tid < 16) {
+        if constexpr (C::KENT > 0) c = k < (1 << C::KB) ? p.fmt.key_centroids[k] : 0.0f;
+      } else {
+        if constexpr (C::VENT > 0) c = k < (1 << C::VB) ? p.fmt.value_centroids[k] : 0.0f;
+      }
+      cent[tid] = c;
+    }
     if constexpr (C::KC == KeyCode::kTq) {
       const std::int32_t* perm = p.fmt.key_perm + static_cast<std::size_t>(kh) * D;
       const float* sg = p.fmt.key_signs + static_cast<std::size_t>(kh) * D;
@@ -156,13 +158,49 @@ __global__ void __launch_bounds__(C::THREADS, 1)
         const int h = i / D, d = i % D;
         qs[i] = qg[h * D + perm[d]] * qscale * sg[d];
       }
-      __syncthreads();
-      smem_fwht(qs, D, G, D, tid, C::THREADS);
     } else {
       for (int i = tid; i < G * D; i += C::THREADS) qs[i] = qg[i] * qscale;
     }
     __syncthreads();
   }
+  // Pair tables: row e (256 bytes) = 32 copies of the key pair e, then 32 of the value pair e.
+  {
+    constexpr int NE = C::LUT_BYTES / 256;
+#pragma unroll 4
+    for (int i = tid; i < NE * 64; i += C::THREADS) {
+      const int e = i >> 6, half = (i >> 5) & 1;
+      std::uint32_t v = 0;
+      if (half == 0) {
+        if constexpr (C::KENT > 0) {
+          if (e < C::KENT) v = pack2<false>(cent[e & ((1 << C::KB) - 1)], cent[e >> C::KB]);
+        }
+      } else {
+        if constexpr (C::VENT > 0) {
+          if (e < C::VENT) v = pack2<false>(cent[16 + (e & ((1 << C::VB) - 1))], cent[16 + (e >> C::VB)]);
+        }
+      }
+      reinterpret_cast<std::uint32_t*>(lut)[i] = v;
+    }
+  }
+  // Rotation of the query: FWHT of size 128 per head (stages h = 1 .. 64, sums and differences,
+  // then 1 / sqrt(128)), the same operations as smem_fwht for one block.
+  if constexpr (C::KC == KeyCode::kTq) {
+#pragma unroll 1
+    for (int h = 1; h < D; h <<= 1) {
+      for (int i = tid; i < G * (D / 2); i += C::THREADS) {
+        const int v = i / (D / 2), r = i % (D / 2);
+        const int j = ((r & ~(h - 1)) << 1) | (r & (h - 1));
+        float* x = qs + v * D;
+        const float a = x[j], bb = x[j + h];
+        x[j] = a + bb;
+        x[j + h] = a - bb;
+      }
+      __syncthreads();
+    }
+    const float sc = static_cast<float>(1.0 / sqrt(static_cast<double>(D)));
+    for (int i = tid; i < G * D; i += C::THREADS) qs[i] *= sc;
+  }
+  __syncthreads();
   // A fragments of the query: rows g and g + 4 = rounded query of head g & 3, rows g + 8 = residual.
   const int hq = g & 3;
   std::uint32_t qa[8][4];
@@ -191,15 +229,16 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   for (int i = 0; i < nloc; ++i) {
     cp_async_wait<0>();
     __syncwarp();
-    if (i + 1 < nloc) issue(i + 1);
+    if (i + 1 < nloc) issue(i + 1, page_next);
     cp_async_commit();
+    page_next = page_of(i + 2);  // used next iteration: the load's latency is hidden
     const std::uint8_t* st = my_stages + (i & 1) * C::STAGE_BYTES;
     const std::uint8_t* sk = st;
     const std::uint8_t* sv = st + kChunk * C::KCB;
     const std::uint8_t* smeta = sv + kChunk * C::VCB;
-    const std::int64_t pos0 = static_cast<std::int64_t>(cb + w + i * C::WARPS) * kChunk;
+    const int pos0 = (cb + w + i * C::WARPS) * kChunk;
     const bool full = pos0 >= lo && pos0 + kChunk <= hi;
-    auto valid = [&](int t) { return full || (pos0 + t >= lo && pos0 + t < hi); };
+    auto valid = [&](int t) { return full || (pos0 + phys(t) >= lo && pos0 + phys(t) < hi); };
 
     // Metadata of this lane's 8 tokens (nt * 8 + 2 t4 + e): 16-bit units, 2 * MB / 2 per pair.
     constexpr int MW = C::MB / 2;  // 16-bit units per token
@@ -216,10 +255,15 @@ __global__ void __launch_bounds__(C::THREADS, 1)
         for (int k = 0; k < C::MB / 2; ++k) mraw[nt][k] = mp[k];
       }
     }
-    auto meta = [&](int nt, int e, int k) -> float {  // 16-bit unit k of token e of pair nt
-      const int u = e * MW + k;
-      const std::uint32_t x = mraw[nt][u >> 1];
-      return half_bits_to_float(static_cast<std::uint16_t>((u & 1) ? (x >> 16) : (x & 0xffffu)));
+    const int esw = t4 & 1;  // logical e -> physical e ^ esw
+    auto meta = [&](int nt, int e, int k) -> float {  // 16-bit unit k of logical token nt * 8 + 2 t4 + e
+      const int u = (e ^ esw) * MW + k;
+      const int k0 = k, k1 = MW + k;  // unit of physical token 0 / 1 of the pair
+      const std::uint32_t x0 = mraw[nt][k0 >> 1], x1 = mraw[nt][k1 >> 1];
+      const std::uint16_t h0 = static_cast<std::uint16_t>((k0 & 1) ? (x0 >> 16) : (x0 & 0xffffu));
+      const std::uint16_t h1 = static_cast<std::uint16_t>((k1 & 1) ? (x1 >> 16) : (x1 & 0xffffu));
+      (void)u;
+      return half_bits_to_float(esw ^ e ? h1 : h0);
     };
 
     // ---- scores ----
@@ -231,7 +275,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
       std::uint32_t wv[4][NW];
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
-        const std::uint8_t* src = sk + (nt * 8 + g) * C::KCB + t4 * (NB / 8);
+        const std::uint8_t* src = sk + (nt * 8 + phys(g)) * C::KCB + t4 * (NB / 8);
         if constexpr (NW == 4) {
           const uint4 v = *reinterpret_cast<const uint4*>(src);
           wv[nt][0] = v.x;
@@ -264,7 +308,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
       std::uint32_t wv[4][8];
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
-        const uint4* src = reinterpret_cast<const uint4*>(sk + (nt * 8 + g) * C::KCB + t4 * 32);
+        const uint4* src = reinterpret_cast<const uint4*>(sk + (nt * 8 + phys(g)) * C::KCB + t4 * 32);
         const uint4 v0 = src[0], v1 = src[1];
         wv[nt][0] = v0.x;
         wv[nt][1] = v0.y;
@@ -316,18 +360,17 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     z_run *= alpha;
     // o columns: lanes t4 < 2 hold heads 2 t4, 2 t4 + 1 (rounded P), t4 >= 2 their residual
     // columns: the scale of column c is alpha of head c & 3, held by the lanes of quad c & 3.
-    float al[2];
-    {
+    if (__any_sync(0xffffffffu, alpha != 1.0f)) {
       const int src0 = ((2 * t4) & 3) * 4, src1 = ((2 * t4 + 1) & 3) * 4;
-      al[0] = __shfl_sync(0xffffffffu, alpha, src0);
-      al[1] = __shfl_sync(0xffffffffu, alpha, src1);
-    }
+      const float al0 = __shfl_sync(0xffffffffu, alpha, src0);
+      const float al1 = __shfl_sync(0xffffffffu, alpha, src1);
 #pragma unroll
-    for (int n = 0; n < 8; ++n) {
-      o[n][0] *= al[0];
-      o[n][1] *= al[1];
-      o[n][2] *= al[0];
-      o[n][3] *= al[1];
+      for (int n = 0; n < 8; ++n) {
+        o[n][0] *= al0;
+        o[n][1] *= al1;
+        o[n][2] *= al0;
+        o[n][3] *= al1;
+      }
     }
 
     // ---- P V: values as A (16 dims x 16 tokens), P as B ----
@@ -357,10 +400,29 @@ __global__ void __launch_bounds__(C::THREADS, 1)
       std::uint32_t areg[2][16];  // [token pair][dim j of the lane's 16]
 #pragma unroll
       for (int tp = 0; tp < 2; ++tp) {
-        const int t0 = ta + 8 * tp;
-        if constexpr (C::VB == 4) {
-          const uint2 va = *reinterpret_cast<const uint2*>(sv + t0 * C::VCB + g * 8);
-          const uint2 vb = *reinterpret_cast<const uint2*>(sv + (t0 + 1) * C::VCB + g * 8);
+        const int t0 = ta + 8 * tp, p0 = phys(t0), p1 = phys(t0 + 1);
+        if constexpr (C::kMagicV) {
+          // (c_a, c_b) as fp16: low nibble | 0x6400 = 1024 + c, high nibble | 0x5400 = 64 + c.
+          const uint2 va = *reinterpret_cast<const uint2*>(sv + p0 * C::VCB + g * 8);
+          const uint2 vb = *reinterpret_cast<const uint2*>(sv + p1 * C::VCB + g * 8);
+          const std::uint32_t wa[2] = {va.x, va.y}, wb[2] = {vb.x, vb.y};
+          const __half2 k1024 = __floats2half2_rn(1024.0f, 1024.0f), k64 = __floats2half2_rn(64.0f, 64.0f);
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+              const unsigned sel = static_cast<unsigned>(k | (k << 4) | ((4 + k) << 8) | ((4 + k) << 12));
+              const std::uint32_t t = __byte_perm(wa[h], wb[h], sel);
+              std::uint32_t ev = (t & 0x000f000fu) | 0x64006400u, od = (t & 0x00f000f0u) | 0x54005400u;
+              __half2 he = __hsub2(*reinterpret_cast<const __half2*>(&ev), k1024);
+              __half2 ho = __hsub2(*reinterpret_cast<const __half2*>(&od), k64);
+              areg[tp][8 * h + 2 * k] = *reinterpret_cast<const std::uint32_t*>(&he);
+              areg[tp][8 * h + 2 * k + 1] = *reinterpret_cast<const std::uint32_t*>(&ho);
+            }
+          }
+        } else if constexpr (C::VB == 4) {
+          const uint2 va = *reinterpret_cast<const uint2*>(sv + p0 * C::VCB + g * 8);
+          const uint2 vb = *reinterpret_cast<const uint2*>(sv + p1 * C::VCB + g * 8);
           const std::uint32_t wa[2] = {va.x, va.y}, wb[2] = {vb.x, vb.y};
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
@@ -375,14 +437,20 @@ __global__ void __launch_bounds__(C::THREADS, 1)
           }
         } else {  // 3-bit: 48 bits at byte 6 g
           const int bo = 6 * g, ba = bo & ~3, sh = (bo & 3) * 8;
-          const std::uint32_t* pa = reinterpret_cast<const std::uint32_t*>(sv + t0 * C::VCB + ba);
-          const std::uint32_t* pb = reinterpret_cast<const std::uint32_t*>(sv + (t0 + 1) * C::VCB + ba);
-          const std::uint32_t wa[2] = {__funnelshift_r(pa[0], pa[1], sh), pa[1] >> sh};
-          const std::uint32_t wb[2] = {__funnelshift_r(pb[0], pb[1], sh), pb[1] >> sh};
+          const std::uint32_t* pa = reinterpret_cast<const std::uint32_t*>(sv + p0 * C::VCB + ba);
+          const std::uint32_t* pb = reinterpret_cast<const std::uint32_t*>(sv + p1 * C::VCB + ba);
+          const std::uint64_t A = (static_cast<std::uint64_t>(pa[1]) << 32 | pa[0]) >> sh;
+          const std::uint64_t Bv = (static_cast<std::uint64_t>(pb[1]) << 32 | pb[0]) >> sh;
+          // 6-bit pair fields c_a | c_b << 3: even dims j at bit 3 j of E, odd dims at 3 (j - 1) of O.
+          constexpr std::uint64_t Me = 0x1c71c71c71c7ull;   // bits 6m .. 6m + 2, m = 0..7
+          const std::uint64_t E = (A & Me) | ((Bv << 3) & (Me << 3));
+          const std::uint64_t O = ((A >> 3) & Me) | (Bv & (Me << 3));
 #pragma unroll
           for (int j = 0; j < 16; ++j) {
-            const std::uint32_t u = (field_at(wb, 3 * j, 3, 11) & 0x3800u) | L4;
-            areg[tp][j] = lds32(lut + 128, (field_at(wa, 3 * j, 3, 8) & 0x700u) | u);
+            const int f = 3 * (j & ~1);
+            const std::uint64_t X = (j & 1) ? O : E;
+            const std::uint32_t x = f >= 8 ? static_cast<std::uint32_t>(X >> (f - 8)) : static_cast<std::uint32_t>(X << (8 - f));
+            areg[tp][j] = lds32(lut + 128, (x & 0x3f00u) | L4);
           }
         }
       }
