@@ -67,7 +67,7 @@ using detail::cp_async_wait;
 using detail::mma16816;
 using detail::split2;
 
-constexpr int kDc = 512, kDr = 64, kD = 576, kT = 64, kHG = 16, kThreads = 256;
+constexpr int kDc = 512, kDr = 64, kD = 576, kT = 64, kHG = 16;
 constexpr int kKStride = kD + 8;  // bf16 per tile row: 1168 bytes, conflict-free ldmatrix rows
 constexpr int kSStride = kT + 4;  // floats per score row
 constexpr std::size_t kTileBytes = static_cast<std::size_t>(kT) * kKStride * 2;
@@ -94,36 +94,6 @@ __device__ __forceinline__ void ldsm_x4_t(std::uint32_t (&r)[4], const void* p) 
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(s));
 }
-// Eight integers (exact in fp16) as four fp16x2 words, in order.
-__device__ __forceinline__ uint4 ints_f16x8(const int (&c)[8], int z) {
-  uint4 v;
-  std::uint32_t* w = &v.x;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const __half2 h = __halves2half2(__int2half_rn(c[2 * i] - z), __int2half_rn(c[2 * i + 1] - z));
-    w[i] = *reinterpret_cast<const std::uint32_t*>(&h);
-  }
-  return v;
-}
-// Eight 4-bit codes (code i at bits 4i) minus z as fp16x2 words, by the 0x6400 exponent trick:
-// (0x6400 | n) is the fp16 1024 + n, and (1024 + n) - (1024 + z) = n - z exactly.
-__device__ __forceinline__ uint4 nibbles_f16x8(std::uint32_t v, int z) {
-  const std::uint32_t m = 0x000f000fu, e = 0x64006400u;
-  const std::uint32_t h04 = (v & m) | e, h15 = ((v >> 4) & m) | e, h26 = ((v >> 8) & m) | e, h37 = ((v >> 12) & m) | e;
-  const __half zz = __ushort_as_half(static_cast<unsigned short>(0x6400 + z));
-  const __half2 z2 = __halves2half2(zz, zz);
-  auto sub = [&](std::uint32_t a) {
-    const __half2 r = __hsub2(*reinterpret_cast<const __half2*>(&a), z2);
-    return *reinterpret_cast<const std::uint32_t*>(&r);
-  };
-  uint4 o;
-  o.x = sub(__byte_perm(h04, h15, 0x5410));  // codes 0, 1
-  o.y = sub(__byte_perm(h26, h37, 0x5410));  // 2, 3
-  o.z = sub(__byte_perm(h04, h15, 0x7632));  // 4, 5
-  o.w = sub(__byte_perm(h26, h37, 0x7632));  // 6, 7
-  return o;
-}
-
 struct Smem {
   std::uint8_t* stage[4];  // affine: packed pages
   std::uint16_t* tile[2];  // bf16 cache: two tile buffers (bf16); affine: tile[0] only (fp16)
@@ -145,55 +115,57 @@ std::size_t smem_bytes(std::size_t page_bytes) {
   return head_bytes<CB>(page_bytes) + kSmemTail;
 }
 
-// Eight consecutive codes (dims 8 ch .. 8 ch + 7) of one token as integers.
-template <int B>
-__device__ __forceinline__ void load_codes8(const std::uint8_t* row, int ch, int (&c)[8]) {
-  if constexpr (B == 8) {
-    const uint2 v = *reinterpret_cast<const uint2*>(row + 8 * ch);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) c[i] = (v.x >> (8 * i)) & 255;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) c[4 + i] = (v.y >> (8 * i)) & 255;
-  } else if constexpr (B == 4) {
-    const std::uint32_t v = *reinterpret_cast<const std::uint32_t*>(row + 4 * ch);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) c[i] = (v >> (4 * i)) & 15;
-  } else if constexpr (B == 2) {
-    const std::uint32_t v = *reinterpret_cast<const std::uint16_t*>(row + 2 * ch);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) c[i] = (v >> (2 * i)) & 3;
-  } else {
-    const std::uint8_t* b = row + 3 * ch;
-    const std::uint32_t v = b[0] | (static_cast<std::uint32_t>(b[1]) << 8) | (static_cast<std::uint32_t>(b[2]) << 16);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) c[i] = (v >> (3 * i)) & 7;
-  }
-}
+// Eight consecutive codes (dims 8 ch .. 8 ch + 7, code i at bits B i) minus z as four fp16x2 words,
+// by the exponent trick: (0x6400 | n) is the fp16 1024 + n, and (1024 + n) - (1024 + z) = n - z
+// exactly (n, z <= 255).
 template <int B>
 __device__ __forceinline__ uint4 dequant8(const std::uint8_t* row, int ch, int z) {
-  if constexpr (B == 4) {
-    return nibbles_f16x8(*reinterpret_cast<const std::uint32_t*>(row + 4 * ch), z);
+  constexpr std::uint32_t e = 0x64006400u;
+  std::uint32_t w[4];
+  if constexpr (B == 8) {
+    const uint2 v = *reinterpret_cast<const uint2*>(row + 8 * ch);
+    w[0] = __byte_perm(v.x, e, 0x5150);
+    w[1] = __byte_perm(v.x, e, 0x5352);
+    w[2] = __byte_perm(v.y, e, 0x5150);
+    w[3] = __byte_perm(v.y, e, 0x5352);
   } else {
-    int c[8];
-    load_codes8<B>(row, ch, c);
-    return ints_f16x8(c, z);
+    std::uint32_t v;
+    if constexpr (B == 4) v = *reinterpret_cast<const std::uint32_t*>(row + 4 * ch);
+    else if constexpr (B == 2) v = *reinterpret_cast<const std::uint16_t*>(row + 2 * ch);
+    else v = row[3 * ch] | (static_cast<std::uint32_t>(row[3 * ch + 1]) << 8) | (static_cast<std::uint32_t>(row[3 * ch + 2]) << 16);
+    constexpr std::uint32_t lo = (1u << B) - 1u, hi = lo << 16;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const std::uint32_t x = v >> (2 * B * k);
+      w[k] = (x & lo) | ((x << (16 - B)) & hi) | e;
+    }
   }
+  const __half zz = __ushort_as_half(static_cast<unsigned short>(0x6400 + z));
+  const __half2 z2 = __halves2half2(zz, zz);
+  uint4 o;
+  std::uint32_t* op = &o.x;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const __half2 r = __hsub2(*reinterpret_cast<const __half2*>(&w[k]), z2);
+    op[k] = *reinterpret_cast<const std::uint32_t*>(&r);
+  }
+  return o;
 }
 
 // Dequantizes one staged affine page into the fp16 tile (integers q - z, exact) and the scales
 // (0 for tokens outside [tlo, thi), whose rows then contribute nothing).
-template <int CB, int RB>
+template <int CB, int RB, int NT>
 __device__ __forceinline__ void dequant_page(const Smem& sm, const std::uint8_t* pg, const PageLayout& L, int tlo, int thi) {
   const int tid = threadIdx.x;
   std::uint16_t* K = sm.tile[0];
 #pragma unroll 4
-  for (int c = tid; c < kT * (kDc / 8); c += kThreads) {
+  for (int c = tid; c < kT * (kDc / 8); c += NT) {
     const int tok = c >> 6, ch = c & 63;
     const int z = pg[L.meta_off + tok * 32 + 16 + (ch >> 3)];
     *reinterpret_cast<uint4*>(K + tok * kKStride + 8 * ch) =
         dequant8<CB>(pg + L.key_code_off + static_cast<std::size_t>(tok) * L.key_code_bytes, ch, z);
   }
-  for (int c = tid; c < kT * (kDr / 8); c += kThreads) {
+  for (int c = tid; c < kT * (kDr / 8); c += NT) {
     const int tok = c >> 3, ch = c & 7;
     const int z = pg[L.meta_off + tok * 32 + 28];
     *reinterpret_cast<uint4*>(K + tok * kKStride + kDc + 8 * ch) =
@@ -211,10 +183,11 @@ __device__ __forceinline__ void dequant_page(const Smem& sm, const std::uint8_t*
 
 // Protected bf16 rows [0, n) of one tile, converted to fp16 (finite bf16 latents are far inside
 // fp16's range; values below 2^-14 become fp16 subnormals) into the affine kernel's tile.
+template <int NT>
 __device__ __forceinline__ void load_protected(const Smem& sm, const MlaDecodeParams& p, int b, int first, int n,
                                                int pb, int pe) {
   std::uint16_t* K = sm.tile[0];
-  for (int c = threadIdx.x; c < kT * 72; c += kThreads) {
+  for (int c = threadIdx.x; c < kT * 72; c += NT) {
     const int r = c / 72, k = c % 72;
     uint4 v = make_uint4(0, 0, 0, 0);
     if (r < n) {
@@ -240,28 +213,36 @@ __device__ __forceinline__ void load_protected(const Smem& sm, const MlaDecodePa
   }
 }
 
-// QK, online softmax and PV of one tile held in `K`.
+// QK, online softmax and PV of one tile held in `K`, by NW warps (8 or 16).
 //  kAff = false (bf16 cache): bf16 operands, query and P as hi + lo pairs (~16 bits), unit scales.
 //  kAff = true (affine cache): fp16 operands (codes exact), query qa in fp16, per-token group
 //  scales from sm.sc / sm.sr; P is scaled per token by the group scale over its largest value in
 //  the tile (so it stays in [0, 1], clear of fp16 underflow) and the tile's sum is rescaled.
-template <bool kAff>
+// QK: warp w takes content group w % 8 over token half w / 8 (all 64 tokens when NW = 8), and the
+// warps with w % 8 < 4 add RoPE slice w & 3 over the same tokens. PV: warp w owns 512 / NW
+// output columns.
+template <bool kAff, int NW>
 __device__ __forceinline__ void compute_tile(const Smem& sm, const std::uint16_t* K, const std::uint32_t (&qa)[5][4],
-                                             const std::uint32_t (&qb)[5][4], float (&o)[8][4], float scale, int tlo,
-                                             int thi) {
+                                             const std::uint32_t (&qb)[5][4], float (&o)[512 / NW / 8][4], float scale,
+                                             int tlo, int thi) {
   constexpr bool kB = !kAff;
+  constexpr int NJ = 8 * 8 / NW;        // QK n-tiles (8 tokens) per warp
+  constexpr int NN = 512 / NW / 8;      // PV n-tiles (8 columns) per warp
+  constexpr int TPH = 32 * NW / kHG;    // softmax threads per head
+  constexpr int TPT = kT / TPH;         // tokens per softmax thread
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, t = lane & 3;
-  // ---- QK: partial scores of content group w (+ RoPE slice w for w < 4)
+  const int gq = w & 7, tb = (w >> 3) * 8 * NJ;
+  // ---- QK
   {
-    float acc[8][4];
+    float acc[NJ][4];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+    for (int j = 0; j < NJ; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
 #pragma unroll
     for (int ks = 0; ks < 4; ks += 2) {
 #pragma unroll
-      for (int jn = 0; jn < 8; ++jn) {
+      for (int jn = 0; jn < NJ; ++jn) {
         std::uint32_t b[4];
-        ldsm_x4(b, K + (8 * jn + (lane & 7)) * kKStride + 64 * w + 16 * ks + 8 * (lane >> 3));
+        ldsm_x4(b, K + (tb + 8 * jn + (lane & 7)) * kKStride + 64 * gq + 16 * ks + 8 * (lane >> 3));
         mma16816<kB>(acc[jn], qa[ks], b[0], b[1]);
         mma16816<kB>(acc[jn], qa[ks + 1], b[2], b[3]);
         if constexpr (!kAff) {
@@ -272,23 +253,23 @@ __device__ __forceinline__ void compute_tile(const Smem& sm, const std::uint16_t
     }
     if constexpr (kAff) {
 #pragma unroll
-      for (int jn = 0; jn < 8; ++jn) {
-        const int c0 = 8 * jn + 2 * t;
-        const float s0 = sm.sc[c0 * 8 + w], s1 = sm.sc[(c0 + 1) * 8 + w];
+      for (int jn = 0; jn < NJ; ++jn) {
+        const int c0 = tb + 8 * jn + 2 * t;
+        const float s0 = sm.sc[c0 * 8 + gq], s1 = sm.sc[(c0 + 1) * 8 + gq];
         acc[jn][0] *= s0;
         acc[jn][1] *= s1;
         acc[jn][2] *= s0;
         acc[jn][3] *= s1;
       }
     }
-    if (w < 4) {
-      float ar[8][4];
+    if (gq < 4) {
+      float ar[NJ][4];
 #pragma unroll
-      for (int j = 0; j < 8; ++j) ar[j][0] = ar[j][1] = ar[j][2] = ar[j][3] = 0.0f;
+      for (int j = 0; j < NJ; ++j) ar[j][0] = ar[j][1] = ar[j][2] = ar[j][3] = 0.0f;
 #pragma unroll
-      for (int jn = 0; jn < 8; jn += 2) {
+      for (int jn = 0; jn < NJ; jn += 2) {
         std::uint32_t b[4];
-        ldsm_x4(b, K + (8 * jn + (lane & 7) + 8 * (lane >> 4)) * kKStride + kDc + 16 * w + 8 * ((lane >> 3) & 1));
+        ldsm_x4(b, K + (tb + 8 * jn + (lane & 7) + 8 * (lane >> 4)) * kKStride + kDc + 16 * gq + 8 * ((lane >> 3) & 1));
         mma16816<kB>(ar[jn], qa[4], b[0], b[1]);
         mma16816<kB>(ar[jn + 1], qa[4], b[2], b[3]);
         if constexpr (!kAff) {
@@ -297,8 +278,8 @@ __device__ __forceinline__ void compute_tile(const Smem& sm, const std::uint16_t
         }
       }
 #pragma unroll
-      for (int jn = 0; jn < 8; ++jn) {
-        const int c0 = 8 * jn + 2 * t;
+      for (int jn = 0; jn < NJ; ++jn) {
+        const int c0 = tb + 8 * jn + 2 * t;
         const float s0 = kAff ? sm.sr[c0] : 1.0f, s1 = kAff ? sm.sr[c0 + 1] : 1.0f;
         acc[jn][0] += ar[jn][0] * s0;
         acc[jn][1] += ar[jn][1] * s1;
@@ -306,48 +287,59 @@ __device__ __forceinline__ void compute_tile(const Smem& sm, const std::uint16_t
         acc[jn][3] += ar[jn][3] * s1;
       }
     }
-    float* sp = sm.spart + w * kHG * kSStride;
+    float* sp = sm.spart + gq * kHG * kSStride;
 #pragma unroll
-    for (int jn = 0; jn < 8; ++jn) {
-      const int c0 = 8 * jn + 2 * t;
+    for (int jn = 0; jn < NJ; ++jn) {
+      const int c0 = tb + 8 * jn + 2 * t;
       *reinterpret_cast<float2*>(sp + g * kSStride + c0) = make_float2(acc[jn][0], acc[jn][1]);
       *reinterpret_cast<float2*>(sp + (g + 8) * kSStride + c0) = make_float2(acc[jn][2], acc[jn][3]);
     }
   }
   __syncthreads();
-  // ---- online softmax: 16 threads per head, 4 tokens each
+  // ---- online softmax: TPH threads per head, TPT consecutive tokens each
   {
-    const int h = tid >> 4, sub = tid & 15;
-    float s[4] = {0, 0, 0, 0};
+    const int h = tid / TPH, sub = tid % TPH;
+    float s[TPT];
+#pragma unroll
+    for (int k = 0; k < TPT; ++k) s[k] = 0.0f;
 #pragma unroll
     for (int ww = 0; ww < 8; ++ww) {
-      const float4 v = *reinterpret_cast<const float4*>(sm.spart + (ww * kHG + h) * kSStride + 4 * sub);
-      s[0] += v.x;
-      s[1] += v.y;
-      s[2] += v.z;
-      s[3] += v.w;
+      const float* row = sm.spart + (ww * kHG + h) * kSStride + TPT * sub;
+      if constexpr (TPT == 4) {
+        const float4 v = *reinterpret_cast<const float4*>(row);
+        s[0] += v.x;
+        s[1] += v.y;
+        s[2] += v.z;
+        s[3] += v.w;
+      } else {
+        const float2 v = *reinterpret_cast<const float2*>(row);
+        s[0] += v.x;
+        s[1] += v.y;
+      }
     }
     float mx = -INFINITY;
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const int tok = 4 * sub + k;
+    for (int k = 0; k < TPT; ++k) {
+      const int tok = TPT * sub + k;
       s[k] = (tok >= tlo && tok < thi) ? s[k] * scale : -INFINITY;
       mx = fmaxf(mx, s[k]);
     }
 #pragma unroll
-    for (int off = 8; off >= 1; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    for (int off = TPH / 2; off >= 1; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
     const float m_old = sm.mrow[h];
     const float m_new = fmaxf(m_old, mx);
-    float a = 1.0f, sum = 0.0f, pv[4];
+    float a = 1.0f, sum = 0.0f, pv[TPT];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
+    for (int k = 0; k < TPT; ++k) {
       pv[k] = (m_new == -INFINITY || s[k] == -INFINITY) ? 0.0f : expf(s[k] - m_new);
       sum += pv[k];
     }
     if (m_new != -INFINITY) a = m_old == -INFINITY ? 0.0f : expf(m_old - m_new);
 #pragma unroll
-    for (int off = 8; off >= 1; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-    *reinterpret_cast<float4*>(sm.P + h * kSStride + 4 * sub) = make_float4(pv[0], pv[1], pv[2], pv[3]);
+    for (int off = TPH / 2; off >= 1; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    float* prow = sm.P + h * kSStride + TPT * sub;
+#pragma unroll
+    for (int k = 0; k < TPT; ++k) prow[k] = pv[k];
     __syncwarp();
     if (sub == 0) {
       sm.lrow[h] = sm.lrow[h] * a + sum;
@@ -356,19 +348,20 @@ __device__ __forceinline__ void compute_tile(const Smem& sm, const std::uint16_t
     }
   }
   __syncthreads();
-  // ---- PV: warp w owns output columns 64w .. 64w + 63
+  // ---- PV: warp w owns output columns cb .. cb + 8 NN - 1, inside content group gp
   {
+    const int cb = w * 8 * NN, gp = cb / 64;
     const float a0 = sm.alpha[g], a1 = sm.alpha[g + 8];
     float smax = 1.0f, inv = 1.0f;
     if constexpr (kAff) {
-      smax = fmaxf(sm.sc[lane * 8 + w], sm.sc[(lane + 32) * 8 + w]);
+      smax = fmaxf(sm.sc[lane * 8 + gp], sm.sc[(lane + 32) * 8 + gp]);
 #pragma unroll
       for (int off = 16; off >= 1; off >>= 1) smax = fmaxf(smax, __shfl_xor_sync(0xffffffffu, smax, off));
       inv = smax > 0.0f ? 1.0f / smax : 0.0f;
     }
-    float ot[8][4];
+    float ot[NN][4];
 #pragma unroll
-    for (int n = 0; n < 8; ++n) {
+    for (int n = 0; n < NN; ++n) {
       if constexpr (kAff) {
         ot[n][0] = ot[n][1] = ot[n][2] = ot[n][3] = 0.0f;
       } else {
@@ -378,7 +371,7 @@ __device__ __forceinline__ void compute_tile(const Smem& sm, const std::uint16_t
         o[n][3] *= a1;
       }
     }
-    float(&acc)[8][4] = kAff ? ot : o;
+    float(&acc)[NN][4] = kAff ? ot : o;
 #pragma unroll
     for (int kt = 0; kt < 4; ++kt) {
       const int k0 = 16 * kt + 2 * t;
@@ -386,8 +379,8 @@ __device__ __forceinline__ void compute_tile(const Smem& sm, const std::uint16_t
       const float* P1 = sm.P + (g + 8) * kSStride;
       std::uint32_t ah[4], al[4];
       if constexpr (kAff) {
-        const float s0 = sm.sc[k0 * 8 + w] * inv, s1 = sm.sc[(k0 + 1) * 8 + w] * inv;
-        const float s8 = sm.sc[(k0 + 8) * 8 + w] * inv, s9 = sm.sc[(k0 + 9) * 8 + w] * inv;
+        const float s0 = sm.sc[k0 * 8 + gp] * inv, s1 = sm.sc[(k0 + 1) * 8 + gp] * inv;
+        const float s8 = sm.sc[(k0 + 8) * 8 + gp] * inv, s9 = sm.sc[(k0 + 9) * 8 + gp] * inv;
         ah[0] = detail::pack2<false>(P0[k0] * s0, P0[k0 + 1] * s1);
         ah[1] = detail::pack2<false>(P1[k0] * s0, P1[k0 + 1] * s1);
         ah[2] = detail::pack2<false>(P0[k0 + 8] * s8, P0[k0 + 9] * s9);
@@ -399,9 +392,9 @@ __device__ __forceinline__ void compute_tile(const Smem& sm, const std::uint16_t
         split2<true>(P1[k0 + 8], P1[k0 + 9], ah[3], al[3]);
       }
 #pragma unroll
-      for (int np = 0; np < 4; ++np) {
+      for (int np = 0; np < NN / 2; ++np) {
         std::uint32_t b[4];
-        ldsm_x4_t(b, K + (16 * kt + (lane & 7) + 8 * ((lane >> 3) & 1)) * kKStride + 64 * w + 16 * np + 8 * (lane >> 4));
+        ldsm_x4_t(b, K + (16 * kt + (lane & 7) + 8 * ((lane >> 3) & 1)) * kKStride + cb + 16 * np + 8 * (lane >> 4));
         mma16816<kB>(acc[2 * np], ah, b[0], b[1]);
         mma16816<kB>(acc[2 * np + 1], ah, b[2], b[3]);
         if constexpr (!kAff) {
@@ -412,7 +405,7 @@ __device__ __forceinline__ void compute_tile(const Smem& sm, const std::uint16_t
     }
     if constexpr (kAff) {
 #pragma unroll
-      for (int n = 0; n < 8; ++n) {
+      for (int n = 0; n < NN; ++n) {
         o[n][0] = o[n][0] * a0 + ot[n][0] * smax;
         o[n][1] = o[n][1] * a0 + ot[n][1] * smax;
         o[n][2] = o[n][2] * a1 + ot[n][2] * smax;
@@ -430,9 +423,10 @@ struct Work {
 
 // Issues cp.async of the bf16 rows of one packed page into tile buffer `K` (rows outside
 // [tlo, thi) zero-filled).
+template <int NT>
 __device__ __forceinline__ void load_bf16_page(std::uint16_t* K, const std::uint8_t* pg, const PageLayout& L, int tlo,
                                                int thi) {
-  for (int c = threadIdx.x; c < kT * 72; c += kThreads) {
+  for (int c = threadIdx.x; c < kT * 72; c += NT) {
     const int tok = c / 72, k = c % 72;
     const bool ok = tok >= tlo && tok < thi;
     const std::uint8_t* src = k < 64 ? pg + L.key_code_off + tok * 1024 + 16 * k : pg + L.value_code_off + tok * 128 + 16 * (k - 64);
@@ -443,8 +437,9 @@ __device__ __forceinline__ void load_bf16_page(std::uint16_t* K, const std::uint
 // Work of one CTA: virtual tiles [v0, v1) of its sequence, where tiles [0, np) are the packed
 // pages of positions [pb, pe) and tiles [np, np + ceil(nprot / 64)) hold the protected rows, so
 // protected rows join the same online softmax as the packed pages of the last split.
-template <int CB, int RB>
-__global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(MlaDecodeParams p, Work wk) {
+template <int CB, int RB, int NW>
+__global__ void __launch_bounds__(32 * NW, 1) mla_decode_kernel(MlaDecodeParams p, Work wk) {
+  constexpr int NT = 32 * NW, NN = 512 / NW / 8;
   extern __shared__ __align__(16) std::uint8_t smem_raw[];
   const PageLayout L = p.fmt.page;
   constexpr bool kAff = CB != 16;
@@ -484,14 +479,15 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(MlaDecodeParams
     sm.mrow[tid] = -INFINITY;
     sm.lrow[tid] = 0.0f;
   }
-  // Query fragments (A operand, rows = the 16 heads): content k-steps of group w, RoPE slice w & 3.
+  // Query fragments (A operand, rows = the 16 heads): content k-steps of group w % 8, RoPE
+  // slice w & 3.
   std::uint32_t qa[5][4], qb[5][4];
   {
     const float* q0 = p.q + (static_cast<std::size_t>(b) * p.heads + hg * kHG + g) * kD;
     const float* q1 = q0 + 8 * kD;
 #pragma unroll
     for (int ks = 0; ks < 5; ++ks) {
-      const int d = ks < 4 ? 64 * w + 16 * ks + 2 * t : kDc + 16 * (w & 3) + 2 * t;
+      const int d = ks < 4 ? 64 * (w & 7) + 16 * ks + 2 * t : kDc + 16 * (w & 3) + 2 * t;
       if constexpr (kAff) {
         qa[ks][0] = detail::pack2<false>(q0[d], q0[d + 1]);
         qa[ks][1] = detail::pack2<false>(q1[d], q1[d + 1]);
@@ -505,9 +501,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(MlaDecodeParams
       }
     }
   }
-  float o[8][4];
+  float o[NN][4];
 #pragma unroll
-  for (int n = 0; n < 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+  for (int n = 0; n < NN; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
 
   const int first = pb / kT, end = pe > pb ? (pe + kT - 1) / kT : first;
   const int np = end - first;
@@ -517,29 +513,35 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(MlaDecodeParams
   const int v0 = split * per, v1 = min(v0 + per, nv);
   const int ntiles = max(0, v1 - v0);
   const std::int32_t* bt = p.block_tables + static_cast<std::size_t>(b) * p.max_pages;
-  auto page_ptr = [&](int pi) { return p.pool + static_cast<std::size_t>(bt[pi]) * L.page_bytes; };
-  auto issue = [&](int it) {
+  // Page id of tile `it`, or -1 for a protected tile or none. Ids are read one iteration before
+  // their copy is issued, so that the block-table load is off the critical path.
+  auto page_id = [&](int it) -> int {
     const int vt = v0 + it;
-    if (vt >= np) return;  // protected tile: loaded when it is used
-    const int pi = first + vt;
+    return (it < ntiles && vt < np) ? bt[first + vt] : -1;
+  };
+  auto issue = [&](int it, int id) {
+    if (id < 0) return;  // protected tile: loaded when it is used
+    const std::uint8_t* src = p.pool + static_cast<std::size_t>(id) * L.page_bytes;
     if constexpr (!kAff) {
-      load_bf16_page(sm.tile[it & 1], page_ptr(pi), L, max(0, pb - pi * kT), min(kT, pe - pi * kT));
+      const int pi = first + v0 + it;
+      load_bf16_page<NT>(sm.tile[it & 1], src, L, max(0, pb - pi * kT), min(kT, pe - pi * kT));
     } else {
-      const std::uint8_t* src = page_ptr(pi);
       std::uint8_t* dst = sm.stage[it % NS];
-      for (int c = tid; c < static_cast<int>(L.page_bytes / 16); c += kThreads) cp_async16(dst + 16 * c, src + 16 * c);
+      for (int c = tid; c < static_cast<int>(L.page_bytes / 16); c += NT) cp_async16(dst + 16 * c, src + 16 * c);
     }
   };
 #pragma unroll
   for (int s = 0; s < NS - 1; ++s) {
-    if (s < ntiles) issue(s);
+    issue(s, page_id(s));
     cp_async_commit();
   }
+  int id_next = page_id(NS - 1);
   for (int it = 0; it < ntiles; ++it) {
     cp_async_wait<NS - 2>();
     __syncthreads();
-    if (it + NS - 1 < ntiles) issue(it + NS - 1);
+    issue(it + NS - 1, id_next);
     cp_async_commit();
+    id_next = page_id(it + NS);
     const int vt = v0 + it;
     int lo = 0, hi = 0;
     if (vt < np) {
@@ -550,12 +552,12 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(MlaDecodeParams
       hi = min(kT, nprot - (vt - np) * kT);
     }
     if constexpr (!kAff) {
-      compute_tile<false>(sm, sm.tile[it & 1], qa, qb, o, p.scale, lo, hi);
+      compute_tile<false, NW>(sm, sm.tile[it & 1], qa, qb, o, p.scale, lo, hi);
     } else {
-      if (vt < np) dequant_page<CB, RB>(sm, sm.stage[it % NS], L, lo, hi);
-      else load_protected(sm, p, b, (vt - np) * kT, hi, pb, pe);
+      if (vt < np) dequant_page<CB, RB, NT>(sm, sm.stage[it % NS], L, lo, hi);
+      else load_protected<NT>(sm, p, b, (vt - np) * kT, hi, pb, pe);
       __syncthreads();
-      compute_tile<true>(sm, sm.tile[0], qa, qb, o, p.scale, lo, hi);
+      compute_tile<true, NW>(sm, sm.tile[0], qa, qb, o, p.scale, lo, hi);
     }
   }
   cp_async_wait<0>();
@@ -564,8 +566,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(MlaDecodeParams
   const std::size_t r0 = (static_cast<std::size_t>(b) * p.heads + hg * kHG + g) * wk.nsplit + split;
   const std::size_t r1 = r0 + 8 * static_cast<std::size_t>(wk.nsplit);
 #pragma unroll
-  for (int n = 0; n < 8; ++n) {
-    const int c = 64 * w + 8 * n + 2 * t;
+  for (int n = 0; n < NN; ++n) {
+    const int c = w * 8 * NN + 8 * n + 2 * t;
     *reinterpret_cast<float2*>(wk.opart + r0 * kDc + c) = make_float2(o[n][0], o[n][1]);
     *reinterpret_cast<float2*>(wk.opart + r1 * kDc + c) = make_float2(o[n][2], o[n][3]);
   }
@@ -609,10 +611,10 @@ int sm_count_of(const MlaDecodeParams& p) {
 
 bool uses_protect(const MlaDecodeParams& p) { return p.fmt.content_bits != 16 && p.protect.enabled(); }
 
-template <int CB, int RB>
-cudaError_t launch_decode(const MlaDecodeParams& p, cudaStream_t st) {
+template <int CB, int RB, int NW>
+cudaError_t launch_decode_nw(const MlaDecodeParams& p, cudaStream_t st) {
   const std::size_t smem = smem_bytes<CB>(p.fmt.page.page_bytes);
-  cudaError_t e = cudaFuncSetAttribute(mla_decode_kernel<CB, RB>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  cudaError_t e = cudaFuncSetAttribute(mla_decode_kernel<CB, RB, NW>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(smem));
   if (e != cudaSuccess) return e;
   Work wk;
@@ -621,10 +623,15 @@ cudaError_t launch_decode(const MlaDecodeParams& p, cudaStream_t st) {
   wk.opart = static_cast<float*>(p.workspace);
   wk.ml = wk.opart + rows * kDc;
   const dim3 grid(wk.nsplit, p.heads / kHG, p.batch);
-  mla_decode_kernel<CB, RB><<<grid, kThreads, smem, st>>>(p, wk);
+  mla_decode_kernel<CB, RB, NW><<<grid, 32 * NW, smem, st>>>(p, wk);
   if ((e = cudaGetLastError()) != cudaSuccess) return e;
   mla_combine_kernel<<<dim3(p.heads, p.batch), 128, 0, st>>>(wk.opart, wk.ml, wk.nsplit, p.out);
   return cudaGetLastError();
+}
+
+template <int CB, int RB>
+cudaError_t launch_decode(const MlaDecodeParams& p, cudaStream_t st) {
+  return p.warps == 8 ? launch_decode_nw<CB, RB, 8>(p, st) : launch_decode_nw<CB, RB, 16>(p, st);
 }
 
 }  // namespace
@@ -643,7 +650,7 @@ std::size_t mla_decode_workspace_bytes(const MlaDecodeParams& p) {
 
 cudaError_t mla_decode(const MlaDecodeParams& p, cudaStream_t stream) {
   const MlaFormat& f = p.fmt;
-  if (!mla_supported(f) || p.heads <= 0 || p.heads % kHG || p.heads > 128 || p.batch <= 0 || !p.pool ||
+  if (!mla_supported(f) || (p.warps != 0 && p.warps != 8 && p.warps != 16) || p.heads <= 0 || p.heads % kHG || p.heads > 128 || p.batch <= 0 || !p.pool ||
       !p.block_tables || !p.seq_lens || !p.q || !p.out || !p.workspace)
     return cudaErrorInvalidValue;
   if (uses_protect(p) && !p.protect_rows) return cudaErrorInvalidValue;

@@ -340,25 +340,29 @@ void test_decode(const Case& c) {
   p.num_splits = c.splits;
   p.workspace_bytes = cuda::mla_decode_workspace_bytes(p);
   KVQ_CUDA_OK(cudaMalloc(&p.workspace, p.workspace_bytes));
-  KVQ_CUDA_OK(cuda::mla_decode(p));
-  KVQ_CUDA_OK(cudaDeviceSynchronize());
-  const std::vector<float> out = download(p.out, poison.size());
-  double num = 0, den = 0;
-  bool finite = true;
-  for (std::size_t i = 0; i < out.size(); ++i) {
-    finite = finite && std::isfinite(out[i]);
-    const double e = out[i] - ref[i];
-    num += e * e;
-    den += ref[i] * ref[i];
+  for (int warps : {16, 8}) {  // both CTA shapes
+    p.warps = warps;
+    KVQ_CUDA_OK(cudaMemcpy(p.out, poison.data(), poison.size() * 4, cudaMemcpyHostToDevice));
+    KVQ_CUDA_OK(cuda::mla_decode(p));
+    KVQ_CUDA_OK(cudaDeviceSynchronize());
+    const std::vector<float> out = download(p.out, poison.size());
+    double num = 0, den = 0;
+    bool finite = true;
+    for (std::size_t i = 0; i < out.size(); ++i) {
+      finite = finite && std::isfinite(out[i]);
+      const double e = out[i] - ref[i];
+      num += e * e;
+      den += ref[i] * ref[i];
+    }
+    const double nmse = den > 0 ? num / den : num;
+    std::string lens;
+    for (int l : c.lens) lens += std::to_string(l) + ",";
+    const std::string what = c.fmt + " H=" + std::to_string(H) + " lens=" + lens + (c.fixture ? " fixture" : " random") +
+                             " S=" + std::to_string(c.sinks) + " W=" + std::to_string(c.window) + " splits=" +
+                             std::to_string(cuda::mla_decode_splits(p)) + " warps=" + std::to_string(warps);
+    std::printf("  %-52s nmse %.3g\n", what.c_str(), nmse);
+    check(finite && nmse <= 1e-5, "decode NMSE <= 1e-5: " + what);
   }
-  const double nmse = den > 0 ? num / den : num;
-  std::string lens;
-  for (int l : c.lens) lens += std::to_string(l) + ",";
-  const std::string what = c.fmt + " H=" + std::to_string(H) + " lens=" + lens + (c.fixture ? " fixture" : " random") +
-                           " S=" + std::to_string(c.sinks) + " W=" + std::to_string(c.window) + " splits=" +
-                           std::to_string(cuda::mla_decode_splits(p));
-  std::printf("  %-44s nmse %.3g\n", what.c_str(), nmse);
-  check(finite && nmse <= 1e-5, "decode NMSE <= 1e-5: " + what);
   for (const void* v : {static_cast<const void*>(p.pool), static_cast<const void*>(p.block_tables),
                         static_cast<const void*>(p.seq_lens), static_cast<const void*>(p.q), static_cast<const void*>(p.out),
                         static_cast<const void*>(p.protect_rows), static_cast<const void*>(p.workspace)})

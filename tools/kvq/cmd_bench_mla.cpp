@@ -39,7 +39,7 @@ namespace {
 struct MlaBenchOptions {
   std::string batches = "8,32", contexts = "4096,32768,131072", heads = "16,128";
   std::string formats = "bf16,c8r8,c4r4,c2r4", protect = "none,paper";
-  int reps = 30, warmup = 3, store_tokens = 1 << 20;
+  int reps = 30, warmup = 3, store_tokens = 1 << 20, warps = 0;
   bool json = false;
   std::string commit = "unknown", command;
 };
@@ -208,6 +208,7 @@ void run_mla_bench(const MlaBenchOptions& o) {
             p.scale = 1.0f / std::sqrt(192.0f);
             p.protect = protect_of(pname);
             p.protect_rows = prot_rows.as<std::uint16_t>();
+            p.warps = o.warps;
             p.workspace_bytes = cuda::mla_decode_workspace_bytes(p);
             DevBuf ws(p.workspace_bytes);
             p.workspace = ws.p;
@@ -237,7 +238,8 @@ void run_mla_bench(const MlaBenchOptions& o) {
                             {"speedup_vs_bf16", sp16},
                             {"speedup_vs_flashmla", nullptr},
                             {"bytes", bytes},
-                            {"splits", cuda::mla_decode_splits(p)}});
+                            {"splits", cuda::mla_decode_splits(p)},
+                            {"warps", o.warps ? o.warps : 16}});
             if (!o.json)
               fmt::print(stderr, "{:<5} B={:<3} ctx={:<7} H={:<4} {:<6} {:10.1f} us {:7.0f} GB/s  vs bf16 {}\n", fname, B, ctx,
                          H, pname, us, bytes / (us * 1e3), sp16.dump());
@@ -286,6 +288,7 @@ void register_bench_mla(CLI::App& app) {
   cmd->add_option("--reps", o->reps, "timed replays (median)")->check(CLI::Range(1, 100000));
   cmd->add_option("--warmup", o->warmup, "warm-up replays");
   cmd->add_option("--store-tokens", o->store_tokens, "tokens per writer run");
+  cmd->add_option("--warps", o->warps, "decode warps per CTA: 8 or 16 (0: the default, 16)");
   cmd->add_option("--commit", o->commit, "commit recorded in the result");
   cmd->add_option("--command-line", o->command, "command recorded in the result");
   cmd->add_flag("--json", o->json, "print one JSON object");
