@@ -1,18 +1,19 @@
 // mla_decode.cu: paged split-KV decode for absorbed MLA (d_c = 512, d_r = 64) over bf16 and
 // QuantMLA affine caches, and the combine kernel that merges the splits' partial softmax states.
 //
-// One CTA (8 warps) = one sequence x 16 query heads x a range of pages (a split); a request with
-// H heads runs H / 16 such CTAs per split, reading the same pages (L2). Per 64-token page:
-//  1. cp.async brings the next page (packed bytes, or the bf16 rows into the other tile buffer)
+// One CTA (16 warps, or 8 with MlaDecodeParams::warps = 8) = one sequence x 16 query heads x a
+// range of tiles (a split); a request with H heads runs H / 16 such CTAs per split, reading the
+// same pages (L2). Per 64-token tile:
+//  1. cp.async brings the pages ahead (packed bytes, or the bf16 rows into the other tile buffer)
 //     while the current one computes;
 //  2. affine formats: the packed page is dequantized once into an fp16 tile of integer codes
 //     (q - z), exact in fp16, with the per-token group scales kept apart in fp32;
 //  3. QK on tensor cores (mma.sync m16n8k16): warp w multiplies the 16 query rows of content
-//     group w (dims 64w..64w+63) with the tile and scales the per-token result by that group's
-//     scale; warps 0-3 add one 16-dim slice of the RoPE part each; the 8 partial scores are
-//     summed in shared memory;
+//     group w % 8 (dims 64 (w % 8) ..) with the tile (16 warps: token half w / 8) and scales the
+//     per-token result by that group's scale; warps with w % 8 < 4 add one 16-dim slice of the
+//     RoPE part; the 8 partial scores are summed in shared memory;
 //  4. online softmax per head (running max, sum, rescale factor);
-//  5. PV on tensor cores: warp w accumulates output columns 64w..64w+63 from the same tile, with
+//  5. PV on tensor cores: warp w accumulates 512 / warps output columns from the same tile, with
 //     A = P scaled per token by the group's scale.
 // Operands: affine tiles in fp16 (query, P single fp16: ~11 bits); bf16 tiles in bf16 with the
 // query and P as hi + lo pairs (~16 bits). Protected positions (sinks, recent window) of an
