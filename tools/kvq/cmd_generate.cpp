@@ -9,6 +9,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "cache_options.hpp"
 #include "command.hpp"
 #include "kvq/dense_cache.hpp"
 #include "kvq/model.hpp"
@@ -23,6 +24,7 @@ struct Args {
   float temperature = 0.0f, top_p = 1.0f;
   std::uint64_t seed = 0;
   bool no_bos = false;
+  kvq::cli::CacheCli cache;
 };
 
 void run(const Args& a) {
@@ -49,7 +51,7 @@ void run(const Args& a) {
   if (static_cast<std::int64_t>(ids.size()) > cfg.max_position_embeddings)
     kvq::fail("prompt of " + std::to_string(ids.size()) + " tokens exceeds max_position_embeddings (" +
               std::to_string(cfg.max_position_embeddings) + ")");
-  auto cache = kvq::make_dense_cache(model->cache_geometry());
+  auto cache = a.cache.factory(*model, *tok, cfg.max_position_embeddings)(model->cache_geometry());
   std::vector<float> logits(cfg.vocab_size);
   const auto t0 = clock::now();
   model->forward(ids.data(), static_cast<int>(ids.size()), *cache, 0, logits.data(), kvq::LogitsMode::kLast);
@@ -105,6 +107,7 @@ void register_cmd(CLI::App& app) {
   cmd->add_option("--top-p", a->top_p, "nucleus sampling mass in (0, 1] (default 1)");
   cmd->add_option("--seed", a->seed, "random seed for sampling (default 0)");
   cmd->add_flag("--no-bos", a->no_bos, "do not prepend the model's bos token");
+  a->cache.add(cmd, "cache format FORMAT[@paper|@sS,wW,nN] (default: the dense bf16 cache)");
   cmd->callback([a] { run(*a); });
 }
 

@@ -1,4 +1,4 @@
-// `kvq ppl`: perplexity of a model on a text file with the dense bf16 cache, following the
+// `kvq ppl`: perplexity of a model on a text file (dense bf16 cache, or --cache FORMAT), following the
 // protocol of models/README.md (kvq::perplexity_windows in src/model/eval.cpp does the work, so
 // `kvq eval` scores quantized caches with the same code).
 #include <fmt/core.h>
@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "cache_options.hpp"
 #include "command.hpp"
 #include "kvq/dense_cache.hpp"
 #include "kvq/eval.hpp"
@@ -28,7 +29,8 @@ std::string read_file(const std::string& path) {
 
 bool show_progress() { return ::isatty(2) && std::getenv("CI") == nullptr; }
 
-void run(const std::string& model_arg, const std::string& text_arg, int ctx, int windows, bool json) {
+void run(const std::string& model_arg, const std::string& text_arg, int ctx, int windows, bool json,
+         const kvq::cli::CacheCli& cc) {
   kvq::require(ctx >= 2, "--ctx must be at least 2");
   kvq::require(windows >= 0, "--windows must be >= 0");
   const std::string dir = kvq::cli::resolve_path(model_arg);
@@ -47,6 +49,10 @@ void run(const std::string& model_arg, const std::string& text_arg, int ctx, int
   opt.ctx = ctx;
   opt.windows = windows;
   opt.bos_id = cfg.bos_token_id;
+  opt.make_cache = cc.factory(*model, *tok, ctx);
+  const std::string cache_name = cc.cache.empty() && !cc.policy().sinks && !cc.policy().window && !cc.policy().boundary_layers
+                                     ? std::string("dense-bf16")
+                                     : opt.make_cache(model->cache_geometry())->describe();
   if (show_progress())
     opt.progress = [](int done, int total, double ppl) {
       fmt::print(stderr, "\rwindow {}/{}  ppl {:.4f}", done, total, ppl);
@@ -56,7 +62,7 @@ void run(const std::string& model_arg, const std::string& text_arg, int ctx, int
   if (json) {
     nlohmann::json out = {{"model", dir},
                           {"text", text_path},
-                          {"cache", "dense-bf16"},
+                          {"cache", cache_name},
                           {"ctx", ctx},
                           {"windows", r.windows},
                           {"predictions", r.predictions},
@@ -69,8 +75,8 @@ void run(const std::string& model_arg, const std::string& text_arg, int ctx, int
     return;
   }
   fmt::print("model {} ({}), text {} ({} tokens)\n", dir, cfg.architecture, text_path, r.stream_tokens);
-  fmt::print("ppl {:.4f} (mean NLL {:.5f}) over {} windows of {} ({} predictions), dense bf16 cache, {:.1f} s\n", r.ppl,
-             r.mean_nll, r.windows, ctx, r.predictions, r.seconds);
+  fmt::print("ppl {:.4f} (mean NLL {:.5f}) over {} windows of {} ({} predictions), {} cache, {:.1f} s\n", r.ppl,
+             r.mean_nll, r.windows, ctx, r.predictions, cache_name, r.seconds);
 }
 
 void register_cmd(CLI::App& app) {
@@ -85,7 +91,9 @@ void register_cmd(CLI::App& app) {
   cmd->add_option("--ctx", *ctx, "window length including <|bos|> (default 2048)");
   cmd->add_option("--windows", *windows, "number of windows (0 or absent: every full window)");
   cmd->add_flag("--json", *json, "print one JSON object");
-  cmd->callback([=] { run(*model, *text, *ctx, *windows, *json); });
+  auto cc = std::make_shared<kvq::cli::CacheCli>();
+  cc->add(cmd, "cache format FORMAT[@paper|@sS,wW,nN] (default: the dense bf16 cache)");
+  cmd->callback([=] { run(*model, *text, *ctx, *windows, *json, *cc); });
 }
 
 }  // namespace
