@@ -20,6 +20,8 @@ double sum_squares_4lane(const float* x, int n);
 namespace simd {
 bool available();  // AVX2 + FMA + F16C present, not disabled by KVQ_NO_SIMD or set_enabled(false)
 void set_enabled(bool on);  // benchmarks and tests switch between the SIMD and scalar paths
+// bf16 -> fp32 for n values (exact); false without AVX2.
+bool bf16_to_float(const std::uint16_t* in, std::size_t n, float* out);
 bool tq_encode_batch(const TurboQuantMse& q, const HadamardRotation& r, const float* x, std::size_t n, std::uint8_t* rec);
 bool tq_decode_batch(const TurboQuantMse& q, const HadamardRotation& r, const std::uint8_t* rec, std::size_t n, float* x);
 bool uniform_encode_batch(const UniformAffine& q, const float* x, std::size_t n, std::uint8_t* rec);

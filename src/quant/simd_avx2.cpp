@@ -71,6 +71,37 @@ KVQ_AVX2 void fwht_avx2(float* x, int n) {
 }
 
 // Same reduction order as sum_squares_4lane (n % 16 == 0).
+// n = 128: all seven stages with the 16 vectors in registers (same butterflies, same order per
+// element as fwht_avx2, so the same bits).
+KVQ_AVX2 inline __m256 butterfly_in_register(__m256 v) {
+  __m256 sw = _mm256_permute_ps(v, 0xB1);
+  v = _mm256_blend_ps(_mm256_add_ps(v, sw), _mm256_sub_ps(sw, v), 0xAA);
+  sw = _mm256_permute_ps(v, 0x4E);
+  v = _mm256_blend_ps(_mm256_add_ps(v, sw), _mm256_sub_ps(sw, v), 0xCC);
+  sw = _mm256_permute2f128_ps(v, v, 0x01);
+  return _mm256_blend_ps(_mm256_add_ps(v, sw), _mm256_sub_ps(sw, v), 0xF0);
+}
+KVQ_AVX2 void fwht128_avx2(float* x) {
+  __m256 r[16];
+  for (int i = 0; i < 16; ++i) r[i] = butterfly_in_register(_mm256_loadu_ps(x + 8 * i));
+  for (int h = 1; h < 16; h *= 2) {
+    for (int i = 0; i < 16; i += 2 * h) {
+      for (int j = i; j < i + h; ++j) {
+        const __m256 a = r[j], b = r[j + h];
+        r[j] = _mm256_add_ps(a, b);
+        r[j + h] = _mm256_sub_ps(a, b);
+      }
+    }
+  }
+  const __m256 s = _mm256_set1_ps(static_cast<float>(1.0 / std::sqrt(128.0)));
+  for (int i = 0; i < 16; ++i) _mm256_storeu_ps(x + 8 * i, _mm256_mul_ps(r[i], s));
+}
+
+KVQ_AVX2 void fwht_any_avx2(float* x, int n) {
+  if (n == 128) fwht128_avx2(x);
+  else fwht_avx2(x, n);
+}
+
 KVQ_AVX2 double sum_squares_avx2(const float* x, int n) {
   __m256d a0 = _mm256_setzero_pd(), a1 = a0, a2 = a0, a3 = a0;
   for (int i = 0; i < n; i += 16) {
@@ -88,19 +119,37 @@ KVQ_AVX2 double sum_squares_avx2(const float* x, int n) {
 }
 
 // 8 codes of b bits (b = 1..4) <-> b bytes of the LSB-first stream (code k at bits b*k).
+KVQ_AVX2 inline __m256i lane_shifts(int b) {
+  switch (b) {
+    case 1: return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    case 2: return _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+    case 3: return _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21);
+    default: return _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+  }
+}
 KVQ_AVX2 inline void pack8(__m256i c, int b, std::uint8_t* out) {
-  const __m256i sh = _mm256_mullo_epi32(_mm256_set1_epi32(b), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  const __m256i sh = lane_shifts(b);
   __m256i v = _mm256_sllv_epi32(c, sh);
   v = _mm256_or_si256(v, _mm256_permute2x128_si256(v, v, 0x01));
   v = _mm256_or_si256(v, _mm256_shuffle_epi32(v, 0x4E));
   v = _mm256_or_si256(v, _mm256_shuffle_epi32(v, 0xB1));
   const std::uint32_t w = static_cast<std::uint32_t>(_mm256_cvtsi256_si32(v));
-  std::memcpy(out, &w, static_cast<std::size_t>(b));
+  switch (b) {  // fixed-size copies (a variable-length memcpy is a library call)
+    case 1: out[0] = static_cast<std::uint8_t>(w); break;
+    case 2: std::memcpy(out, &w, 2); break;
+    case 3: std::memcpy(out, &w, 2); out[2] = static_cast<std::uint8_t>(w >> 16); break;
+    default: std::memcpy(out, &w, 4); break;
+  }
 }
 KVQ_AVX2 inline __m256i unpack8(const std::uint8_t* p, int b) {
   std::uint32_t w = 0;
-  std::memcpy(&w, p, static_cast<std::size_t>(b));
-  const __m256i sh = _mm256_mullo_epi32(_mm256_set1_epi32(b), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  switch (b) {
+    case 1: w = p[0]; break;
+    case 2: { std::uint16_t h; std::memcpy(&h, p, 2); w = h; break; }
+    case 3: { std::uint16_t h; std::memcpy(&h, p, 2); w = h | static_cast<std::uint32_t>(p[2]) << 16; break; }
+    default: std::memcpy(&w, p, 4); break;
+  }
+  const __m256i sh = lane_shifts(b);
   return _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(w)), sh), _mm256_set1_epi32((1 << b) - 1));
 }
 // Codes of lanes as int32 -> packed output for group j (8 codes) of a b-bit stream, b = 1..8.
@@ -165,6 +214,17 @@ bool blocks_ok(const HadamardRotation& r) {
 
 }  // namespace
 
+KVQ_AVX2 bool bf16_to_float(const std::uint16_t* in, std::size_t n, float* out) {
+  if (!available()) return false;
+  std::size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i)));
+    _mm256_storeu_ps(out + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+  }
+  for (; i < n; ++i) out[i] = kvq::bf16_to_float(in[i]);
+  return true;
+}
+
 KVQ_AVX2 bool tq_encode_batch(const TurboQuantMse& q, const HadamardRotation& r, const float* x, std::size_t n,
                               std::uint8_t* rec) {
   const int d = q.dim();
@@ -175,26 +235,25 @@ KVQ_AVX2 bool tq_encode_batch(const TurboQuantMse& q, const HadamardRotation& r,
   std::vector<float> y(static_cast<std::size_t>(d));
   const float* signs = r.signs().data();
   const CentroidTable table = make_table(cb.centroids_f);
+  __m256 ev[255];
+  for (int e = 0; e < ne; ++e) ev[e] = _mm256_set1_ps(cb.edges_f[static_cast<std::size_t>(e)]);
   for (std::size_t v = 0; v < n; ++v) {
     const float* xv = x + v * static_cast<std::size_t>(d);
     std::uint8_t* out = rec + v * rb;
-    __m256 bad = _mm256_setzero_ps();
-    for (int i = 0; i < d; i += 8) {
-      const __m256 t = _mm256_loadu_ps(xv + i);
-      bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_sub_ps(t, t), _mm256_setzero_ps(), _CMP_NEQ_UQ));  // NaN or Inf
-    }
-    if (_mm256_movemask_ps(bad)) {
+    // A non-finite input makes the (double) sum of squares non-finite; finite floats cannot.
+    const double ss = sum_squares_avx2(xv, d);
+    if (!std::isfinite(ss)) {
       q.encode_centered_reference(xv, out, out + cbytes);  // reports the coordinate
       continue;
     }
-    const float norm = static_cast<float>(std::sqrt(sum_squares_avx2(xv, d)));
+    const float norm = static_cast<float>(std::sqrt(ss));
     const __m256 inv = _mm256_set1_ps(norm > 0 ? 1.0f / norm : 0.0f);
     for (int i = 0; i < d; i += 8)
       _mm256_storeu_ps(&y[static_cast<std::size_t>(i)],
                        _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xv + i), inv), _mm256_loadu_ps(signs + i)));
     int off = 0;
     for (int b : r.blocks()) {
-      fwht_avx2(&y[static_cast<std::size_t>(off)], b);
+      fwht_any_avx2(&y[static_cast<std::size_t>(off)], b);
       off += b;
     }
     const int b = q.bits();
@@ -203,8 +262,7 @@ KVQ_AVX2 bool tq_encode_batch(const TurboQuantMse& q, const HadamardRotation& r,
     for (int i = 0; i < d; i += 8) {
       const __m256 yv = _mm256_loadu_ps(&y[static_cast<std::size_t>(i)]);
       __m256i cnt = _mm256_setzero_si256();
-      for (int e = 0; e < ne; ++e)
-        cnt = _mm256_sub_epi32(cnt, _mm256_castps_si256(_mm256_cmp_ps(_mm256_set1_ps(cb.edges_f[static_cast<std::size_t>(e)]), yv, _CMP_LT_OQ)));
+      for (int e = 0; e < ne; ++e) cnt = _mm256_sub_epi32(cnt, _mm256_castps_si256(_mm256_cmp_ps(ev[e], yv, _CMP_LT_OQ)));
       store_codes(cnt, b, out, i / 8);
       if (q.norm_correction()) {
         const __m256 cv = lookup(table, cnt);
@@ -254,7 +312,7 @@ KVQ_AVX2 bool tq_decode_batch(const TurboQuantMse& q, const HadamardRotation& r,
       _mm256_storeu_ps(y + i, _mm256_mul_ps(nv, lookup(table, load_codes(in, q.bits(), i / 8))));
     int off = 0;
     for (int b : r.blocks()) {
-      fwht_avx2(y + off, b);
+      fwht_any_avx2(y + off, b);
       off += b;
     }
     for (int i = 0; i < d; i += 8) _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_loadu_ps(y + i), _mm256_loadu_ps(signs + i)));
