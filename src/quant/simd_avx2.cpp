@@ -206,6 +206,24 @@ KVQ_AVX2 inline __m256 lookup(const CentroidTable& t, __m256i idx) {
   return _mm256_i32gather_ps(t.all, idx, 4);
 }
 
+// Minimum and maximum of a group of g floats (g % 8 == 0); false if any is NaN or Inf.
+KVQ_AVX2 bool group_minmax(const float* xg, int g, float& l, float& h) {
+  __m256 lo = _mm256_loadu_ps(xg), hi = lo, bad = _mm256_setzero_ps();
+  for (int i = 0; i < g; i += 8) {
+    const __m256 t = _mm256_loadu_ps(xg + i);
+    bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_sub_ps(t, t), _mm256_setzero_ps(), _CMP_NEQ_UQ));
+    lo = _mm256_min_ps(lo, t);
+    hi = _mm256_max_ps(hi, t);
+  }
+  alignas(32) float l8[8], h8[8];
+  _mm256_store_ps(l8, lo);
+  _mm256_store_ps(h8, hi);
+  l = l8[0];
+  h = h8[0];
+  for (int k = 1; k < 8; ++k) l = std::fmin(l, l8[k]), h = std::fmax(h, h8[k]);
+  return _mm256_movemask_ps(bad) == 0;
+}
+
 bool blocks_ok(const HadamardRotation& r) {
   for (int b : r.blocks())
     if (b < 8) return false;
@@ -332,19 +350,8 @@ KVQ_AVX2 bool uniform_encode_batch(const UniformAffine& q, const float* x, std::
     bool fallback = false;
     for (int gi = 0; gi < q.groups() && !fallback; ++gi) {
       const float* xg = xv + gi * g;
-      __m256 lo = _mm256_loadu_ps(xg), hi = lo, bad = _mm256_setzero_ps();
-      for (int i = 0; i < g; i += 8) {
-        const __m256 t = _mm256_loadu_ps(xg + i);
-        bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_sub_ps(t, t), _mm256_setzero_ps(), _CMP_NEQ_UQ));
-        lo = _mm256_min_ps(lo, t);
-        hi = _mm256_max_ps(hi, t);
-      }
-      alignas(32) float l8[8], h8[8];
-      _mm256_store_ps(l8, lo);
-      _mm256_store_ps(h8, hi);
-      float l = l8[0], hh = h8[0];
-      for (int k = 1; k < 8; ++k) l = std::fmin(l, l8[k]), hh = std::fmax(hh, h8[k]);
-      if (_mm256_movemask_ps(bad) || !(std::fabs(l) <= 65504.0f && std::fabs(hh) <= 65504.0f)) {
+      float l, hh;
+      if (!group_minmax(xg, g, l, hh) || !(std::fabs(l) <= 65504.0f && std::fabs(hh) <= 65504.0f)) {
         fallback = true;
         break;
       }
@@ -401,19 +408,8 @@ KVQ_AVX2 bool affine_encode_batch(const AffineGroup& q, const float* x, std::siz
     bool fallback = false;
     for (int gi = 0; gi < q.groups(); ++gi) {
       const float* xg = xv + gi * g;
-      __m256 lo = _mm256_loadu_ps(xg), hi = lo, bad = _mm256_setzero_ps();
-      for (int i = 0; i < g; i += 8) {
-        const __m256 t = _mm256_loadu_ps(xg + i);
-        bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_sub_ps(t, t), _mm256_setzero_ps(), _CMP_NEQ_UQ));
-        lo = _mm256_min_ps(lo, t);
-        hi = _mm256_max_ps(hi, t);
-      }
-      alignas(32) float l8[8], h8[8];
-      _mm256_store_ps(l8, lo);
-      _mm256_store_ps(h8, hi);
-      float l = l8[0], hh = h8[0];
-      for (int k = 1; k < 8; ++k) l = std::fmin(l, l8[k]), hh = std::fmax(hh, h8[k]);
-      if (_mm256_movemask_ps(bad) || !std::isfinite(hh - l)) {
+      float l, hh;
+      if (!group_minmax(xg, g, l, hh) || !std::isfinite(hh - l)) {
         fallback = true;
         break;
       }
