@@ -83,6 +83,10 @@ ModelEvalResult evaluate_model(const std::string& model_dir, const std::vector<C
 std::shared_ptr<FormatCalibration> calibrate_format(Model& model, const Tokenizer& tok, const std::string& text,
                                                     const FormatSpec& f, int tokens, int ctx);
 bool format_needs_calibration(const FormatSpec& f);
+// A bf16 paged cache that has collected channel statistics over `tokens` tokens of `text`;
+// its calibration(f) serves every format.
+std::unique_ptr<PagedCache> calibration_stats(Model& model, const Tokenizer& tok, const std::string& text, int tokens,
+                                              int ctx);
 
 // The needle samples of models/README.md's protocol.
 struct NeedleSample {

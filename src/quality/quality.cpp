@@ -163,23 +163,28 @@ bool format_needs_calibration(const FormatSpec& f) {
   return f.kind == FormatKind::kTqSplit || format_uses_centering(f);
 }
 
-std::shared_ptr<FormatCalibration> calibrate_format(Model& model, const Tokenizer& tok, const std::string& text,
-                                                    const FormatSpec& f, int tokens, int ctx) {
-  if (!format_needs_calibration(f)) return nullptr;
+std::unique_ptr<PagedCache> calibration_stats(Model& model, const Tokenizer& tok, const std::string& text, int tokens,
+                                              int ctx) {
   const auto& cfg = model.config();
   const auto stream = ppl_token_stream(text, [&](std::string_view s) { return tok.encode(s); }, cfg.eos_token_ids.at(0));
   CacheOptions o;
   o.format = "bf16";
-  PagedCache cache(model.cache_geometry(), o);
-  cache.collect_channel_stats(true);
+  auto cache = std::make_unique<PagedCache>(model.cache_geometry(), o);
+  cache->collect_channel_stats(true);
   int done = 0;
   for (std::size_t off = 0; done < tokens && off + 2 < stream.size(); off += static_cast<std::size_t>(ctx)) {
     const int n = static_cast<int>(std::min<std::size_t>(static_cast<std::size_t>(std::min(ctx, tokens - done)), stream.size() - off));
-    cache.reset(0);
-    model.forward(&stream[off], n, cache, 0, nullptr, LogitsMode::kNone);
+    cache->reset(0);
+    model.forward(&stream[off], n, *cache, 0, nullptr, LogitsMode::kNone);
     done += n;
   }
-  return cache.calibration(f);
+  return cache;
+}
+
+std::shared_ptr<FormatCalibration> calibrate_format(Model& model, const Tokenizer& tok, const std::string& text,
+                                                    const FormatSpec& f, int tokens, int ctx) {
+  if (!format_needs_calibration(f)) return nullptr;
+  return calibration_stats(model, tok, text, tokens, ctx)->calibration(f);
 }
 
 namespace {
@@ -313,13 +318,18 @@ ModelEvalResult evaluate_model(const std::string& model_dir, const std::vector<C
   res.windows = windows;
 
   // Outlier calibration on the calibration text (never the evaluation text).
+  // One bf16 pass over the calibration text collects the statistics every format draws on.
   std::map<std::string, std::shared_ptr<const OutlierChannels>> outliers;
+  std::unique_ptr<PagedCache> stats;
   for (const auto& c : configs) {
     const auto& f = find_format(c.format);
     if (!format_needs_calibration(f) || outliers.count(c.format)) continue;
     require(!opt.calib_text.empty(), "format " + c.format + " needs a calibration text");
-    if (opt.progress) opt.progress("calibrating " + c.format, 0.0);
-    outliers[c.format] = calibrate_format(*model, *tok, read_text(opt.calib_text), f, opt.calib_tokens, opt.ctx);
+    if (!stats) {
+      if (opt.progress) opt.progress("calibrating", 0.0);
+      stats = calibration_stats(*model, *tok, read_text(opt.calib_text), opt.calib_tokens, opt.ctx);
+    }
+    outliers[c.format] = stats->calibration(f);
   }
   auto oc_of = [&](const CacheConfig& c) {
     auto it = outliers.find(c.format);
