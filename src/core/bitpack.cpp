@@ -10,6 +10,7 @@ namespace kvq {
 
 void pack_bits(const std::uint8_t* codes, std::size_t n, int bits, std::uint8_t* out) {
   if (bits < 1 || bits > 8) fail("pack_bits: bits must be 1..8, got " + std::to_string(bits));
+  if (n == 0) return;  // nothing to write (and the pointers may be null)
   const std::size_t nbytes = packed_bytes(n, bits);
   if (bits == 8) {
     std::memcpy(out, codes, n);
@@ -51,6 +52,7 @@ void pack_bits(const std::uint8_t* codes, std::size_t n, int bits, std::uint8_t*
 
 void unpack_bits(const std::uint8_t* in, std::size_t n, int bits, std::uint8_t* codes) {
   if (bits < 1 || bits > 8) fail("unpack_bits: bits must be 1..8, got " + std::to_string(bits));
+  if (n == 0) return;
   if (bits == 8) {
     std::memcpy(codes, in, n);
     return;

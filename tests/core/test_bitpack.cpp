@@ -72,3 +72,11 @@ TEST(Bitpack, BadWidthIsAnError) {
   EXPECT_THROW(pack_bits(c, 1, 0, p), Error);
   EXPECT_THROW(pack_bits(c, 1, 9, p), Error);
 }
+
+TEST(Bitpack, EmptyInputWritesNothing) {
+  for (int b = 1; b <= 8; ++b) {
+    pack_bits(nullptr, 0, b, nullptr);
+    unpack_bits(nullptr, 0, b, nullptr);
+  }
+  EXPECT_EQ(packed_bytes(0, 3), 0u);
+}
