@@ -73,15 +73,23 @@ OutlierChannels outliers_for(const FormatSpec& f, const Input& in) {
 
 constexpr std::size_t kChunk = 64;
 
-void BM_Encode(benchmark::State& st, std::string name, bool use_simd) {
-  const auto& f = find_format(name);
-  const bool mla = f.family == FormatFamily::kMLA;
+// The fixture rows of the format's family, loaded once for every benchmark.
+const Input& input_for(const std::string& name) {
   static std::map<bool, Input> inputs;
+  const bool mla = find_format(name).family == FormatFamily::kMLA;
   if (!inputs.count(mla)) inputs[mla] = load_input(mla);
-  const Input& in = inputs[mla];
-  const auto g = geometry(mla);
+  return inputs[mla];
+}
+
+QuantizerPair quantizers_for(const std::string& name, const Input& in) {
+  const auto& f = find_format(name);
   const auto oc = outliers_for(f, in);
-  const auto q = make_quantizers(f, g, 0, 0, &oc);
+  return make_quantizers(f, geometry(f.family == FormatFamily::kMLA), 0, 0, &oc);
+}
+
+void BM_Encode(benchmark::State& st, std::string name, bool use_simd) {
+  const Input& in = input_for(name);
+  const auto q = quantizers_for(name, in);
   simd::set_enabled(use_simd);
   std::vector<float> kf(kChunk * static_cast<std::size_t>(in.dk)), vf(kChunk * static_cast<std::size_t>(in.dv));
   std::vector<std::uint8_t> kr(kTokens * q.key->bytes()), vr(kTokens * q.value->bytes());
@@ -105,14 +113,8 @@ void BM_Encode(benchmark::State& st, std::string name, bool use_simd) {
 }
 
 void BM_Decode(benchmark::State& st, std::string name, bool use_simd) {
-  const auto& f = find_format(name);
-  const bool mla = f.family == FormatFamily::kMLA;
-  static std::map<bool, Input> inputs;
-  if (!inputs.count(mla)) inputs[mla] = load_input(mla);
-  const Input& in = inputs[mla];
-  const auto g = geometry(mla);
-  const auto oc = outliers_for(f, in);
-  const auto q = make_quantizers(f, g, 0, 0, &oc);
+  const Input& in = input_for(name);
+  const auto q = quantizers_for(name, in);
   std::vector<float> kf(kTokens * static_cast<std::size_t>(in.dk)), vf(kTokens * static_cast<std::size_t>(in.dv));
   for (std::size_t i = 0; i < kf.size(); ++i) kf[i] = bf16_to_float(in.k[i]);
   for (std::size_t i = 0; i < vf.size(); ++i) vf[i] = bf16_to_float(in.v[i]);
