@@ -68,514 +68,513 @@ using detail::cp_async_wait;
 using detail::mma16816;
 using detail::split2;
 
-constexpr int kDc = 512, kDr = 64, kD = 576, kT = 64, kHG = 16;
-constexpr int kKStride = kD + 8;  // bf16 per tile row: 1168 bytes, conflict-free ldmatrix rows
-constexpr int kSStride = kT + 4;  // floats per score row
-constexpr std::size_t kTileBytes = static_cast<std::size_t>(kT) * kKStride * 2;
-// Partial scores [8 warps][16][kSStride] (P overwrites warp 0's rows), scales, softmax state.
-constexpr std::size_t kSmemTail = static_cast<std::size_t>(8 * kHG * kSStride + kT * 8 + kT + 3 * kHG) * 4;
-// Pages in flight: the prefetch runs kStages - 1 pages ahead (the bf16 tile buffers are the stages).
-template <int CB>
-constexpr int kStages = CB == 16 ? 2 : (CB == 8 ? 3 : 4);
+constexpr int kDc = 512, kD = 576, kPT = 64, kHG = 16, kNW = 16, kNT = 32 * kNW;
+constexpr int kSmemMax = 232448;  // sm_90 opt-in dynamic shared memory per block
+constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+
+// Per-format constants. A tile is TI tokens (64 = one page for the affine formats; 32 = half a
+// page for bf16, whose pages are 72 KB). A stage holds one tile: content rows (stride CS), RoPE
+// rows (stride RS) and, for affine formats, 32-byte metadata rows (stride MS); the strides are
+// padded so that the per-lane fragment loads below are free of bank conflicts.
+template <int CB, int RB>
+struct Cfg {
+  static constexpr bool kAff = CB != 16;
+  static constexpr int TI = kAff ? 64 : 32;
+  static constexpr int TPW = TI / 2;  // tokens per warp (two token halves)
+  static constexpr int NJ = TPW / 8;  // QK n-tiles per warp
+  static constexpr int CBY = kAff ? 8 * CB * 8 : 1024;  // content bytes per token
+  static constexpr int RBY = kAff ? 8 * RB : 128;       // RoPE bytes per token
+  static constexpr int MBY = kAff ? 32 : 0;
+  static constexpr int CS = CB == 16 ? 1088 : CB == 8 ? 576 : CB == 4 ? 288 : CB == 3 ? 208 : 144;
+  static constexpr int RS = RB == 16 ? 144 : RB == 8 ? 80 : 48;
+  static constexpr int MS = kAff ? 48 : 0;
+  static constexpr int kStage = TI * (CS + RS + MS);
+  static constexpr int SST = TI + 8;  // floats per partial-score / P row
+  static constexpr int kTail = (8 * kHG * SST + kHG * SST + 3 * kHG) * 4;
+  static constexpr int NS0 = (kSmemMax - kTail) / kStage;
+  static constexpr int NS = NS0 > 8 ? 8 : NS0;
+  static constexpr int kSmem = NS * kStage + kTail;
+  static_assert(NS >= 3, "at least three stages");
+  static_assert(NS * kStage >= kHG * kDc * 4, "the stages hold the final reduction");
+};
 
 __device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, bool valid) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   const int n = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n) : "memory");
 }
-__device__ __forceinline__ void ldsm_x4(std::uint32_t (&r)[4], const void* p) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(s));
+// Transposes the 8x8 b16 matrix held one 32-bit pair per lane (row lane / 4, columns 2 (lane % 4) ..).
+__device__ __forceinline__ std::uint32_t movt(std::uint32_t x) {
+  std::uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
 }
-__device__ __forceinline__ void ldsm_x4_t(std::uint32_t (&r)[4], const void* p) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(s));
-}
-struct Smem {
-  std::uint8_t* stage[4];  // affine: packed pages
-  std::uint16_t* tile[2];  // bf16 cache: two tile buffers (bf16); affine: tile[0] only (fp16)
-  float* spart;            // [8][16][kSStride]
-  float* P;                // [16][kSStride]
-  float* sc;               // [64][8]
-  float* sr;               // [64]
-  float* mrow;             // [16]
-  float* lrow;
-  float* alpha;
-};
-
-template <int CB>
-__host__ __device__ constexpr std::size_t head_bytes(std::size_t page_bytes) {
-  return CB == 16 ? 2 * kTileBytes : kStages<CB> * page_bytes + kTileBytes;
-}
-template <int CB>
-std::size_t smem_bytes(std::size_t page_bytes) {
-  return head_bytes<CB>(page_bytes) + kSmemTail;
-}
-
-// Eight consecutive codes (dims 8 ch .. 8 ch + 7, code i at bits B i) minus z as four fp16x2 words,
-// by the exponent trick: (0x6400 | n) is the fp16 1024 + n, and (1024 + n) - (1024 + z) = n - z
-// exactly (n, z <= 255).
-template <int B>
-__device__ __forceinline__ uint4 dequant8(const std::uint8_t* row, int ch, int z) {
-  constexpr std::uint32_t e = 0x64006400u;
-  std::uint32_t w[4];
-  if constexpr (B == 8) {
-    const uint2 v = *reinterpret_cast<const uint2*>(row + 8 * ch);
-    w[0] = __byte_perm(v.x, e, 0x5150);
-    w[1] = __byte_perm(v.x, e, 0x5352);
-    w[2] = __byte_perm(v.y, e, 0x5150);
-    w[3] = __byte_perm(v.y, e, 0x5352);
+// D = A * B + D, m16n8k8 (a0 rows g, a1 rows g + 8, k pair 2t; b0 k pair 2t of column g).
+template <bool kBf16>
+__device__ __forceinline__ void mma1688(float (&c)[4], std::uint32_t a0, std::uint32_t a1, std::uint32_t b0) {
+  if constexpr (kBf16) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(b0));
   } else {
-    std::uint32_t v;
-    if constexpr (B == 4) v = *reinterpret_cast<const std::uint32_t*>(row + 4 * ch);
-    else if constexpr (B == 2) v = *reinterpret_cast<const std::uint16_t*>(row + 2 * ch);
-    else v = row[3 * ch] | (static_cast<std::uint32_t>(row[3 * ch + 1]) << 8) | (static_cast<std::uint32_t>(row[3 * ch + 2]) << 16);
-    constexpr std::uint32_t lo = (1u << B) - 1u, hi = lo << 16;
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(b0));
+  }
+}
+
+// (x_lo - z, x_hi - z) of two codes held as fp16 1024 + code (exponent trick: exact for codes,
+// zeros <= 255).
+__device__ __forceinline__ std::uint32_t sub_zero(std::uint32_t w, std::uint32_t z2) {
+  const __half2 r = __hsub2(*reinterpret_cast<const __half2*>(&w), *reinterpret_cast<const __half2*>(&z2));
+  return *reinterpret_cast<const std::uint32_t*>(&r);
+}
+// Codes 2k, 2k + 1 of a little-endian B-bit code word v as an fp16x2 (1024 + code) pair.
+template <int B>
+__device__ __forceinline__ std::uint32_t code_pair(std::uint32_t v, int k) {
+  constexpr std::uint32_t lo = (1u << B) - 1u, hi = lo << 16;
+  const std::uint32_t x = v >> (2 * B * k);
+  return (x & lo) | ((x << (16 - B)) & hi) | 0x64006400u;
+}
+// Sixteen consecutive codes (dims 16 t .. 16 t + 15 of one group) at `p` as eight fp16x2 pairs q - z.
+template <int B>
+__device__ __forceinline__ void dequant16(std::uint32_t (&w)[8], const std::uint8_t* p, int z) {
+  const std::uint32_t z2 = 0x64006400u + static_cast<std::uint32_t>(z) * 0x10001u;
+  if constexpr (B == 8) {
+    const uint4 v = *reinterpret_cast<const uint4*>(p);
+    const std::uint32_t u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      w[2 * i] = sub_zero(__byte_perm(u[i], 0x64646464u, 0x5150), z2);
+      w[2 * i + 1] = sub_zero(__byte_perm(u[i], 0x64646464u, 0x5352), z2);
+    }
+  } else if constexpr (B == 4) {
+    const uint2 v = *reinterpret_cast<const uint2*>(p);
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      const std::uint32_t x = v >> (2 * B * k);
-      w[k] = (x & lo) | ((x << (16 - B)) & hi) | e;
+      w[k] = sub_zero(code_pair<4>(v.x, k), z2);
+      w[4 + k] = sub_zero(code_pair<4>(v.y, k), z2);
+    }
+  } else if constexpr (B == 2) {
+    const std::uint32_t v = *reinterpret_cast<const std::uint32_t*>(p);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) w[k] = sub_zero(code_pair<2>(v, k), z2);
+  } else {  // B == 3: 48 bits at a 2-byte aligned address
+    const std::uint16_t* h = reinterpret_cast<const std::uint16_t*>(p);
+    const std::uint32_t a = h[0], bb = h[1], c = h[2];
+    const std::uint32_t v0 = a | ((bb & 0xffu) << 16), v1 = (bb >> 8) | (c << 8);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      w[k] = sub_zero(code_pair<3>(v0, k), z2);
+      w[4 + k] = sub_zero(code_pair<3>(v1, k), z2);
     }
   }
-  const __half zz = __ushort_as_half(static_cast<unsigned short>(0x6400 + z));
-  const __half2 z2 = __halves2half2(zz, zz);
-  uint4 o;
-  std::uint32_t* op = &o.x;
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const __half2 r = __hsub2(*reinterpret_cast<const __half2*>(&w[k]), z2);
-    op[k] = *reinterpret_cast<const std::uint32_t*>(&r);
-  }
-  return o;
+}
+__device__ __forceinline__ std::uint32_t bf2_to_h2(std::uint32_t x) {
+  const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&x));
+  return detail::pack2<false>(f.x, f.y);
 }
 
-// Dequantizes one staged affine page into the fp16 tile (integers q - z, exact) and the scales
-// (0 for tokens outside [tlo, thi), whose rows then contribute nothing).
-template <int CB, int RB, int NT>
-__device__ __forceinline__ void dequant_page(const Smem& sm, const std::uint8_t* pg, const PageLayout& L, int tlo, int thi) {
-  const int tid = threadIdx.x;
-  std::uint16_t* K = sm.tile[0];
-#pragma unroll 4
-  for (int c = tid; c < kT * (kDc / 8); c += NT) {
-    const int tok = c >> 6, ch = c & 63;
-    const int z = pg[L.meta_off + tok * 32 + 16 + (ch >> 3)];
-    *reinterpret_cast<uint4*>(K + tok * kKStride + 8 * ch) =
-        dequant8<CB>(pg + L.key_code_off + static_cast<std::size_t>(tok) * L.key_code_bytes, ch, z);
-  }
-  for (int c = tid; c < kT * (kDr / 8); c += NT) {
-    const int tok = c >> 3, ch = c & 7;
-    const int z = pg[L.meta_off + tok * 32 + 28];
-    *reinterpret_cast<uint4*>(K + tok * kKStride + kDc + 8 * ch) =
-        dequant8<RB>(pg + L.value_code_off + static_cast<std::size_t>(tok) * L.value_code_bytes, ch, z);
-  }
-  if (tid < kT) {
-    const std::uint8_t* m = pg + L.meta_off + tid * 32;
-    const bool ok = tid >= tlo && tid < thi;
-#pragma unroll
-    for (int g = 0; g < 8; ++g)
-      sm.sc[tid * 8 + g] = ok ? detail::bf16_bits_to_float(reinterpret_cast<const std::uint16_t*>(m)[g]) : 0.0f;
-    sm.sr[tid] = ok ? *reinterpret_cast<const float*>(m + 24) : 0.0f;
-  }
-}
+struct Work {
+  float* opart;  // [batch][heads][nsplit][512]
+  float* ml;     // [batch][heads][nsplit][2]: running max (natural log units) and sum
+  int nsplit;
+};
 
-// Protected bf16 rows [0, n) of one tile, converted to fp16 (finite bf16 latents are far inside
-// fp16's range; values below 2^-14 become fp16 subnormals) into the affine kernel's tile.
-template <int NT>
-__device__ __forceinline__ void load_protected(const Smem& sm, const MlaDecodeParams& p, int b, int first, int n,
-                                               int pb, int pe) {
-  std::uint16_t* K = sm.tile[0];
-  for (int c = threadIdx.x; c < kT * 72; c += NT) {
-    const int r = c / 72, k = c % 72;
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (r < n) {
-      const int idx = first + r;
-      const int pos = idx < pb ? idx : pe + (idx - pb);
-      const uint4 u = *reinterpret_cast<const uint4*>(p.protect_rows + p.protect.row(b, p.protect.slot(pos)) + 8 * k);
-      const std::uint32_t* in = &u.x;
-      std::uint32_t* out = &v.x;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&in[i]));
-        const __half2 h = __floats2half2_rn(f.x, f.y);
-        out[i] = *reinterpret_cast<const std::uint32_t*>(&h);
-      }
-    }
-    *reinterpret_cast<uint4*>(K + r * kKStride + 8 * k) = v;
-  }
-  if (threadIdx.x < kT) {
-    const float one = threadIdx.x < n ? 1.0f : 0.0f;
-#pragma unroll
-    for (int g = 0; g < 8; ++g) sm.sc[threadIdx.x * 8 + g] = one;
-    sm.sr[threadIdx.x] = one;
-  }
-}
+// One CTA = one sequence x 16 heads x a contiguous range of tiles (a split); 16 warps.
+// Warp w owns content group gq = w % 8 (dims 64 gq .. 64 gq + 63), RoPE dims 8 gq .. 8 gq + 7 and
+// token half th = w / 8 of each tile. Lane (g, t) = (lane / 4, lane % 4) loads, for the tokens
+// th TPW + 8 j + g, sixteen content dims R(t, 0..15) and RoPE dims 8 gq + 2 t, + 1 straight into
+// mma B fragments (QK: B[k = dim][n = token]; any order of the dims works as long as the query
+// uses the same), dequantized in registers. PV needs B[k = token][n = dim]: movmatrix transposes
+// each 8x8 block of the same registers, so a packed tile is read from shared memory and
+// dequantized once for both products; lane (g, t) then accumulates the output of heads g, g + 8
+// at exactly its own dims R(t, .). R(t, i) = 16 t + i for affine caches; for bf16,
+// 8 t + i (i < 8) and 24 + 8 t + i (i >= 8) so that a token's four lanes read 64 contiguous bytes.
+// The per-group partial scores meet in shared memory; one warp per head runs the online
+// softmax; affine scales multiply the QK result per token and P (A of PV) per token.
+// Virtual tiles: [0, nprt) are the protected bf16 rows (affine caches with protection; loaded
+// straight from global memory), then the packed tiles of positions [pb, pe), which go through a
+// ring of NS cp.async stages. Operands: affine in fp16 (codes q - z exact, query and P rounded
+// once; P scaled by a running per-warp maximum of the group scales so it stays <= 1); bf16 cache
+// in bf16 with the query as hi + lo pairs and P rounded once to bf16.
+template <int CB, int RB>
+__global__ void __launch_bounds__(kNT, 1) mla_decode_kernel(MlaDecodeParams p, Work wk) {
+  using C = Cfg<CB, RB>;
+  constexpr bool kAff = C::kAff, kB = !kAff;
+  constexpr int TI = C::TI, TPW = C::TPW, NJ = C::NJ, NS = C::NS, SST = C::SST;
+  extern __shared__ __align__(16) std::uint8_t smem_raw[];
+  std::uint8_t* stages = smem_raw;
+  float* spart = reinterpret_cast<float*>(smem_raw + NS * C::kStage);  // [8][16][SST]
+  float* sP = spart + 8 * kHG * SST;                                   // [16][SST]
+  float* mrow = sP + kHG * SST;                                        // log2 units
+  float* lrow = mrow + kHG;
+  float* alpha = lrow + kHG;
+  const PageLayout L = p.fmt.page;
 
-// QK, online softmax and PV of one tile held in `K`, by NW warps (8 or 16).
-//  kAff = false (bf16 cache): bf16 operands, query and P as hi + lo pairs (~16 bits), unit scales.
-//  kAff = true (affine cache): fp16 operands (codes exact), query qa in fp16, per-token group
-//  scales from sm.sc / sm.sr; P is scaled per token by the group scale over its largest value in
-//  the tile (so it stays in [0, 1], clear of fp16 underflow) and the tile's sum is rescaled.
-// QK: warp w takes content group w % 8 over token half w / 8 (all 64 tokens when NW = 8), and the
-// warps with w % 8 < 4 add RoPE slice w & 3 over the same tokens. PV: warp w owns 512 / NW
-// output columns.
-template <bool kAff, int NW>
-__device__ __forceinline__ void compute_tile(const Smem& sm, const std::uint16_t* K, const std::uint32_t (&qa)[5][4],
-                                             const std::uint32_t (&qb)[5][4], float (&o)[512 / NW / 8][4], float scale,
-                                             int tlo, int thi) {
-  constexpr bool kB = !kAff;
-  constexpr int NJ = 8 * 8 / NW;        // QK n-tiles (8 tokens) per warp
-  constexpr int NN = 512 / NW / 8;      // PV n-tiles (8 columns) per warp
-  constexpr int TPH = 32 * NW / kHG;    // softmax threads per head
-  constexpr int TPT = kT / TPH;         // tokens per softmax thread
+  const int split = blockIdx.x, hg = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, t = lane & 3;
-  const int gq = w & 7, tb = (w >> 3) * 8 * NJ;
-  // ---- QK
-  {
-    float acc[NJ][4];
-#pragma unroll
-    for (int j = 0; j < NJ; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
-#pragma unroll
-    for (int ks = 0; ks < 4; ks += 2) {
-#pragma unroll
-      for (int jn = 0; jn < NJ; ++jn) {
-        std::uint32_t b[4];
-        ldsm_x4(b, K + (tb + 8 * jn + (lane & 7)) * kKStride + 64 * gq + 16 * ks + 8 * (lane >> 3));
-        mma16816<kB>(acc[jn], qa[ks], b[0], b[1]);
-        mma16816<kB>(acc[jn], qa[ks + 1], b[2], b[3]);
-        if constexpr (!kAff) {
-          mma16816<kB>(acc[jn], qb[ks], b[0], b[1]);
-          mma16816<kB>(acc[jn], qb[ks + 1], b[2], b[3]);
-        }
-      }
-    }
-    if constexpr (kAff) {
-#pragma unroll
-      for (int jn = 0; jn < NJ; ++jn) {
-        const int c0 = tb + 8 * jn + 2 * t;
-        const float s0 = sm.sc[c0 * 8 + gq], s1 = sm.sc[(c0 + 1) * 8 + gq];
-        acc[jn][0] *= s0;
-        acc[jn][1] *= s1;
-        acc[jn][2] *= s0;
-        acc[jn][3] *= s1;
-      }
-    }
-    if (gq < 4) {
-      float ar[NJ][4];
-#pragma unroll
-      for (int j = 0; j < NJ; ++j) ar[j][0] = ar[j][1] = ar[j][2] = ar[j][3] = 0.0f;
-#pragma unroll
-      for (int jn = 0; jn < NJ; jn += 2) {
-        std::uint32_t b[4];
-        ldsm_x4(b, K + (tb + 8 * jn + (lane & 7) + 8 * (lane >> 4)) * kKStride + kDc + 16 * gq + 8 * ((lane >> 3) & 1));
-        mma16816<kB>(ar[jn], qa[4], b[0], b[1]);
-        mma16816<kB>(ar[jn + 1], qa[4], b[2], b[3]);
-        if constexpr (!kAff) {
-          mma16816<kB>(ar[jn], qb[4], b[0], b[1]);
-          mma16816<kB>(ar[jn + 1], qb[4], b[2], b[3]);
-        }
-      }
-#pragma unroll
-      for (int jn = 0; jn < NJ; ++jn) {
-        const int c0 = tb + 8 * jn + 2 * t;
-        const float s0 = kAff ? sm.sr[c0] : 1.0f, s1 = kAff ? sm.sr[c0 + 1] : 1.0f;
-        acc[jn][0] += ar[jn][0] * s0;
-        acc[jn][1] += ar[jn][1] * s1;
-        acc[jn][2] += ar[jn][2] * s0;
-        acc[jn][3] += ar[jn][3] * s1;
-      }
-    }
-    float* sp = sm.spart + gq * kHG * kSStride;
-#pragma unroll
-    for (int jn = 0; jn < NJ; ++jn) {
-      const int c0 = tb + 8 * jn + 2 * t;
-      *reinterpret_cast<float2*>(sp + g * kSStride + c0) = make_float2(acc[jn][0], acc[jn][1]);
-      *reinterpret_cast<float2*>(sp + (g + 8) * kSStride + c0) = make_float2(acc[jn][2], acc[jn][3]);
-    }
-  }
-  __syncthreads();
-  // ---- online softmax: TPH threads per head, TPT consecutive tokens each
-  {
-    const int h = tid / TPH, sub = tid % TPH;
-    float s[TPT];
-#pragma unroll
-    for (int k = 0; k < TPT; ++k) s[k] = 0.0f;
-#pragma unroll
-    for (int ww = 0; ww < 8; ++ww) {
-      const float* row = sm.spart + (ww * kHG + h) * kSStride + TPT * sub;
-      if constexpr (TPT == 4) {
-        const float4 v = *reinterpret_cast<const float4*>(row);
-        s[0] += v.x;
-        s[1] += v.y;
-        s[2] += v.z;
-        s[3] += v.w;
+  const int gq = w & 7, th = w >> 3;
+  const int Lq = p.seq_lens[b];
+  const bool prot = kAff && p.protect.enabled();
+  const int pb = prot ? static_cast<int>(p.protect.packed_begin(Lq)) : 0;
+  const int pe = prot ? static_cast<int>(p.protect.packed_end(Lq)) : Lq;
+  const int first = pb / TI, end = pe > pb ? (pe + TI - 1) / TI : first;
+  const int npk = end - first;
+  const int nprot = prot ? pb + (Lq - pe) : 0;
+  const int nprt = (nprot + kPT - 1) / kPT;
+  const int nv = nprt + npk;
+  const int per = (nv + wk.nsplit - 1) / wk.nsplit;
+  const int v0 = min(split * per, nv), v1 = min(v0 + per, nv);
+  const int kb = max(v0, nprt);       // first packed virtual tile of this split
+  const int nks = max(0, v1 - kb);    // packed tiles of this split
+  const std::int32_t* bt = p.block_tables + static_cast<std::size_t>(b) * p.max_pages;
+
+  // ---- stage copies
+  auto page_id = [&](int k) -> int { return k < nks ? bt[(first + kb - nprt + k) * TI / kPT] : -1; };
+  auto issue = [&](int k, int id) {
+    if (id < 0) return;
+    const int pi = first + kb - nprt + k;
+    const int toff = (pi * TI) % kPT;
+    const int lo = max(0, pb - pi * TI), hi = min(TI, pe - pi * TI);
+    const std::uint8_t* pg = p.pool + static_cast<std::size_t>(id) * L.page_bytes;
+    std::uint8_t* st = stages + (k % NS) * C::kStage;
+    constexpr int nc = C::CBY / 16, nr = C::RBY / 16, nm = C::MBY / 16;
+    constexpr int total = TI * (nc + nr + nm);
+    for (int c = tid; c < total; c += kNT) {
+      int r, off;
+      const std::uint8_t* src;
+      std::uint8_t* dst;
+      if (c < TI * nc) {
+        r = c / nc;
+        off = 16 * (c % nc);
+        src = pg + L.key_code_off + static_cast<std::size_t>(toff + r) * C::CBY + off;
+        dst = st + r * C::CS + off;
+      } else if (c < TI * (nc + nr)) {
+        const int c2 = c - TI * nc;
+        r = c2 / nr;
+        off = 16 * (c2 % nr);
+        src = pg + L.value_code_off + static_cast<std::size_t>(toff + r) * C::RBY + off;
+        dst = st + TI * C::CS + r * C::RS + off;
       } else {
-        const float2 v = *reinterpret_cast<const float2*>(row);
-        s[0] += v.x;
-        s[1] += v.y;
+        const int c2 = c - TI * (nc + nr);
+        r = c2 >> 1;
+        off = 16 * (c2 & 1);
+        src = pg + L.meta_off + static_cast<std::size_t>(toff + r) * 32 + off;
+        dst = st + TI * (C::CS + C::RS) + r * C::MS + off;
       }
-    }
-    float mx = -INFINITY;
-#pragma unroll
-    for (int k = 0; k < TPT; ++k) {
-      const int tok = TPT * sub + k;
-      s[k] = (tok >= tlo && tok < thi) ? s[k] * scale : -INFINITY;
-      mx = fmaxf(mx, s[k]);
-    }
-#pragma unroll
-    for (int off = TPH / 2; off >= 1; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-    const float m_old = sm.mrow[h];
-    const float m_new = fmaxf(m_old, mx);
-    float a = 1.0f, sum = 0.0f, pv[TPT];
-#pragma unroll
-    for (int k = 0; k < TPT; ++k) {
-      pv[k] = (m_new == -INFINITY || s[k] == -INFINITY) ? 0.0f : expf(s[k] - m_new);
-      sum += pv[k];
-    }
-    if (m_new != -INFINITY) a = m_old == -INFINITY ? 0.0f : expf(m_old - m_new);
-#pragma unroll
-    for (int off = TPH / 2; off >= 1; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-    float* prow = sm.P + h * kSStride + TPT * sub;
-#pragma unroll
-    for (int k = 0; k < TPT; ++k) prow[k] = pv[k];
-    __syncwarp();
-    if (sub == 0) {
-      sm.lrow[h] = sm.lrow[h] * a + sum;
-      sm.mrow[h] = m_new;
-      sm.alpha[h] = a;
-    }
-  }
-  __syncthreads();
-  // ---- PV: warp w owns output columns cb .. cb + 8 NN - 1, inside content group gp
-  {
-    const int cb = w * 8 * NN, gp = cb / 64;
-    const float a0 = sm.alpha[g], a1 = sm.alpha[g + 8];
-    float smax = 1.0f, inv = 1.0f;
-    if constexpr (kAff) {
-      smax = fmaxf(sm.sc[lane * 8 + gp], sm.sc[(lane + 32) * 8 + gp]);
-#pragma unroll
-      for (int off = 16; off >= 1; off >>= 1) smax = fmaxf(smax, __shfl_xor_sync(0xffffffffu, smax, off));
-      inv = smax > 0.0f ? 1.0f / smax : 0.0f;
-    }
-    float ot[NN][4];
-#pragma unroll
-    for (int n = 0; n < NN; ++n) {
       if constexpr (kAff) {
-        ot[n][0] = ot[n][1] = ot[n][2] = ot[n][3] = 0.0f;
+        cp_async16(dst, src);
       } else {
+        const bool ok = r >= lo && r < hi;  // rows outside the sequence: zeros (pages may hold NaN)
+        cp_async16_zfill(dst, ok ? src : pg, ok);
+      }
+    }
+  };
+  // Prologue: the first NS - 1 packed tiles in flight while the query fragments load.
+  int id_next;
+  {
+#pragma unroll 1
+    for (int s = 0; s < NS - 1; ++s) {
+      issue(s, page_id(s));
+      cp_async_commit();
+    }
+    id_next = page_id(NS - 1);
+  }
+  if (tid < kHG) {
+    mrow[tid] = -INFINITY;
+    lrow[tid] = 0.0f;
+  }
+  // ---- query fragments: A[row = head][k], k-step s = dims R(t, 4 s .. 4 s + 3) of group gq.
+  std::uint32_t qa[4][4], qb[4][4], qra[2], qrb[2];
+  {
+    const float* q0 = p.q + (static_cast<std::size_t>(b) * p.heads + hg * kHG + g) * kD;
+    const float* q1 = q0 + 8 * kD;
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      const int d = 64 * gq + (kAff ? 16 * t + 4 * s : (s < 2 ? 8 * t + 4 * s : 24 + 8 * t + 4 * s));
+      const float4 x0 = *reinterpret_cast<const float4*>(q0 + d);
+      const float4 x1 = *reinterpret_cast<const float4*>(q1 + d);
+      if constexpr (kAff) {
+        qa[s][0] = detail::pack2<false>(x0.x, x0.y);
+        qa[s][1] = detail::pack2<false>(x1.x, x1.y);
+        qa[s][2] = detail::pack2<false>(x0.z, x0.w);
+        qa[s][3] = detail::pack2<false>(x1.z, x1.w);
+      } else {
+        split2<true>(x0.x, x0.y, qa[s][0], qb[s][0]);
+        split2<true>(x1.x, x1.y, qa[s][1], qb[s][1]);
+        split2<true>(x0.z, x0.w, qa[s][2], qb[s][2]);
+        split2<true>(x1.z, x1.w, qa[s][3], qb[s][3]);
+      }
+    }
+    const int dr = kDc + 8 * gq + 2 * t;
+    if constexpr (kAff) {
+      qra[0] = detail::pack2<false>(q0[dr], q0[dr + 1]);
+      qra[1] = detail::pack2<false>(q1[dr], q1[dr + 1]);
+    } else {
+      split2<true>(q0[dr], q0[dr + 1], qra[0], qrb[0]);
+      split2<true>(q1[dr], q1[dr + 1], qra[1], qrb[1]);
+    }
+  }
+  float o[8][4];
+#pragma unroll
+  for (int n = 0; n < 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+  float sref = 0.0f;  // affine: running maximum of this warp's group scales (P is scaled by 1 / sref)
+  const float sl2 = p.scale * kLog2e;
+
+  cp_async_wait<NS - 2>();
+  __syncthreads();
+
+#pragma unroll 1
+  for (int vt = v0; vt < v1; ++vt) {
+    const bool is_prot = kAff && vt < nprt;
+    const int k = vt - kb;
+    int lo = 0, hi = 0;
+    std::uint32_t wc[NJ][8], wr[NJ];
+    if (is_prot) {  // never for bf16 caches (kAff false)
+      // Protected rows (affine caches only): bf16 rows from global memory, converted to fp16.
+      const int r0 = (vt * kPT);
+      hi = min(kPT, nprot - r0);
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) {
+        const int r = th * TPW + 8 * j + g;
+        if (r < hi) {
+          const int idx = r0 + r;
+          const int pos = idx < pb ? idx : pe + (idx - pb);
+          const std::uint16_t* row = p.protect_rows + p.protect.row(b, p.protect.slot(pos));
+          const uint4 a = *reinterpret_cast<const uint4*>(row + 64 * gq + 16 * t);
+          const uint4 c = *reinterpret_cast<const uint4*>(row + 64 * gq + 16 * t + 8);
+          const std::uint32_t u[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
+#pragma unroll
+          for (int i = 0; i < 8; ++i) wc[j][i] = bf2_to_h2(u[i]);
+          wr[j] = bf2_to_h2(*reinterpret_cast<const std::uint32_t*>(row + kDc + 8 * gq + 2 * t));
+        } else {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) wc[j][i] = 0u;
+          wr[j] = 0u;
+        }
+      }
+    } else {
+      const int pi = first + kb - nprt + k;
+      lo = max(0, pb - pi * TI);
+      hi = min(TI, pe - pi * TI);
+      const std::uint8_t* st = stages + (k % NS) * C::kStage;
+      const std::uint8_t* rope = st + TI * C::CS;
+      const std::uint8_t* meta = rope + TI * C::RS;
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) {
+        const int r = th * TPW + 8 * j + g;
+        const std::uint8_t* crow = st + r * C::CS;
+        if constexpr (kAff) {
+          const std::uint8_t* m = meta + r * C::MS;
+          dequant16<CB>(wc[j], crow + 8 * CB * gq + 2 * CB * t, m[16 + gq]);
+          const std::uint8_t* rr = rope + r * C::RS;
+          std::uint32_t v;
+          if constexpr (RB == 8) v = *reinterpret_cast<const std::uint16_t*>(rr + 8 * gq + 2 * t);
+          else v = rr[4 * gq + t];
+          wr[j] = sub_zero(code_pair<RB>(v, 0), 0x64006400u + static_cast<std::uint32_t>(m[28]) * 0x10001u);
+        } else {
+          const uint4 a = *reinterpret_cast<const uint4*>(crow + 128 * gq + 16 * t);
+          const uint4 c = *reinterpret_cast<const uint4*>(crow + 128 * gq + 64 + 16 * t);
+          wc[j][0] = a.x;
+          wc[j][1] = a.y;
+          wc[j][2] = a.z;
+          wc[j][3] = a.w;
+          wc[j][4] = c.x;
+          wc[j][5] = c.y;
+          wc[j][6] = c.z;
+          wc[j][7] = c.w;
+          wr[j] = *reinterpret_cast<const std::uint32_t*>(rope + r * C::RS + 16 * gq + 4 * t);
+        }
+      }
+    }
+    // Group scale (rope = false) or RoPE scale of token tok of this tile: 0 outside [lo, hi)
+    // (metadata there may be garbage), 1 for protected rows; re-read from the stage, which stays
+    // valid until the next iteration's refill.
+    const std::uint8_t* meta_k = stages + (k % NS) * C::kStage + TI * (C::CS + C::RS);
+    auto scale_of = [&](int tok, bool rope) -> float {
+      if constexpr (!kAff) {
+        return 1.0f;
+      } else {
+        const bool ok = tok >= lo && tok < hi;
+        if (!ok) return 0.0f;
+        if (is_prot) return 1.0f;
+        const std::uint8_t* me = meta_k + tok * C::MS;
+        return rope ? *reinterpret_cast<const float*>(me + 24)
+                    : detail::bf16_bits_to_float(reinterpret_cast<const std::uint16_t*>(me)[gq]);
+      }
+    };
+    // ---- QK: partial scores of the 16 heads x this warp's TPW tokens over its dims
+    {
+      float sp[NJ][4];
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) sp[j][0] = sp[j][1] = sp[j][2] = sp[j][3] = 0.0f;
+#pragma unroll
+      for (int s = 0; s < 4; ++s)
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) {
+          mma16816<kB>(sp[j], qa[s], wc[j][2 * s], wc[j][2 * s + 1]);
+          if constexpr (kB) mma16816<kB>(sp[j], qb[s], wc[j][2 * s], wc[j][2 * s + 1]);
+        }
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) {
+        float ar[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        mma1688<kB>(ar, qra[0], qra[1], wr[j]);
+        if constexpr (kB) mma1688<kB>(ar, qrb[0], qrb[1], wr[j]);
+        float* dst = spart + gq * kHG * SST + th * TPW + 8 * j + 2 * t;
+        const int tok = th * TPW + 8 * j + 2 * t;
+        const float c0 = scale_of(tok, false), c1 = scale_of(tok + 1, false);
+        const float r0 = scale_of(tok, true), r1 = scale_of(tok + 1, true);
+        float2 v0, v1;
+        v0.x = sp[j][0] * c0 + ar[0] * r0;
+        v0.y = sp[j][1] * c1 + ar[1] * r1;
+        v1.x = sp[j][2] * c0 + ar[2] * r0;
+        v1.y = sp[j][3] * c1 + ar[3] * r1;
+        *reinterpret_cast<float2*>(dst + g * SST) = v0;
+        *reinterpret_cast<float2*>(dst + (g + 8) * SST) = v1;
+      }
+    }
+    __syncthreads();
+    if (!is_prot) {
+      // Refill the ring with tile k + NS - 1: its slot (k - 1) % NS was last read (fragments and
+      // scales) before the barrier above.
+      issue(k + NS - 1, id_next);
+      cp_async_commit();
+      id_next = page_id(k + NS);
+    }
+    // ---- online softmax (log2 units): warp w runs head w over the TI tokens
+    {
+      constexpr int TPT = TI / 32;
+      const int h = w;
+      float s[TPT], mx = -INFINITY;
+#pragma unroll
+      for (int e = 0; e < TPT; ++e) s[e] = 0.0f;
+#pragma unroll
+      for (int ww = 0; ww < 8; ++ww) {
+        const float* row = spart + (ww * kHG + h) * SST + TPT * lane;
+        if constexpr (TPT == 2) {
+          const float2 v = *reinterpret_cast<const float2*>(row);
+          s[0] += v.x;
+          s[1] += v.y;
+        } else {
+          s[0] += row[0];
+        }
+      }
+#pragma unroll
+      for (int e = 0; e < TPT; ++e) {
+        const int tok = TPT * lane + e;
+        s[e] = (tok >= lo && tok < hi) ? s[e] * sl2 : -INFINITY;
+        mx = fmaxf(mx, s[e]);
+      }
+#pragma unroll
+      for (int off = 16; off >= 1; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+      const float m_old = mrow[h];
+      const float m_new = fmaxf(m_old, mx);
+      float sum = 0.0f;
+#pragma unroll
+      for (int e = 0; e < TPT; ++e) {
+        const float pv = s[e] == -INFINITY ? 0.0f : exp2f(s[e] - m_new);
+        sum += pv;
+        sP[h * SST + TPT * lane + e] = pv;
+      }
+#pragma unroll
+      for (int off = 16; off >= 1; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+      if (lane == 0) {
+        const float a = m_new == -INFINITY ? 1.0f : (m_old == -INFINITY ? 0.0f : exp2f(m_old - m_new));
+        lrow[h] = lrow[h] * a + sum;
+        mrow[h] = m_new;
+        alpha[h] = a;
+      }
+    }
+    cp_async_wait<NS - 2>();  // the next packed tile has landed (this thread's copies)
+    __syncthreads();
+    // ---- PV: o[heads g, g + 8][dims R(t, .)] += P' x V over this warp's tokens
+    {
+      float a0 = alpha[g], a1 = alpha[g + 8];
+      float inv = 1.0f;
+      if constexpr (kAff) {
+        float smax = 0.0f;
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) {
+          const int tok = th * TPW + 8 * j + 2 * t;
+          smax = fmaxf(smax, fmaxf(scale_of(tok, false), scale_of(tok + 1, false)));
+        }
+        smax = fmaxf(smax, __shfl_xor_sync(0xffffffffu, smax, 1));
+        smax = fmaxf(smax, __shfl_xor_sync(0xffffffffu, smax, 2));
+        const float snew = fmaxf(sref, smax);
+        const float r = snew > 0.0f ? sref / snew : 1.0f;
+        inv = snew > 0.0f ? 1.0f / snew : 0.0f;
+        sref = snew;
+        a0 *= r;
+        a1 *= r;
+      }
+#pragma unroll
+      for (int n = 0; n < 8; ++n) {
         o[n][0] *= a0;
         o[n][1] *= a0;
         o[n][2] *= a1;
         o[n][3] *= a1;
       }
-    }
-    float(&acc)[NN][4] = kAff ? ot : o;
 #pragma unroll
-    for (int kt = 0; kt < 4; ++kt) {
-      const int k0 = 16 * kt + 2 * t;
-      const float* P0 = sm.P + g * kSStride;
-      const float* P1 = sm.P + (g + 8) * kSStride;
-      std::uint32_t ah[4], al[4];
-      if constexpr (kAff) {
-        const float s0 = sm.sc[k0 * 8 + gp] * inv, s1 = sm.sc[(k0 + 1) * 8 + gp] * inv;
-        const float s8 = sm.sc[(k0 + 8) * 8 + gp] * inv, s9 = sm.sc[(k0 + 9) * 8 + gp] * inv;
-        ah[0] = detail::pack2<false>(P0[k0] * s0, P0[k0 + 1] * s1);
-        ah[1] = detail::pack2<false>(P1[k0] * s0, P1[k0 + 1] * s1);
-        ah[2] = detail::pack2<false>(P0[k0 + 8] * s8, P0[k0 + 9] * s9);
-        ah[3] = detail::pack2<false>(P1[k0 + 8] * s8, P1[k0 + 9] * s9);
-      } else {
-        split2<true>(P0[k0], P0[k0 + 1], ah[0], al[0]);
-        split2<true>(P1[k0], P1[k0 + 1], ah[1], al[1]);
-        split2<true>(P0[k0 + 8], P0[k0 + 9], ah[2], al[2]);
-        split2<true>(P1[k0 + 8], P1[k0 + 9], ah[3], al[3]);
-      }
-#pragma unroll
-      for (int np = 0; np < NN / 2; ++np) {
-        std::uint32_t b[4];
-        ldsm_x4_t(b, K + (16 * kt + (lane & 7) + 8 * ((lane >> 3) & 1)) * kKStride + cb + 16 * np + 8 * (lane >> 4));
-        mma16816<kB>(acc[2 * np], ah, b[0], b[1]);
-        mma16816<kB>(acc[2 * np + 1], ah, b[2], b[3]);
-        if constexpr (!kAff) {
-          mma16816<kB>(acc[2 * np], al, b[0], b[1]);
-          mma16816<kB>(acc[2 * np + 1], al, b[2], b[3]);
+      for (int kk = 0; kk < NJ / 2; ++kk) {
+        const int tk = th * TPW + 16 * kk + 2 * t;
+        const float2 p00 = *reinterpret_cast<const float2*>(sP + g * SST + tk);
+        const float2 p10 = *reinterpret_cast<const float2*>(sP + (g + 8) * SST + tk);
+        const float2 p01 = *reinterpret_cast<const float2*>(sP + g * SST + tk + 8);
+        const float2 p11 = *reinterpret_cast<const float2*>(sP + (g + 8) * SST + tk + 8);
+        std::uint32_t pa[4];
+        if constexpr (kAff) {
+          const float s0 = scale_of(tk, false) * inv, s1 = scale_of(tk + 1, false) * inv;
+          const float s8 = scale_of(tk + 8, false) * inv, s9 = scale_of(tk + 9, false) * inv;
+          pa[0] = detail::pack2<false>(p00.x * s0, p00.y * s1);
+          pa[1] = detail::pack2<false>(p10.x * s0, p10.y * s1);
+          pa[2] = detail::pack2<false>(p01.x * s8, p01.y * s9);
+          pa[3] = detail::pack2<false>(p11.x * s8, p11.y * s9);
+        } else {
+          pa[0] = detail::pack2<true>(p00.x, p00.y);
+          pa[1] = detail::pack2<true>(p10.x, p10.y);
+          pa[2] = detail::pack2<true>(p01.x, p01.y);
+          pa[3] = detail::pack2<true>(p11.x, p11.y);
         }
+#pragma unroll
+        for (int n = 0; n < 8; ++n) mma16816<kB>(o[n], pa, movt(wc[2 * kk][n]), movt(wc[2 * kk + 1][n]));
       }
-    }
-    if constexpr (kAff) {
-#pragma unroll
-      for (int n = 0; n < NN; ++n) {
-        o[n][0] = o[n][0] * a0 + ot[n][0] * smax;
-        o[n][1] = o[n][1] * a0 + ot[n][1] * smax;
-        o[n][2] = o[n][2] * a1 + ot[n][2] * smax;
-        o[n][3] = o[n][3] * a1 + ot[n][3] * smax;
-      }
-    }
-  }
-}
-
-struct Work {
-  float* opart;  // [batch][heads][nsplit][512]
-  float* ml;     // [batch][heads][nsplit][2]
-  int nsplit;
-};
-
-// Issues cp.async of the bf16 rows of one packed page into tile buffer `K` (rows outside
-// [tlo, thi) zero-filled).
-template <int NT>
-__device__ __forceinline__ void load_bf16_page(std::uint16_t* K, const std::uint8_t* pg, const PageLayout& L, int tlo,
-                                               int thi) {
-  for (int c = threadIdx.x; c < kT * 72; c += NT) {
-    const int tok = c / 72, k = c % 72;
-    const bool ok = tok >= tlo && tok < thi;
-    const std::uint8_t* src = k < 64 ? pg + L.key_code_off + tok * 1024 + 16 * k : pg + L.value_code_off + tok * 128 + 16 * (k - 64);
-    cp_async16_zfill(K + tok * kKStride + 8 * k, ok ? src : pg, ok);
-  }
-}
-
-// Work of one CTA: virtual tiles [v0, v1) of its sequence, where tiles [0, np) are the packed
-// pages of positions [pb, pe) and tiles [np, np + ceil(nprot / 64)) hold the protected rows, so
-// protected rows join the same online softmax as the packed pages of the last split.
-template <int CB, int RB, int NW>
-__global__ void __launch_bounds__(32 * NW, 1) mla_decode_kernel(MlaDecodeParams p, Work wk) {
-  constexpr int NT = 32 * NW, NN = 512 / NW / 8;
-  extern __shared__ __align__(16) std::uint8_t smem_raw[];
-  const PageLayout L = p.fmt.page;
-  constexpr bool kAff = CB != 16;
-  constexpr int NS = kStages<CB>;
-  Smem sm;
-  std::uint8_t* base = smem_raw;
-  if constexpr (!kAff) {
-    sm.tile[0] = reinterpret_cast<std::uint16_t*>(base);
-    sm.tile[1] = reinterpret_cast<std::uint16_t*>(base + kTileBytes);
-    base += 2 * kTileBytes;
-  } else {
-#pragma unroll
-    for (int s = 0; s < NS; ++s) sm.stage[s] = base + s * L.page_bytes;
-    sm.tile[0] = sm.tile[1] = reinterpret_cast<std::uint16_t*>(base + NS * L.page_bytes);
-    base += NS * L.page_bytes + kTileBytes;
-  }
-  float* f = reinterpret_cast<float*>(base);
-  sm.spart = f;
-  sm.P = f;  // each P element overwrites the warp-0 partial score that only its own thread reads
-  f += 8 * kHG * kSStride;
-  sm.sc = f;
-  f += kT * 8;
-  sm.sr = f;
-  f += kT;
-  sm.mrow = f;
-  sm.lrow = f + kHG;
-  sm.alpha = f + 2 * kHG;
-
-  const int split = blockIdx.x, hg = blockIdx.y, b = blockIdx.z;
-  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, t = lane & 3;
-  const int Lq = p.seq_lens[b];
-  const bool prot = kAff && p.protect.enabled();
-  const int pb = prot ? static_cast<int>(p.protect.packed_begin(Lq)) : 0;
-  const int pe = prot ? static_cast<int>(p.protect.packed_end(Lq)) : Lq;
-
-  if (tid < kHG) {
-    sm.mrow[tid] = -INFINITY;
-    sm.lrow[tid] = 0.0f;
-  }
-  // Query fragments (A operand, rows = the 16 heads): content k-steps of group w % 8, RoPE
-  // slice w & 3.
-  std::uint32_t qa[5][4], qb[5][4];
-  {
-    const float* q0 = p.q + (static_cast<std::size_t>(b) * p.heads + hg * kHG + g) * kD;
-    const float* q1 = q0 + 8 * kD;
-#pragma unroll
-    for (int ks = 0; ks < 5; ++ks) {
-      const int d = ks < 4 ? 64 * (w & 7) + 16 * ks + 2 * t : kDc + 16 * (w & 3) + 2 * t;
-      if constexpr (kAff) {
-        qa[ks][0] = detail::pack2<false>(q0[d], q0[d + 1]);
-        qa[ks][1] = detail::pack2<false>(q1[d], q1[d + 1]);
-        qa[ks][2] = detail::pack2<false>(q0[d + 8], q0[d + 9]);
-        qa[ks][3] = detail::pack2<false>(q1[d + 8], q1[d + 9]);
-      } else {
-        split2<true>(q0[d], q0[d + 1], qa[ks][0], qb[ks][0]);
-        split2<true>(q1[d], q1[d + 1], qa[ks][1], qb[ks][1]);
-        split2<true>(q0[d + 8], q0[d + 9], qa[ks][2], qb[ks][2]);
-        split2<true>(q1[d + 8], q1[d + 9], qa[ks][3], qb[ks][3]);
-      }
-    }
-  }
-  float o[NN][4];
-#pragma unroll
-  for (int n = 0; n < NN; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
-
-  const int first = pb / kT, end = pe > pb ? (pe + kT - 1) / kT : first;
-  const int np = end - first;
-  const int nprot = prot ? pb + (Lq - pe) : 0;
-  const int nv = np + (nprot + kT - 1) / kT;
-  const int per = (nv + wk.nsplit - 1) / wk.nsplit;
-  const int v0 = split * per, v1 = min(v0 + per, nv);
-  const int ntiles = max(0, v1 - v0);
-  const std::int32_t* bt = p.block_tables + static_cast<std::size_t>(b) * p.max_pages;
-  // Page id of tile `it`, or -1 for a protected tile or none. Ids are read one iteration before
-  // their copy is issued, so that the block-table load is off the critical path.
-  auto page_id = [&](int it) -> int {
-    const int vt = v0 + it;
-    return (it < ntiles && vt < np) ? bt[first + vt] : -1;
-  };
-  auto issue = [&](int it, int id) {
-    if (id < 0) return;  // protected tile: loaded when it is used
-    const std::uint8_t* src = p.pool + static_cast<std::size_t>(id) * L.page_bytes;
-    if constexpr (!kAff) {
-      const int pi = first + v0 + it;
-      load_bf16_page<NT>(sm.tile[it & 1], src, L, max(0, pb - pi * kT), min(kT, pe - pi * kT));
-    } else {
-      std::uint8_t* dst = sm.stage[it % NS];
-      for (int c = tid; c < static_cast<int>(L.page_bytes / 16); c += NT) cp_async16(dst + 16 * c, src + 16 * c);
-    }
-  };
-#pragma unroll
-  for (int s = 0; s < NS - 1; ++s) {
-    issue(s, page_id(s));
-    cp_async_commit();
-  }
-  int id_next = page_id(NS - 1);
-  for (int it = 0; it < ntiles; ++it) {
-    cp_async_wait<NS - 2>();
-    __syncthreads();
-    issue(it + NS - 1, id_next);
-    cp_async_commit();
-    id_next = page_id(it + NS);
-    const int vt = v0 + it;
-    int lo = 0, hi = 0;
-    if (vt < np) {
-      const int pi = first + vt;
-      lo = max(0, pb - pi * kT);
-      hi = min(kT, pe - pi * kT);
-    } else {
-      hi = min(kT, nprot - (vt - np) * kT);
-    }
-    if constexpr (!kAff) {
-      compute_tile<false, NW>(sm, sm.tile[it & 1], qa, qb, o, p.scale, lo, hi);
-    } else {
-      if (vt < np) dequant_page<CB, RB, NT>(sm, sm.stage[it % NS], L, lo, hi);
-      else load_protected<NT>(sm, p, b, (vt - np) * kT, hi, pb, pe);
-      __syncthreads();
-      compute_tile<true, NW>(sm, sm.tile[0], qa, qb, o, p.scale, lo, hi);
     }
   }
   cp_async_wait<0>();
   __syncthreads();
-  // Partial state of this split: unnormalized output, running max and sum.
-  const std::size_t r0 = (static_cast<std::size_t>(b) * p.heads + hg * kHG + g) * wk.nsplit + split;
-  const std::size_t r1 = r0 + 8 * static_cast<std::size_t>(wk.nsplit);
+  // ---- the two token halves meet in shared memory (the stages are free), then one writes
+  float* red = reinterpret_cast<float*>(stages);  // [16][512]
+  const float fin = kAff ? sref : 1.0f;
+  auto dim_of = [&](int n) {  // first of the two output dims of accumulator tile n
+    const int i = 2 * n;  // R(t, i), i = 4 s + 2 e
+    return 64 * gq + (kAff ? 16 * t + i : (i < 8 ? 8 * t + i : 24 + 8 * t + i));
+  };
+  if (th == 1) {
 #pragma unroll
-  for (int n = 0; n < NN; ++n) {
-    const int c = w * 8 * NN + 8 * n + 2 * t;
-    *reinterpret_cast<float2*>(wk.opart + r0 * kDc + c) = make_float2(o[n][0], o[n][1]);
-    *reinterpret_cast<float2*>(wk.opart + r1 * kDc + c) = make_float2(o[n][2], o[n][3]);
+    for (int n = 0; n < 8; ++n) {
+      const int d = dim_of(n);
+      *reinterpret_cast<float2*>(red + g * kDc + d) = make_float2(o[n][0] * fin, o[n][1] * fin);
+      *reinterpret_cast<float2*>(red + (g + 8) * kDc + d) = make_float2(o[n][2] * fin, o[n][3] * fin);
+    }
+  }
+  __syncthreads();
+  if (th == 0) {
+    const std::size_t r0 = (static_cast<std::size_t>(b) * p.heads + hg * kHG + g) * wk.nsplit + split;
+    const std::size_t r1 = r0 + 8 * static_cast<std::size_t>(wk.nsplit);
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+      const int d = dim_of(n);
+      const float2 x0 = *reinterpret_cast<const float2*>(red + g * kDc + d);
+      const float2 x1 = *reinterpret_cast<const float2*>(red + (g + 8) * kDc + d);
+      *reinterpret_cast<float2*>(wk.opart + r0 * kDc + d) = make_float2(o[n][0] * fin + x0.x, o[n][1] * fin + x0.y);
+      *reinterpret_cast<float2*>(wk.opart + r1 * kDc + d) = make_float2(o[n][2] * fin + x1.x, o[n][3] * fin + x1.y);
+    }
   }
   if (tid < kHG) {
     const std::size_t r = (static_cast<std::size_t>(b) * p.heads + hg * kHG + tid) * wk.nsplit + split;
-    wk.ml[2 * r] = sm.mrow[tid];
-    wk.ml[2 * r + 1] = sm.lrow[tid];
+    wk.ml[2 * r] = mrow[tid] * kLn2;
+    wk.ml[2 * r + 1] = lrow[tid];
   }
 }
 
@@ -612,11 +611,10 @@ int sm_count_of(const MlaDecodeParams& p) {
 
 bool uses_protect(const MlaDecodeParams& p) { return p.fmt.content_bits != 16 && p.protect.enabled(); }
 
-template <int CB, int RB, int NW>
-cudaError_t launch_decode_nw(const MlaDecodeParams& p, cudaStream_t st) {
-  const std::size_t smem = smem_bytes<CB>(p.fmt.page.page_bytes);
-  cudaError_t e = cudaFuncSetAttribute(mla_decode_kernel<CB, RB, NW>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(smem));
+template <int CB, int RB>
+cudaError_t launch_decode(const MlaDecodeParams& p, cudaStream_t st) {
+  using C = Cfg<CB, RB>;
+  cudaError_t e = cudaFuncSetAttribute(mla_decode_kernel<CB, RB>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
   if (e != cudaSuccess) return e;
   Work wk;
   wk.nsplit = mla_decode_splits(p);
@@ -624,21 +622,16 @@ cudaError_t launch_decode_nw(const MlaDecodeParams& p, cudaStream_t st) {
   wk.opart = static_cast<float*>(p.workspace);
   wk.ml = wk.opart + rows * kDc;
   const dim3 grid(wk.nsplit, p.heads / kHG, p.batch);
-  mla_decode_kernel<CB, RB, NW><<<grid, 32 * NW, smem, st>>>(p, wk);
+  mla_decode_kernel<CB, RB><<<grid, kNT, C::kSmem, st>>>(p, wk);
   if ((e = cudaGetLastError()) != cudaSuccess) return e;
   mla_combine_kernel<<<dim3(p.heads, p.batch), 128, 0, st>>>(wk.opart, wk.ml, wk.nsplit, p.out);
   return cudaGetLastError();
 }
 
-template <int CB, int RB>
-cudaError_t launch_decode(const MlaDecodeParams& p, cudaStream_t st) {
-  return p.warps == 8 ? launch_decode_nw<CB, RB, 8>(p, st) : launch_decode_nw<CB, RB, 16>(p, st);
-}
-
 }  // namespace
 
 int mla_decode_splits(const MlaDecodeParams& p) {
-  const int pages = std::max(1, (p.max_seq_len + kT - 1) / kT);
+  const int pages = std::max(1, (p.max_seq_len + kPT - 1) / kPT);
   if (p.num_splits > 0) return std::min(p.num_splits, pages);
   const int ctas = std::max(1, p.batch * (p.heads / kHG));
   return std::clamp(sm_count_of(p) / ctas, 1, pages);
@@ -672,7 +665,7 @@ std::size_t mla_decode_bytes_read(const MlaFormat& f, const int* seq_lens_host, 
   for (int b = 0; b < batch; ++b) {
     const std::int64_t L = seq_lens_host[b];
     const std::int64_t pb = pr ? prot.packed_begin(L) : 0, pe = pr ? prot.packed_end(L) : L;
-    const std::int64_t pages = pe > pb ? (pe + kT - 1) / kT - pb / kT : 0;
+    const std::int64_t pages = pe > pb ? (pe + kPT - 1) / kPT - pb / kPT : 0;
     bytes += static_cast<std::size_t>(pages) * (f.page.page_bytes + 4);
     bytes += static_cast<std::size_t>(pb + (L - pe)) * 2 * (f.d_latent + f.d_rope);
   }
