@@ -80,6 +80,10 @@ struct ModelConfig {
   int qk_nope_head_dim = 0;
   int qk_rope_head_dim = 0;
   int v_head_dim = 0;
+  // QuaRot-dagger calibration (kvq_calibration.json "online_rope_hadamard": true): the RoPE key
+  // and query are multiplied by the normalized Hadamard matrix after RoPE, online (it cannot be
+  // fused into the pre-RoPE projections). Scores are unchanged; only the cached key differs.
+  bool online_rope_hadamard = false;
   MoeConfig moe;
   RopeConfig rope;
   float softmax_scale = 1.0f;  // 1/sqrt(qk head dim), times mscale^2 for DeepSeek YaRN
@@ -98,6 +102,10 @@ struct ModelConfig {
 // naming the field.
 ModelConfig parse_model_config(const std::string& json_text, const std::string& label);
 ModelConfig load_model_config(const std::string& path);
+// Reads DIR/kvq_calibration.json when it exists (written by `kvq calibrate`) and applies what the
+// runtime must do online: "online_rope_hadamard" (MLA, power-of-two qk_rope_head_dim). A malformed
+// file, or a flag the model cannot honour, is a kvq::Error.
+void apply_calibration_file(const std::string& dir, ModelConfig& cfg);
 
 // Inverse RoPE frequencies [rope.dim / 2] as transformers computes them (default or YaRN).
 std::vector<float> rope_inv_freq(const RopeConfig& rope);
@@ -133,13 +141,15 @@ struct LayerTrace {
   int v_dim = 0;
   const float* attn_out = nullptr;  // what attend returned, [n][out_dim]
   int out_dim = 0;
+  const float* attn_proj = nullptr;  // the attention block's output after o_proj, [n][hidden]
 };
 using LayerObserver = std::function<void(const LayerTrace&)>;
 
 class Model {
  public:
   virtual ~Model() = default;
-  // Loads DIR/config.json and DIR/model.safetensors or DIR/model.safetensors.index.json shards.
+  // Loads DIR/config.json and DIR/model.safetensors or DIR/model.safetensors.index.json shards;
+  // DIR/kvq_calibration.json, when present, may ask for the online RoPE Hadamard (MLA only).
   static std::unique_ptr<Model> load(const std::string& dir);
 
   virtual const ModelConfig& config() const = 0;

@@ -5,6 +5,7 @@
 // way kvq does not implement (sliding windows, other RoPE types, partial rotary, non-SiLU
 // activations, other quantization methods...) are errors that name the field, never a guess.
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -331,6 +332,36 @@ std::vector<float> rope_inv_freq(const RopeConfig& rope) {
     }
   }
   return inv;
+}
+
+}  // namespace kvq
+
+namespace kvq {
+
+void apply_calibration_file(const std::string& dir, ModelConfig& cfg) {
+  namespace fs = std::filesystem;
+  const fs::path path = fs::path(dir) / "kvq_calibration.json";
+  if (!fs::exists(path)) return;
+  std::ifstream f(path, std::ios::binary);
+  if (!f) fail(path.string() + ": cannot open");
+  std::stringstream ss;
+  ss << f.rdbuf();
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(ss.str());
+  } catch (const std::exception& e) {
+    fail(path.string() + ": not valid JSON (" + e.what() + ")");
+  }
+  if (!j.is_object()) fail(path.string() + ": expected a JSON object");
+  const auto it = j.find("online_rope_hadamard");
+  if (it == j.end()) return;
+  if (!it->is_boolean()) fail(path.string() + ": online_rope_hadamard must be true or false");
+  if (!it->get<bool>()) return;
+  const int d = cfg.qk_rope_head_dim;
+  if (!cfg.mla) fail(path.string() + ": online_rope_hadamard needs an MLA model");
+  if (d <= 0 || (d & (d - 1)) != 0)
+    fail(path.string() + ": online_rope_hadamard needs a power-of-two qk_rope_head_dim, not " + std::to_string(d));
+  cfg.online_rope_hadamard = true;
 }
 
 }  // namespace kvq

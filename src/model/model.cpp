@@ -21,6 +21,7 @@
 #include "kvq/common.hpp"
 #include "kvq/model.hpp"
 #include "kvq/numeric.hpp"
+#include "kvq/rotation.hpp"
 #include "ops.hpp"
 #include "weights.hpp"
 
@@ -207,6 +208,7 @@ ModelImpl::ModelImpl(const std::string& dir) {
   ops::select_blas_kernels();
   if (!fs::is_directory(dir)) fail(dir + ": not a model directory");
   cfg_ = load_model_config((fs::path(dir) / "config.json").string());
+  apply_calibration_file(dir, cfg_);
   detail::WeightStore ws(dir, cfg_);
   const int H = cfg_.hidden_size, V = cfg_.vocab_size;
   embed_ = ws.load("model.embed_tokens.weight", {V, H});
@@ -421,11 +423,19 @@ void ModelImpl::attention_gqa(int l, const float* h, int n, int pos0, KvCache& c
     t.v_dim = kd;
     t.attn_out = att.data();
     t.out_dim = qd;
+    L.o.apply(att.data(), n, out);
+    t.attn_proj = out;
     observer_(t);
+    return;
   }
   (void)H;
   L.o.apply(att.data(), n, out);
 }
+
+namespace {
+// x <- x H / sqrt(d) (normalized Sylvester Hadamard; symmetric and orthogonal; fwht normalizes).
+void online_hadamard(float* x, int d) { fwht(x, d); }
+}  // namespace
 
 void ModelImpl::attention_mla(int l, const float* h, int n, int pos0, KvCache& cache, int seq, float* out) {
   const Layer& L = layers_[l];
@@ -459,11 +469,18 @@ void ModelImpl::attention_mla(int l, const float* h, int n, int pos0, KvCache& c
     const float* cs = cos_.data() + static_cast<std::size_t>(i) * half;
     const float* sn = sin_.data() + static_cast<std::size_t>(i) * half;
     ops::rope_apply(ki, rd, cfg_.rope.interleaved, cs, sn);
-    for (int hh = 0; hh < nh; ++hh)
-      ops::rope_apply(q.data() + (i * static_cast<std::size_t>(nh) + hh) * qh + nope, rd, cfg_.rope.interleaved, cs, sn);
+    if (cfg_.online_rope_hadamard) online_hadamard(ki, rd);
+    for (int hh = 0; hh < nh; ++hh) {
+      float* qr = q.data() + (i * static_cast<std::size_t>(nh) + hh) * qh + nope;
+      ops::rope_apply(qr, rd, cfg_.rope.interleaved, cs, sn);
+      if (cfg_.online_rope_hadamard) online_hadamard(qr, rd);
+    }
   }
   cache.append(seq, l, n, lat.data(), kr.data());
-  std::vector<float> o(N * nh * vd);
+  std::vector<float> o(N * nh * vd), qabs, olat;
+  LayerTrace tr;
+  tr.layer = l; tr.seq = seq; tr.pos0 = pos0; tr.n = n; tr.n_heads = nh; tr.scale = cfg_.softmax_scale;
+  tr.k = lat.data(); tr.k_dim = dc; tr.v = kr.data(); tr.v_dim = rd;
   if (mla_prefill_ == MlaPrefill::kExpanded && pos0 == 0) {
     // Expanded form over the chunk's own fp32 rows: k_h = [W_UK_h c | k_R], v_h = W_UV_h c,
     // plain causal softmax attention per head.
@@ -489,16 +506,11 @@ void ModelImpl::attention_mla(int l, const float* h, int n, int pos0, KvCache& c
       }
       ops::gemm_nn(n, vd, n, s.data(), n, vh.data(), vd, o.data() + static_cast<std::size_t>(hh) * vd, nh * vd);
     }
-    if (observer_) {
-      LayerTrace tr;
-      tr.layer = l; tr.seq = seq; tr.pos0 = pos0; tr.n = n; tr.n_heads = nh; tr.scale = cfg_.softmax_scale;
-      tr.q = q.data(); tr.q_dim = nh * qh; tr.k = lat.data(); tr.k_dim = dc; tr.v = kr.data(); tr.v_dim = rd;
-      tr.attn_out = o.data(); tr.out_dim = nh * vd;
-      observer_(tr);
-    }
+    tr.q = q.data(); tr.q_dim = nh * qh; tr.attn_out = o.data(); tr.out_dim = nh * vd;
   } else {
     const int ad = dc + rd;
-    std::vector<float> qabs(N * nh * ad), olat(N * nh * dc);
+    qabs.resize(N * nh * ad);
+    olat.resize(N * nh * dc);
     for (int hh = 0; hh < nh; ++hh)
       ops::gemm_nn(n, dc, nope, q.data() + static_cast<std::size_t>(hh) * qh, nh * qh,
                    L.w_uk.data() + static_cast<std::size_t>(hh) * nope * dc, dc, qabs.data() + static_cast<std::size_t>(hh) * ad,
@@ -508,19 +520,17 @@ void ModelImpl::attention_mla(int l, const float* h, int n, int pos0, KvCache& c
         std::memcpy(qabs.data() + (i * static_cast<std::size_t>(nh) + hh) * ad + dc,
                     q.data() + (i * static_cast<std::size_t>(nh) + hh) * qh + nope, rd * sizeof(float));
     cache.attend(seq, l, n, pos0, nh, cfg_.softmax_scale, qabs.data(), olat.data());
-    if (observer_) {
-      LayerTrace tr;
-      tr.layer = l; tr.seq = seq; tr.pos0 = pos0; tr.n = n; tr.n_heads = nh; tr.scale = cfg_.softmax_scale;
-      tr.q = qabs.data(); tr.q_dim = nh * ad; tr.k = lat.data(); tr.k_dim = dc; tr.v = kr.data(); tr.v_dim = rd;
-      tr.attn_out = olat.data(); tr.out_dim = nh * dc;
-      observer_(tr);
-    }
+    tr.q = qabs.data(); tr.q_dim = nh * ad; tr.attn_out = olat.data(); tr.out_dim = nh * dc;
     for (int hh = 0; hh < nh; ++hh)
       ops::gemm_nt(n, vd, dc, olat.data() + static_cast<std::size_t>(hh) * dc, nh * dc,
                    L.w_uv.data() + static_cast<std::size_t>(hh) * vd * dc, dc, o.data() + static_cast<std::size_t>(hh) * vd,
                    nh * vd);
   }
   L.o.apply(o.data(), n, out);
+  if (observer_) {
+    tr.attn_proj = out;
+    observer_(tr);
+  }
 }
 
 void ModelImpl::mlp(int l, const float* h, int n, float* out) {

@@ -1,0 +1,1 @@
+set_tests_properties(Calibrate.WritesALoadableFusedModelWithItsRecord Fusion.FusedModelMatchesTheOriginalAndWrongFusionIsCaught PROPERTIES LABELS slow)
