@@ -74,7 +74,7 @@ struct MlaDecodeParams {
   std::size_t workspace_bytes = 0;
   std::int32_t num_splits = 0;  // 0: chosen to fill the SMs
   std::int32_t sm_count = 0;
-  std::int32_t warps = 0;  // warps per CTA: 8 or 16 (0: 16)
+  std::int32_t warps = 0;  // 0, 8 or 16: accepted for compatibility; the kernel runs 8-warp CTAs, two per SM
 };
 int mla_decode_splits(const MlaDecodeParams& p);
 std::size_t mla_decode_workspace_bytes(const MlaDecodeParams& p);

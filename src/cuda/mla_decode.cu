@@ -1,25 +1,24 @@
 // mla_decode.cu: paged split-KV decode for absorbed MLA (d_c = 512, d_r = 64) over bf16 and
 // QuantMLA affine caches, and the combine kernel that merges the splits' partial softmax states.
 //
-// One CTA (16 warps, or 8 with MlaDecodeParams::warps = 8) = one sequence x 16 query heads x a
-// range of tiles (a split); a request with H heads runs H / 16 such CTAs per split, reading the
-// same pages (L2). Per 64-token tile:
-//  1. cp.async brings the pages ahead (packed bytes, or the bf16 rows into the other tile buffer)
-//     while the current one computes;
-//  2. affine formats: the packed page is dequantized once into an fp16 tile of integer codes
-//     (q - z), exact in fp16, with the per-token group scales kept apart in fp32;
-//  3. QK on tensor cores (mma.sync m16n8k16): warp w multiplies the 16 query rows of content
-//     group w % 8 (dims 64 (w % 8) ..) with the tile (16 warps: token half w / 8) and scales the
-//     per-token result by that group's scale; warps with w % 8 < 4 add one 16-dim slice of the
-//     RoPE part; the 8 partial scores are summed in shared memory;
-//  4. online softmax per head (running max, sum, rescale factor);
-//  5. PV on tensor cores: warp w accumulates 512 / warps output columns from the same tile, with
-//     A = P scaled per token by the group's scale.
-// Operands: affine tiles in fp16 (query, P single fp16: ~11 bits); bf16 tiles in bf16 with the
-// query and P as hi + lo pairs (~16 bits). Protected positions (sinks, recent window) of an
-// affine cache are read from their bf16 rows as extra tiles after the packed pages, in the same
-// online softmax; the combine kernel merges the splits' (max, sum, output). A bf16 cache needs
-// no protection: its rows are bf16 already.
+// One CTA (8 warps, two CTAs per SM) = one sequence x 16 query heads x a range of tiles (a split);
+// a request with H heads runs H / 16 such CTAs per split, reading the same pages (L2). Tiles are
+// 32 tokens (affine) or 16 (bf16). Per tile:
+//  1. cp.async keeps NS - 1 tiles in flight (a ring of NS shared-memory stages holding the packed
+//     rows, RoPE rows and metadata, bank-padded);
+//  2. warp w takes content group w (64 dims) and RoPE dims 8 w .. 8 w + 7 of every token: each
+//     lane reads its codes from the stage and dequantizes them in registers, straight into mma
+//     B fragments (fp16 q - z by the exponent trick; bf16 rows as they are);
+//  3. QK on tensor cores (mma.sync m16n8k16 + m16n8k8 for the RoPE slice), scaled per token by
+//     the group / RoPE scale; the 8 per-group partial scores meet in shared memory;
+//  4. online softmax (two heads per warp);
+//  5. PV on tensor cores from the same registers: movmatrix transposes each 8x8 block of the QK
+//     fragments into PV fragments, so every packed tile is read and dequantized once; A = P scaled
+//     per token by the group scale; each lane accumulates its own dims.
+// Protected positions (sinks, recent window) of an affine cache are read from their bf16 rows as
+// leading tiles of the first split, in the same online softmax; the combine kernel merges the
+// splits' (max, sum, output). A bf16 cache needs no protection: its rows are bf16 already.
+// MlaDecodeParams::warps is accepted for compatibility (8 or 16) and does not change the kernel.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -68,20 +67,19 @@ using detail::cp_async_wait;
 using detail::mma16816;
 using detail::split2;
 
-constexpr int kDc = 512, kD = 576, kPT = 64, kHG = 16, kNW = 16, kNT = 32 * kNW;
-constexpr int kSmemMax = 232448;  // sm_90 opt-in dynamic shared memory per block
+constexpr int kDc = 512, kD = 576, kPT = 64, kHG = 16, kNW = 8, kNT = 32 * kNW;
+constexpr int kSmemMax = 115712;  // two CTAs per SM: (228 KB - 2 x 1 KB reserved) / 2
 constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
 
-// Per-format constants. A tile is TI tokens (64 = one page for the affine formats; 32 = half a
-// page for bf16, whose pages are 72 KB). A stage holds one tile: content rows (stride CS), RoPE
-// rows (stride RS) and, for affine formats, 32-byte metadata rows (stride MS); the strides are
-// padded so that the per-lane fragment loads below are free of bank conflicts.
+// Per-format constants. A tile is TI tokens (32 for the affine formats; 16 for bf16, whose rows
+// are 1152 bytes). A stage holds one tile: content rows (stride CS), RoPE rows (stride RS) and,
+// for affine formats, 32-byte metadata rows (stride MS); the strides are padded so that the
+// per-lane fragment loads below are free of bank conflicts.
 template <int CB, int RB>
 struct Cfg {
   static constexpr bool kAff = CB != 16;
-  static constexpr int TI = kAff ? 64 : 32;
-  static constexpr int TPW = TI / 2;  // tokens per warp (two token halves)
-  static constexpr int NJ = TPW / 8;  // QK n-tiles per warp
+  static constexpr int TI = kAff ? 32 : 16;
+  static constexpr int NJ = TI / 8;  // QK n-tiles (8 tokens) per warp
   static constexpr int CBY = kAff ? 8 * CB * 8 : 1024;  // content bytes per token
   static constexpr int RBY = kAff ? 8 * RB : 128;       // RoPE bytes per token
   static constexpr int MBY = kAff ? 32 : 0;
@@ -90,13 +88,32 @@ struct Cfg {
   static constexpr int MS = kAff ? 48 : 0;
   static constexpr int kStage = TI * (CS + RS + MS);
   static constexpr int SST = TI + 8;  // floats per partial-score / P row
-  static constexpr int kTail = (8 * kHG * SST + kHG * SST + 3 * kHG) * 4;
+  // Affine: per-tile scales [2 buffers][9][TI] (8 content groups, then RoPE), 0 outside the
+  // sequence, and the per-group maximum [2][8].
+  static constexpr int kScl = kAff ? 2 * (9 * TI + 8) : 0;
+  static constexpr int kTail = (8 * kHG * SST + kHG * SST + 3 * kHG + kScl) * 4;
   static constexpr int NS0 = (kSmemMax - kTail) / kStage;
   static constexpr int NS = NS0 > 8 ? 8 : NS0;
   static constexpr int kSmem = NS * kStage + kTail;
-  static_assert(NS >= 3, "at least three stages");
-  static_assert(NS * kStage >= kHG * kDc * 4, "the stages hold the final reduction");
+  static_assert(NS >= 4, "at least four stages");
 };
+
+// Lane (g, t) holds sixteen content dims of its group; word k of its fragment (k = 0..7) holds
+// two of them, e = 0 (low half) and e = 1: the order the cheapest dequantization produces. The
+// dims of word k are 16 t + widx(k, e) for affine caches and, for bf16, 8 t + widx (widx < 8) or
+// 24 + 8 t + widx (widx >= 8), so that a token's four lanes read 64 contiguous bytes.
+template <int CB>
+__host__ __device__ constexpr int widx(int k, int e) {
+  if constexpr (CB == 4) return (k < 4 ? k : 4 + k) + 4 * e;
+  else if constexpr (CB == 2) return k + 8 * e;
+  else return 2 * k + e;
+}
+template <int CB>
+__device__ __forceinline__ int wdim(int t, int k, int e) {
+  const int i = widx<CB>(k, e);
+  if constexpr (CB == 16) return i < 8 ? 8 * t + i : 24 + 8 * t + i;
+  else return 16 * t + i;
+}
 
 __device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, bool valid) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
@@ -136,7 +153,8 @@ __device__ __forceinline__ std::uint32_t code_pair(std::uint32_t v, int k) {
   const std::uint32_t x = v >> (2 * B * k);
   return (x & lo) | ((x << (16 - B)) & hi) | 0x64006400u;
 }
-// Sixteen consecutive codes (dims 16 t .. 16 t + 15 of one group) at `p` as eight fp16x2 pairs q - z.
+// Sixteen consecutive codes (dims 16 t .. 16 t + 15 of one group) at `p` as eight fp16x2 pairs
+// q - z, word k holding codes widx(k, 0) and widx(k, 1).
 template <int B>
 __device__ __forceinline__ void dequant16(std::uint32_t (&w)[8], const std::uint8_t* p, int z) {
   const std::uint32_t z2 = 0x64006400u + static_cast<std::uint32_t>(z) * 0x10001u;
@@ -148,17 +166,17 @@ __device__ __forceinline__ void dequant16(std::uint32_t (&w)[8], const std::uint
       w[2 * i] = sub_zero(__byte_perm(u[i], 0x64646464u, 0x5150), z2);
       w[2 * i + 1] = sub_zero(__byte_perm(u[i], 0x64646464u, 0x5352), z2);
     }
-  } else if constexpr (B == 4) {
+  } else if constexpr (B == 4) {  // word k: codes (k, k + 4), (8 + k, 12 + k)
     const uint2 v = *reinterpret_cast<const uint2*>(p);
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      w[k] = sub_zero(code_pair<4>(v.x, k), z2);
-      w[4 + k] = sub_zero(code_pair<4>(v.y, k), z2);
+      w[k] = sub_zero(((v.x >> (4 * k)) & 0x000f000fu) | 0x64006400u, z2);
+      w[4 + k] = sub_zero(((v.y >> (4 * k)) & 0x000f000fu) | 0x64006400u, z2);
     }
-  } else if constexpr (B == 2) {
+  } else if constexpr (B == 2) {  // word k: codes (k, k + 8)
     const std::uint32_t v = *reinterpret_cast<const std::uint32_t*>(p);
 #pragma unroll
-    for (int k = 0; k < 8; ++k) w[k] = sub_zero(code_pair<2>(v, k), z2);
+    for (int k = 0; k < 8; ++k) w[k] = sub_zero(((v >> (2 * k)) & 0x00030003u) | 0x64006400u, z2);
   } else {  // B == 3: 48 bits at a 2-byte aligned address
     const std::uint16_t* h = reinterpret_cast<const std::uint16_t*>(p);
     const std::uint32_t a = h[0], bb = h[1], c = h[2];
@@ -181,28 +199,41 @@ struct Work {
   int nsplit;
 };
 
-// One CTA = one sequence x 16 heads x a contiguous range of tiles (a split); 16 warps.
-// Warp w owns content group gq = w % 8 (dims 64 gq .. 64 gq + 63), RoPE dims 8 gq .. 8 gq + 7 and
-// token half th = w / 8 of each tile. Lane (g, t) = (lane / 4, lane % 4) loads, for the tokens
-// th TPW + 8 j + g, sixteen content dims R(t, 0..15) and RoPE dims 8 gq + 2 t, + 1 straight into
-// mma B fragments (QK: B[k = dim][n = token]; any order of the dims works as long as the query
-// uses the same), dequantized in registers. PV needs B[k = token][n = dim]: movmatrix transposes
-// each 8x8 block of the same registers, so a packed tile is read from shared memory and
-// dequantized once for both products; lane (g, t) then accumulates the output of heads g, g + 8
-// at exactly its own dims R(t, .). R(t, i) = 16 t + i for affine caches; for bf16,
-// 8 t + i (i < 8) and 24 + 8 t + i (i >= 8) so that a token's four lanes read 64 contiguous bytes.
-// The per-group partial scores meet in shared memory; one warp per head runs the online
-// softmax; affine scales multiply the QK result per token and P (A of PV) per token.
+// Two elements x0, x1 of sixteen bf16 values held as eight words u (element i in half i % 2 of
+// u[i / 2]) as one fp16x2 word.
+template <int X0, int X1>
+__device__ __forceinline__ std::uint32_t pick_h2(const std::uint32_t (&u)[8]) {
+  constexpr unsigned lo = (X0 & 1) ? 0x32u : 0x10u, hi = (X1 & 1) ? 0x76u : 0x54u;
+  return bf2_to_h2(__byte_perm(u[X0 / 2], u[X1 / 2], lo | (hi << 8)));
+}
+template <int CB, int K>
+__device__ __forceinline__ void prot_words(std::uint32_t (&wc)[8], const std::uint32_t (&u)[8]) {
+  if constexpr (K < 8) {
+    wc[K] = pick_h2<widx<CB>(K, 0), widx<CB>(K, 1)>(u);
+    prot_words<CB, K + 1>(wc, u);
+  }
+}
+
+// One CTA (8 warps; two CTAs per SM) = one sequence x 16 heads x a contiguous range of tiles (a
+// split). Warp w owns content group gq = w (dims 64 gq .. 64 gq + 63) and RoPE dims 8 gq .. + 7 of
+// every token of the tile. Lane (g, t) = (lane / 4, lane % 4) loads, for tokens 8 j + g, sixteen
+// content dims and RoPE dims 8 gq + 2 t, + 1 straight into mma B fragments (QK: B[k = dim][n =
+// token]; the dims may come in any order as long as the query uses the same, see widx),
+// dequantized in registers. PV needs B[k = token][n = dim]: movmatrix transposes each 8x8 block
+// of the same registers, so a packed tile is read from shared memory and dequantized once for
+// both products, and lane (g, t) accumulates the output of heads g, g + 8 at exactly its own dims.
+// The per-group partial scores meet in shared memory; each warp runs the online softmax of two
+// heads; affine scales multiply the QK result per token and P (A of PV) per token.
 // Virtual tiles: [0, nprt) are the protected bf16 rows (affine caches with protection; loaded
 // straight from global memory), then the packed tiles of positions [pb, pe), which go through a
 // ring of NS cp.async stages. Operands: affine in fp16 (codes q - z exact, query and P rounded
 // once; P scaled by a running per-warp maximum of the group scales so it stays <= 1); bf16 cache
 // in bf16 with the query as hi + lo pairs and P rounded once to bf16.
 template <int CB, int RB>
-__global__ void __launch_bounds__(kNT, 1) mla_decode_kernel(MlaDecodeParams p, Work wk) {
+__global__ void __launch_bounds__(kNT, 2) mla_decode_kernel(MlaDecodeParams p, Work wk) {
   using C = Cfg<CB, RB>;
   constexpr bool kAff = C::kAff, kB = !kAff;
-  constexpr int TI = C::TI, TPW = C::TPW, NJ = C::NJ, NS = C::NS, SST = C::SST;
+  constexpr int TI = C::TI, NJ = C::NJ, NS = C::NS, SST = C::SST;
   extern __shared__ __align__(16) std::uint8_t smem_raw[];
   std::uint8_t* stages = smem_raw;
   float* spart = reinterpret_cast<float*>(smem_raw + NS * C::kStage);  // [8][16][SST]
@@ -210,11 +241,13 @@ __global__ void __launch_bounds__(kNT, 1) mla_decode_kernel(MlaDecodeParams p, W
   float* mrow = sP + kHG * SST;                                        // log2 units
   float* lrow = mrow + kHG;
   float* alpha = lrow + kHG;
+  float* scl = alpha + kHG;  // affine: [2][9][TI] then smax [2][8]
+  float* smx = scl + 2 * 9 * TI;
   const PageLayout L = p.fmt.page;
 
   const int split = blockIdx.x, hg = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, t = lane & 3;
-  const int gq = w & 7, th = w >> 3;
+  const int gq = w;
   const int Lq = p.seq_lens[b];
   const bool prot = kAff && p.protect.enabled();
   const int pb = prot ? static_cast<int>(p.protect.packed_begin(Lq)) : 0;
@@ -222,13 +255,24 @@ __global__ void __launch_bounds__(kNT, 1) mla_decode_kernel(MlaDecodeParams p, W
   const int first = pb / TI, end = pe > pb ? (pe + TI - 1) / TI : first;
   const int npk = end - first;
   const int nprot = prot ? pb + (Lq - pe) : 0;
-  const int nprt = (nprot + kPT - 1) / kPT;
+  const int nprt = (nprot + TI - 1) / TI;
   const int nv = nprt + npk;
   const int per = (nv + wk.nsplit - 1) / wk.nsplit;
   const int v0 = min(split * per, nv), v1 = min(v0 + per, nv);
-  const int kb = max(v0, nprt);       // first packed virtual tile of this split
-  const int nks = max(0, v1 - kb);    // packed tiles of this split
+  const int kb = max(v0, nprt);     // first packed virtual tile of this split
+  const int nks = max(0, v1 - kb);  // packed tiles of this split
   const std::int32_t* bt = p.block_tables + static_cast<std::size_t>(b) * p.max_pages;
+  // Valid rows [lo, hi) of virtual tile vt.
+  auto range = [&](int vt, int& lo, int& hi) {
+    if (vt < nprt) {
+      lo = 0;
+      hi = min(TI, nprot - vt * TI);
+    } else {
+      const int pi = first + vt - nprt;
+      lo = max(0, pb - pi * TI);
+      hi = min(TI, pe - pi * TI);
+    }
+  };
 
   // ---- stage copies
   auto page_id = [&](int k) -> int { return k < nks ? bt[(first + kb - nprt + k) * TI / kPT] : -1; };
@@ -271,6 +315,27 @@ __global__ void __launch_bounds__(kNT, 1) mla_decode_kernel(MlaDecodeParams p, W
       }
     }
   };
+  // Affine: scales of virtual tile vt into buffer buf (warp w: group w; lane: token; warp 0 also
+  // the RoPE scales), 0 outside [lo, hi), 1 for protected rows; and each group's maximum.
+  auto prep_scales = [&](int vt, int buf) {
+    if constexpr (kAff) {
+      int lo, hi;
+      range(vt, lo, hi);
+      const bool ok = lane >= lo && lane < hi;
+      float c = ok ? 1.0f : 0.0f, r = c;
+      if (vt >= nprt && ok) {
+        const std::uint8_t* me = stages + ((vt - kb) % NS) * C::kStage + TI * (C::CS + C::RS) + lane * C::MS;
+        c = detail::bf16_bits_to_float(reinterpret_cast<const std::uint16_t*>(me)[gq]);
+        r = *reinterpret_cast<const float*>(me + 24);
+      }
+      float* sb = scl + buf * 9 * TI;
+      sb[gq * TI + lane] = c;
+      if (gq == 0) sb[8 * TI + lane] = r;
+#pragma unroll
+      for (int off = 16; off >= 1; off >>= 1) c = fmaxf(c, __shfl_xor_sync(0xffffffffu, c, off));
+      if (lane == 0) smx[buf * 8 + gq] = c;
+    }
+  };
   // Prologue: the first NS - 1 packed tiles in flight while the query fragments load.
   int id_next;
   {
@@ -285,28 +350,40 @@ __global__ void __launch_bounds__(kNT, 1) mla_decode_kernel(MlaDecodeParams p, W
     mrow[tid] = -INFINITY;
     lrow[tid] = 0.0f;
   }
-  // ---- query fragments: A[row = head][k], k-step s = dims R(t, 4 s .. 4 s + 3) of group gq.
+  // ---- query fragments: A[row = head][k]; k-step s = words 2 s, 2 s + 1 of the lane's dims.
   std::uint32_t qa[4][4], qb[4][4], qra[2], qrb[2];
   {
     const float* q0 = p.q + (static_cast<std::size_t>(b) * p.heads + hg * kHG + g) * kD;
     const float* q1 = q0 + 8 * kD;
+    float x0[16], x1[16];
 #pragma unroll
-    for (int s = 0; s < 4; ++s) {
-      const int d = 64 * gq + (kAff ? 16 * t + 4 * s : (s < 2 ? 8 * t + 4 * s : 24 + 8 * t + 4 * s));
-      const float4 x0 = *reinterpret_cast<const float4*>(q0 + d);
-      const float4 x1 = *reinterpret_cast<const float4*>(q1 + d);
-      if constexpr (kAff) {
-        qa[s][0] = detail::pack2<false>(x0.x, x0.y);
-        qa[s][1] = detail::pack2<false>(x1.x, x1.y);
-        qa[s][2] = detail::pack2<false>(x0.z, x0.w);
-        qa[s][3] = detail::pack2<false>(x1.z, x1.w);
-      } else {
-        split2<true>(x0.x, x0.y, qa[s][0], qb[s][0]);
-        split2<true>(x1.x, x1.y, qa[s][1], qb[s][1]);
-        split2<true>(x0.z, x0.w, qa[s][2], qb[s][2]);
-        split2<true>(x1.z, x1.w, qa[s][3], qb[s][3]);
-      }
+    for (int i = 0; i < 4; ++i) {
+      const int d = 64 * gq + (kAff ? 16 * t + 4 * i : (i < 2 ? 8 * t + 4 * i : 24 + 8 * t + 4 * i));
+      const float4 a = *reinterpret_cast<const float4*>(q0 + d);
+      const float4 c = *reinterpret_cast<const float4*>(q1 + d);
+      x0[4 * i] = a.x;
+      x0[4 * i + 1] = a.y;
+      x0[4 * i + 2] = a.z;
+      x0[4 * i + 3] = a.w;
+      x1[4 * i] = c.x;
+      x1[4 * i + 1] = c.y;
+      x1[4 * i + 2] = c.z;
+      x1[4 * i + 3] = c.w;
     }
+#pragma unroll
+    for (int s = 0; s < 4; ++s)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int k = 2 * s + h;
+        const int i0 = widx<CB>(k, 0), i1 = widx<CB>(k, 1);
+        if constexpr (kAff) {
+          qa[s][2 * h] = detail::pack2<false>(x0[i0], x0[i1]);
+          qa[s][2 * h + 1] = detail::pack2<false>(x1[i0], x1[i1]);
+        } else {
+          split2<true>(x0[i0], x0[i1], qa[s][2 * h], qb[s][2 * h]);
+          split2<true>(x1[i0], x1[i1], qa[s][2 * h + 1], qb[s][2 * h + 1]);
+        }
+      }
     const int dr = kDc + 8 * gq + 2 * t;
     if constexpr (kAff) {
       qra[0] = detail::pack2<false>(q0[dr], q0[dr + 1]);
@@ -324,29 +401,30 @@ __global__ void __launch_bounds__(kNT, 1) mla_decode_kernel(MlaDecodeParams p, W
 
   cp_async_wait<NS - 2>();
   __syncthreads();
+  if (v0 < v1) prep_scales(v0, 0);
+  __syncthreads();
 
 #pragma unroll 1
   for (int vt = v0; vt < v1; ++vt) {
     const bool is_prot = kAff && vt < nprt;
-    const int k = vt - kb;
-    int lo = 0, hi = 0;
+    const int k = vt - kb, buf = (vt - v0) & 1;
+    int lo, hi;
+    range(vt, lo, hi);
     std::uint32_t wc[NJ][8], wr[NJ];
     if (is_prot) {  // never for bf16 caches (kAff false)
-      // Protected rows (affine caches only): bf16 rows from global memory, converted to fp16.
-      const int r0 = (vt * kPT);
-      hi = min(kPT, nprot - r0);
+      // Protected rows: bf16 rows from global memory, converted to fp16 (finite bf16 latents are
+      // far inside fp16's range; values below 2^-14 become fp16 subnormals).
 #pragma unroll
       for (int j = 0; j < NJ; ++j) {
-        const int r = th * TPW + 8 * j + g;
+        const int r = 8 * j + g;
         if (r < hi) {
-          const int idx = r0 + r;
+          const int idx = vt * TI + r;
           const int pos = idx < pb ? idx : pe + (idx - pb);
           const std::uint16_t* row = p.protect_rows + p.protect.row(b, p.protect.slot(pos));
           const uint4 a = *reinterpret_cast<const uint4*>(row + 64 * gq + 16 * t);
           const uint4 c = *reinterpret_cast<const uint4*>(row + 64 * gq + 16 * t + 8);
           const std::uint32_t u[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
-#pragma unroll
-          for (int i = 0; i < 8; ++i) wc[j][i] = bf2_to_h2(u[i]);
+          prot_words<CB, 0>(wc[j], u);
           wr[j] = bf2_to_h2(*reinterpret_cast<const std::uint32_t*>(row + kDc + 8 * gq + 2 * t));
         } else {
 #pragma unroll
@@ -355,15 +433,12 @@ __global__ void __launch_bounds__(kNT, 1) mla_decode_kernel(MlaDecodeParams p, W
         }
       }
     } else {
-      const int pi = first + kb - nprt + k;
-      lo = max(0, pb - pi * TI);
-      hi = min(TI, pe - pi * TI);
       const std::uint8_t* st = stages + (k % NS) * C::kStage;
       const std::uint8_t* rope = st + TI * C::CS;
       const std::uint8_t* meta = rope + TI * C::RS;
 #pragma unroll
       for (int j = 0; j < NJ; ++j) {
-        const int r = th * TPW + 8 * j + g;
+        const int r = 8 * j + g;
         const std::uint8_t* crow = st + r * C::CS;
         if constexpr (kAff) {
           const std::uint8_t* m = meta + r * C::MS;
@@ -388,23 +463,8 @@ __global__ void __launch_bounds__(kNT, 1) mla_decode_kernel(MlaDecodeParams p, W
         }
       }
     }
-    // Group scale (rope = false) or RoPE scale of token tok of this tile: 0 outside [lo, hi)
-    // (metadata there may be garbage), 1 for protected rows; re-read from the stage, which stays
-    // valid until the next iteration's refill.
-    const std::uint8_t* meta_k = stages + (k % NS) * C::kStage + TI * (C::CS + C::RS);
-    auto scale_of = [&](int tok, bool rope) -> float {
-      if constexpr (!kAff) {
-        return 1.0f;
-      } else {
-        const bool ok = tok >= lo && tok < hi;
-        if (!ok) return 0.0f;
-        if (is_prot) return 1.0f;
-        const std::uint8_t* me = meta_k + tok * C::MS;
-        return rope ? *reinterpret_cast<const float*>(me + 24)
-                    : detail::bf16_bits_to_float(reinterpret_cast<const std::uint16_t*>(me)[gq]);
-      }
-    };
-    // ---- QK: partial scores of the 16 heads x this warp's TPW tokens over its dims
+    const float* sb = scl + buf * 9 * TI;
+    // ---- QK: partial scores of the 16 heads x TI tokens over this warp's dims
     {
       float sp[NJ][4];
 #pragma unroll
@@ -421,37 +481,37 @@ __global__ void __launch_bounds__(kNT, 1) mla_decode_kernel(MlaDecodeParams p, W
         float ar[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         mma1688<kB>(ar, qra[0], qra[1], wr[j]);
         if constexpr (kB) mma1688<kB>(ar, qrb[0], qrb[1], wr[j]);
-        float* dst = spart + gq * kHG * SST + th * TPW + 8 * j + 2 * t;
-        const int tok = th * TPW + 8 * j + 2 * t;
-        const float c0 = scale_of(tok, false), c1 = scale_of(tok + 1, false);
-        const float r0 = scale_of(tok, true), r1 = scale_of(tok + 1, true);
-        float2 v0, v1;
-        v0.x = sp[j][0] * c0 + ar[0] * r0;
-        v0.y = sp[j][1] * c1 + ar[1] * r1;
-        v1.x = sp[j][2] * c0 + ar[2] * r0;
-        v1.y = sp[j][3] * c1 + ar[3] * r1;
-        *reinterpret_cast<float2*>(dst + g * SST) = v0;
-        *reinterpret_cast<float2*>(dst + (g + 8) * SST) = v1;
+        const int tok = 8 * j + 2 * t;
+        float2 c = make_float2(1.0f, 1.0f), r = c;
+        if constexpr (kAff) {
+          c = *reinterpret_cast<const float2*>(sb + gq * TI + tok);
+          r = *reinterpret_cast<const float2*>(sb + 8 * TI + tok);
+        }
+        float* dst = spart + gq * kHG * SST + tok;
+        *reinterpret_cast<float2*>(dst + g * SST) = make_float2(sp[j][0] * c.x + ar[0] * r.x, sp[j][1] * c.y + ar[1] * r.y);
+        *reinterpret_cast<float2*>(dst + (g + 8) * SST) =
+            make_float2(sp[j][2] * c.x + ar[2] * r.x, sp[j][3] * c.y + ar[3] * r.y);
       }
     }
+    cp_async_wait<NS - 3>();  // the next packed tile has landed (this thread's copies)
     __syncthreads();
     if (!is_prot) {
-      // Refill the ring with tile k + NS - 1: its slot (k - 1) % NS was last read (fragments and
-      // scales) before the barrier above.
+      // Refill the ring with tile k + NS - 1: its slot (k - 1) % NS was last read before the
+      // barrier above.
       issue(k + NS - 1, id_next);
       cp_async_commit();
       id_next = page_id(k + NS);
     }
-    // ---- online softmax (log2 units): warp w runs head w over the TI tokens
+    // ---- online softmax (log2 units): warp w runs heads 2 w, 2 w + 1 (16 lanes each)
     {
-      constexpr int TPT = TI / 32;
-      const int h = w;
+      constexpr int TPT = TI / 16;
+      const int h = 2 * w + (lane >> 4), sub = lane & 15;
       float s[TPT], mx = -INFINITY;
 #pragma unroll
       for (int e = 0; e < TPT; ++e) s[e] = 0.0f;
 #pragma unroll
       for (int ww = 0; ww < 8; ++ww) {
-        const float* row = spart + (ww * kHG + h) * SST + TPT * lane;
+        const float* row = spart + (ww * kHG + h) * SST + TPT * sub;
         if constexpr (TPT == 2) {
           const float2 v = *reinterpret_cast<const float2*>(row);
           s[0] += v.x;
@@ -462,12 +522,12 @@ __global__ void __launch_bounds__(kNT, 1) mla_decode_kernel(MlaDecodeParams p, W
       }
 #pragma unroll
       for (int e = 0; e < TPT; ++e) {
-        const int tok = TPT * lane + e;
+        const int tok = TPT * sub + e;
         s[e] = (tok >= lo && tok < hi) ? s[e] * sl2 : -INFINITY;
         mx = fmaxf(mx, s[e]);
       }
 #pragma unroll
-      for (int off = 16; off >= 1; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+      for (int off = 8; off >= 1; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
       const float m_old = mrow[h];
       const float m_new = fmaxf(m_old, mx);
       float sum = 0.0f;
@@ -475,33 +535,26 @@ __global__ void __launch_bounds__(kNT, 1) mla_decode_kernel(MlaDecodeParams p, W
       for (int e = 0; e < TPT; ++e) {
         const float pv = s[e] == -INFINITY ? 0.0f : exp2f(s[e] - m_new);
         sum += pv;
-        sP[h * SST + TPT * lane + e] = pv;
+        sP[h * SST + TPT * sub + e] = pv;
       }
 #pragma unroll
-      for (int off = 16; off >= 1; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-      if (lane == 0) {
+      for (int off = 8; off >= 1; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+      __syncwarp();
+      if (sub == 0) {
         const float a = m_new == -INFINITY ? 1.0f : (m_old == -INFINITY ? 0.0f : exp2f(m_old - m_new));
         lrow[h] = lrow[h] * a + sum;
         mrow[h] = m_new;
         alpha[h] = a;
       }
     }
-    cp_async_wait<NS - 2>();  // the next packed tile has landed (this thread's copies)
+    if (vt + 1 < v1) prep_scales(vt + 1, buf ^ 1);
     __syncthreads();
-    // ---- PV: o[heads g, g + 8][dims R(t, .)] += P' x V over this warp's tokens
+    // ---- PV: o[heads g, g + 8][this lane's dims] += P' x V
     {
       float a0 = alpha[g], a1 = alpha[g + 8];
       float inv = 1.0f;
       if constexpr (kAff) {
-        float smax = 0.0f;
-#pragma unroll
-        for (int j = 0; j < NJ; ++j) {
-          const int tok = th * TPW + 8 * j + 2 * t;
-          smax = fmaxf(smax, fmaxf(scale_of(tok, false), scale_of(tok + 1, false)));
-        }
-        smax = fmaxf(smax, __shfl_xor_sync(0xffffffffu, smax, 1));
-        smax = fmaxf(smax, __shfl_xor_sync(0xffffffffu, smax, 2));
-        const float snew = fmaxf(sref, smax);
+        const float snew = fmaxf(sref, smx[buf * 8 + gq]);
         const float r = snew > 0.0f ? sref / snew : 1.0f;
         inv = snew > 0.0f ? 1.0f / snew : 0.0f;
         sref = snew;
@@ -517,15 +570,16 @@ __global__ void __launch_bounds__(kNT, 1) mla_decode_kernel(MlaDecodeParams p, W
       }
 #pragma unroll
       for (int kk = 0; kk < NJ / 2; ++kk) {
-        const int tk = th * TPW + 16 * kk + 2 * t;
+        const int tk = 16 * kk + 2 * t;
         const float2 p00 = *reinterpret_cast<const float2*>(sP + g * SST + tk);
         const float2 p10 = *reinterpret_cast<const float2*>(sP + (g + 8) * SST + tk);
         const float2 p01 = *reinterpret_cast<const float2*>(sP + g * SST + tk + 8);
         const float2 p11 = *reinterpret_cast<const float2*>(sP + (g + 8) * SST + tk + 8);
         std::uint32_t pa[4];
         if constexpr (kAff) {
-          const float s0 = scale_of(tk, false) * inv, s1 = scale_of(tk + 1, false) * inv;
-          const float s8 = scale_of(tk + 8, false) * inv, s9 = scale_of(tk + 9, false) * inv;
+          const float2 c0 = *reinterpret_cast<const float2*>(sb + gq * TI + tk);
+          const float2 c8 = *reinterpret_cast<const float2*>(sb + gq * TI + tk + 8);
+          const float s0 = c0.x * inv, s1 = c0.y * inv, s8 = c8.x * inv, s9 = c8.y * inv;
           pa[0] = detail::pack2<false>(p00.x * s0, p00.y * s1);
           pa[1] = detail::pack2<false>(p10.x * s0, p10.y * s1);
           pa[2] = detail::pack2<false>(p01.x * s8, p01.y * s9);
@@ -543,33 +597,19 @@ __global__ void __launch_bounds__(kNT, 1) mla_decode_kernel(MlaDecodeParams p, W
   }
   cp_async_wait<0>();
   __syncthreads();
-  // ---- the two token halves meet in shared memory (the stages are free), then one writes
-  float* red = reinterpret_cast<float*>(stages);  // [16][512]
+  // Partial state of this split: unnormalized output (times the scale reference), max, sum.
   const float fin = kAff ? sref : 1.0f;
-  auto dim_of = [&](int n) {  // first of the two output dims of accumulator tile n
-    const int i = 2 * n;  // R(t, i), i = 4 s + 2 e
-    return 64 * gq + (kAff ? 16 * t + i : (i < 8 ? 8 * t + i : 24 + 8 * t + i));
-  };
-  if (th == 1) {
+  const std::size_t r0 = (static_cast<std::size_t>(b) * p.heads + hg * kHG + g) * wk.nsplit + split;
+  const std::size_t r1 = r0 + 8 * static_cast<std::size_t>(wk.nsplit);
+  float* out0 = wk.opart + r0 * kDc + 64 * gq;
+  float* out1 = wk.opart + r1 * kDc + 64 * gq;
 #pragma unroll
-    for (int n = 0; n < 8; ++n) {
-      const int d = dim_of(n);
-      *reinterpret_cast<float2*>(red + g * kDc + d) = make_float2(o[n][0] * fin, o[n][1] * fin);
-      *reinterpret_cast<float2*>(red + (g + 8) * kDc + d) = make_float2(o[n][2] * fin, o[n][3] * fin);
-    }
-  }
-  __syncthreads();
-  if (th == 0) {
-    const std::size_t r0 = (static_cast<std::size_t>(b) * p.heads + hg * kHG + g) * wk.nsplit + split;
-    const std::size_t r1 = r0 + 8 * static_cast<std::size_t>(wk.nsplit);
-#pragma unroll
-    for (int n = 0; n < 8; ++n) {
-      const int d = dim_of(n);
-      const float2 x0 = *reinterpret_cast<const float2*>(red + g * kDc + d);
-      const float2 x1 = *reinterpret_cast<const float2*>(red + (g + 8) * kDc + d);
-      *reinterpret_cast<float2*>(wk.opart + r0 * kDc + d) = make_float2(o[n][0] * fin + x0.x, o[n][1] * fin + x0.y);
-      *reinterpret_cast<float2*>(wk.opart + r1 * kDc + d) = make_float2(o[n][2] * fin + x1.x, o[n][3] * fin + x1.y);
-    }
+  for (int n = 0; n < 8; ++n) {
+    const int d0 = wdim<CB>(t, n, 0), d1 = wdim<CB>(t, n, 1);
+    out0[d0] = o[n][0] * fin;
+    out0[d1] = o[n][1] * fin;
+    out1[d0] = o[n][2] * fin;
+    out1[d1] = o[n][3] * fin;
   }
   if (tid < kHG) {
     const std::size_t r = (static_cast<std::size_t>(b) * p.heads + hg * kHG + tid) * wk.nsplit + split;
@@ -634,7 +674,7 @@ int mla_decode_splits(const MlaDecodeParams& p) {
   const int pages = std::max(1, (p.max_seq_len + kPT - 1) / kPT);
   if (p.num_splits > 0) return std::min(p.num_splits, pages);
   const int ctas = std::max(1, p.batch * (p.heads / kHG));
-  return std::clamp(sm_count_of(p) / ctas, 1, pages);
+  return std::clamp(2 * sm_count_of(p) / ctas, 1, pages);  // two CTAs per SM
 }
 
 std::size_t mla_decode_workspace_bytes(const MlaDecodeParams& p) {

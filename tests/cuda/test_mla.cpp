@@ -340,7 +340,7 @@ void test_decode(const Case& c) {
   p.num_splits = c.splits;
   p.workspace_bytes = cuda::mla_decode_workspace_bytes(p);
   KVQ_CUDA_OK(cudaMalloc(&p.workspace, p.workspace_bytes));
-  for (int warps : {16, 8}) {  // both CTA shapes
+  for (int warps : {16, 8}) {  // both accepted values of MlaDecodeParams::warps (same kernel)
     p.warps = warps;
     KVQ_CUDA_OK(cudaMemcpy(p.out, poison.data(), poison.size() * 4, cudaMemcpyHostToDevice));
     KVQ_CUDA_OK(cuda::mla_decode(p));

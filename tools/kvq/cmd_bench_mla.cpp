@@ -239,7 +239,7 @@ void run_mla_bench(const MlaBenchOptions& o) {
                             {"speedup_vs_flashmla", nullptr},
                             {"bytes", bytes},
                             {"splits", cuda::mla_decode_splits(p)},
-                            {"warps", o.warps ? o.warps : 16}});
+                            {"warps", 8}});
             if (!o.json)
               fmt::print(stderr, "{:<5} B={:<3} ctx={:<7} H={:<4} {:<6} {:10.1f} us {:7.0f} GB/s  vs bf16 {}\n", fname, B, ctx,
                          H, pname, us, bytes / (us * 1e3), sp16.dump());
@@ -288,7 +288,7 @@ void register_bench_mla(CLI::App& app) {
   cmd->add_option("--reps", o->reps, "timed replays (median)")->check(CLI::Range(1, 100000));
   cmd->add_option("--warmup", o->warmup, "warm-up replays");
   cmd->add_option("--store-tokens", o->store_tokens, "tokens per writer run");
-  cmd->add_option("--warps", o->warps, "decode warps per CTA: 8 or 16 (0: the default, 16)");
+  cmd->add_option("--warps", o->warps, "accepted for compatibility (the decode kernel runs 8-warp CTAs)");
   cmd->add_option("--commit", o->commit, "commit recorded in the result");
   cmd->add_option("--command-line", o->command, "command recorded in the result");
   cmd->add_flag("--json", o->json, "print one JSON object");
