@@ -44,6 +44,10 @@ struct EvalOptions {
   int calib_tokens = 16384;        // outlier calibration, from the calibration text
   std::string calib_text;          // data/validation-tech.txt (never the evaluation text)
   std::string needle_words_text;   // words for the needle (data/validation-tech.txt)
+  // When set, the bf16 reference (bf16 ppl, KL, top-1, needle pairing) is this model with a bf16
+  // cache instead of the evaluated model: a calibrated (re-parameterized) model is then compared
+  // with the original it came from. Same tokenizer, vocabulary and cache geometry required.
+  std::string baseline_model;
   std::function<void(const std::string&, double)> progress;  // (stage, fraction done)
 };
 
@@ -66,6 +70,7 @@ struct ConfigResult {
 
 struct ModelEvalResult {
   std::string model_dir, architecture;
+  std::string baseline_model;  // empty: the bf16 reference is model_dir itself
   CacheGeometry geometry;
   int windows = 0;
   std::int64_t predictions = 0;

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <map>
 #include <fstream>
 #include <limits>
 #include <random>
@@ -294,6 +295,25 @@ LayerDiagnostics layer_diag(const CacheGeometry& g, const CacheConfig& cfg, cons
 
 }  // namespace
 
+namespace {
+// Records every layer's queries and appended rows of the next forward call into `cap`.
+void capture_into(Model& model, Capture& cap) {
+  cap.q.assign(static_cast<std::size_t>(model.cache_geometry().n_layers), {});
+  cap.k = cap.v = cap.q;
+  cap.n = 0;
+  model.set_observer([&cap](const LayerTrace& t) {
+    auto app = [](std::vector<float>& dst, const float* src, std::size_t cnt) { dst.insert(dst.end(), src, src + cnt); };
+    app(cap.q[static_cast<std::size_t>(t.layer)], t.q, static_cast<std::size_t>(t.n) * static_cast<std::size_t>(t.q_dim));
+    app(cap.k[static_cast<std::size_t>(t.layer)], t.k, static_cast<std::size_t>(t.n) * static_cast<std::size_t>(t.k_dim));
+    app(cap.v[static_cast<std::size_t>(t.layer)], t.v, static_cast<std::size_t>(t.n) * static_cast<std::size_t>(t.v_dim));
+    cap.n_heads = t.n_heads;
+    cap.q_dim = t.q_dim;
+    cap.scale = t.scale;
+    if (t.layer == 0) cap.n += t.n;
+  });
+}
+}  // namespace
+
 ModelEvalResult evaluate_model(const std::string& model_dir, const std::vector<CacheConfig>& configs,
                                const std::string& text_path, const EvalOptions& opt) {
   auto model = Model::load(model_dir);
@@ -309,6 +329,19 @@ ModelEvalResult evaluate_model(const std::string& model_dir, const std::vector<C
   res.model_dir = model_dir;
   res.architecture = cfg.architecture;
   res.geometry = geo;
+  std::unique_ptr<Model> base_owner;
+  Model* bmodel = model.get();
+  if (!opt.baseline_model.empty()) {
+    base_owner = Model::load(opt.baseline_model);
+    const auto& bc = base_owner->config();
+    const CacheGeometry bg = base_owner->cache_geometry();
+    if (bc.vocab_size != cfg.vocab_size || bc.bos_token_id != cfg.bos_token_id || bg.n_layers != geo.n_layers ||
+        bg.mla != geo.mla || bg.d_latent != geo.d_latent || bg.d_rope != geo.d_rope || bg.n_kv_heads != geo.n_kv_heads ||
+        bg.head_dim != geo.head_dim)
+      fail("--baseline-model " + opt.baseline_model + " does not match " + model_dir + " (vocabulary, special tokens or cache shape)");
+    bmodel = base_owner.get();
+    res.baseline_model = opt.baseline_model;
+  }
 
   const std::string text = read_text(text_path);
   const auto stream = ppl_token_stream(text, [&](std::string_view s) { return tok->encode(s); }, cfg.eos_token_ids[0]);
@@ -367,23 +400,19 @@ ModelEvalResult evaluate_model(const std::string& model_dir, const std::vector<C
   for (int w = 0; w < windows; ++w) {
     win[0] = cfg.bos_token_id;
     std::copy(stream.begin() + static_cast<long>(w) * n, stream.begin() + static_cast<long>(w) * n + (n - 1), win.begin() + 1);
+    if (w == 0 && opt.diagnostics && bmodel != model.get()) {
+      // Diagnostics work on the evaluated model's own bf16 rows (its cache coordinates).
+      PagedCache c(geo, bo);
+      capture_into(*model, cap);
+      model->forward(win.data(), n, c, 0, nullptr, LogitsMode::kNone);
+      model->set_observer({});
+    }
     {
       PagedCache c(geo, bo);
-      if (w == 0 && opt.diagnostics) {
-        cap.q.assign(static_cast<std::size_t>(geo.n_layers), {});
-        cap.k = cap.v = cap.q;
-        model->set_observer([&](const LayerTrace& t) {
-          auto app = [](std::vector<float>& dst, const float* src, std::size_t cnt) { dst.insert(dst.end(), src, src + cnt); };
-          app(cap.q[static_cast<std::size_t>(t.layer)], t.q, static_cast<std::size_t>(t.n) * static_cast<std::size_t>(t.q_dim));
-          app(cap.k[static_cast<std::size_t>(t.layer)], t.k, static_cast<std::size_t>(t.n) * static_cast<std::size_t>(t.k_dim));
-          app(cap.v[static_cast<std::size_t>(t.layer)], t.v, static_cast<std::size_t>(t.n) * static_cast<std::size_t>(t.v_dim));
-          cap.n_heads = t.n_heads;
-          cap.q_dim = t.q_dim;
-          cap.scale = t.scale;
-          if (t.layer == 0) cap.n += t.n;
-        });
+      if (w == 0 && opt.diagnostics && bmodel == model.get()) {
+        capture_into(*model, cap);
       }
-      model->forward(win.data(), n, c, 0, ref.data(), LogitsMode::kAll);
+      bmodel->forward(win.data(), n, c, 0, ref.data(), LogitsMode::kAll);
       model->set_observer({});
     }
     ref_nll += mean_next_token_nll(ref.data(), vocab, win.data(), n);
@@ -432,7 +461,7 @@ ModelEvalResult evaluate_model(const std::string& model_dir, const std::vector<C
     for (int len : opt.needle_lengths) {
       require(len <= cfg.max_position_embeddings, "needle length exceeds max_position_embeddings");
       const auto samples = make_needle_samples(*tok, stream, words, len, opt.needle_samples, opt.seed, cfg.bos_token_id);
-      auto score = [&](const CacheConfig* c) {
+      auto score = [&](const CacheConfig* c, Model& m_run) {
         std::vector<char> ok(samples.size());
         std::vector<float> logits;
         for (std::size_t s = 0; s < samples.size(); ++s) {
@@ -442,7 +471,7 @@ ModelEvalResult evaluate_model(const std::string& model_dir, const std::vector<C
           if (c) cache = make_cache(geo, *c, oc_of(*c));
           else cache = std::make_unique<PagedCache>(geo, bo);
           logits.resize(static_cast<std::size_t>(m) * static_cast<std::size_t>(vocab));
-          model->forward(smp.tokens.data(), m, *cache, 0, logits.data(), LogitsMode::kAll);
+          m_run.forward(smp.tokens.data(), m, *cache, 0, logits.data(), LogitsMode::kAll);
           bool good = true;
           for (int p = smp.answer_start; p <= m && good; ++p)
             good = argmax(&logits[static_cast<std::size_t>(p - 1) * static_cast<std::size_t>(vocab)], vocab) == smp.tokens[static_cast<std::size_t>(p)];
@@ -450,11 +479,22 @@ ModelEvalResult evaluate_model(const std::string& model_dir, const std::vector<C
         }
         return ok;
       };
-      const auto base = score(nullptr);
+      // A baseline model's bf16 answers are the same for every evaluated model of this process
+      // (same samples): computed once.
+      static std::map<std::string, std::vector<char>> baseline_memo;
+      const std::string key = opt.baseline_model + "|" + text_path + "|" + opt.needle_words_text + "|" + std::to_string(len) +
+                              "|" + std::to_string(opt.needle_samples) + "|" + std::to_string(opt.seed);
+      std::vector<char> base;
+      if (bmodel != model.get() && baseline_memo.count(key)) {
+        base = baseline_memo[key];
+      } else {
+        base = score(nullptr, *bmodel);
+        if (bmodel != model.get()) baseline_memo[key] = base;
+      }
       res.bf16_needle[len] = static_cast<double>(std::count(base.begin(), base.end(), 1)) / static_cast<double>(base.size());
       if (opt.progress) opt.progress("needle", static_cast<double>(++done) / static_cast<double>(todo));
       for (std::size_t i = 0; i < configs.size(); ++i) {
-        const auto got = score(&configs[i]);
+        const auto got = score(&configs[i], *model);
         int dis = 0;
         for (std::size_t s = 0; s < got.size(); ++s) dis += got[s] != base[s];
         res.rows[i].needle_acc[len] = static_cast<double>(std::count(got.begin(), got.end(), 1)) / static_cast<double>(got.size());

@@ -54,7 +54,7 @@ nlohmann::json to_json(const kvq::ModelEvalResult& m) {
   for (const auto& [len, a] : m.bf16_needle) bn[std::to_string(len)] = a;
   return {{"model", m.model_dir},       {"architecture", m.architecture}, {"windows", m.windows},
           {"predictions", m.predictions}, {"bf16_ppl", m.bf16_ppl},     {"bf16_needle_accuracy", bn},
-          {"needle_samples", m.needle_samples}, {"rows", rows}};
+          {"needle_samples", m.needle_samples}, {"baseline_model", m.baseline_model}, {"rows", rows}};
 }
 
 void print_tables(const std::vector<kvq::ModelEvalResult>& all, std::FILE* out, bool md) {
@@ -104,8 +104,9 @@ void write_report(const std::string& dir, const std::vector<kvq::ModelEvalResult
   if (!f) kvq::fail(md + ": cannot write");
   fmt::print(f, "# kvq eval report\n\nCommand: `{}`\n\n", command);
   for (const auto& m : all)
-    fmt::print(f, "- {} ({}): {} windows, {} predictions; bf16 ppl {:.4f}; {} needle samples per length\n", m.model_dir,
-               m.architecture, m.windows, m.predictions, m.bf16_ppl, m.needle_samples);
+    fmt::print(f, "- {} ({}): {} windows, {} predictions; bf16 ppl {:.4f}{}; {} needle samples per length\n", m.model_dir,
+               m.architecture, m.windows, m.predictions, m.bf16_ppl,
+               m.baseline_model.empty() ? std::string() : " (bf16 reference: " + m.baseline_model + ")", m.needle_samples);
   fmt::print(f, "\n");
   print_tables(all, f, true);
   fmt::print(f, "\n![delta-ppl against bytes per token](delta_ppl_vs_bytes.png)\n");
@@ -118,9 +119,11 @@ void write_report(const std::string& dir, const std::vector<kvq::ModelEvalResult
 }
 
 void run(const std::vector<std::string>& models, const std::string& text, const kvq::cli::CacheCli& cc, int ctx, int windows,
-         int needle, bool diag, bool json, const std::string& report, std::uint64_t seed, const std::string& command) {
+         int needle, bool diag, bool json, const std::string& report, std::uint64_t seed, const std::string& command,
+         const std::string& baseline) {
   kvq::require(!models.empty(), "--model is required");
   kvq::EvalOptions opt;
+  if (!baseline.empty()) opt.baseline_model = kvq::cli::resolve_path(baseline);
   opt.ctx = ctx;
   opt.windows = windows;
   opt.needle_samples = needle;
@@ -156,8 +159,9 @@ void run(const std::vector<std::string>& models, const std::string& text, const 
     return;
   }
   for (const auto& m : all)
-    fmt::print("{} ({}): {} windows of {} on {} ({} predictions), bf16 ppl {:.4f}\n", m.model_dir, m.architecture, m.windows,
-               ctx, text_path, m.predictions, m.bf16_ppl);
+    fmt::print("{} ({}): {} windows of {} on {} ({} predictions), bf16 ppl {:.4f}{}\n", m.model_dir, m.architecture, m.windows,
+               ctx, text_path, m.predictions, m.bf16_ppl,
+               m.baseline_model.empty() ? std::string() : " (bf16 reference: " + m.baseline_model + ")");
   print_tables(all, stdout, false);
 }
 
@@ -173,7 +177,10 @@ void register_cmd(CLI::App& app) {
   auto json = std::make_shared<bool>(false);
   auto report = std::make_shared<std::string>();
   auto seed = std::make_shared<std::uint64_t>(20261129);
+  auto baseline = std::make_shared<std::string>();
   cmd->add_option("--model", *models, "model directory (repeatable)")->required();
+  cmd->add_option("--baseline-model", *baseline,
+                  "bf16 reference model for delta-ppl, KL, top-1 and needle pairing (e.g. the original of a calibrated model)");
   cmd->add_option("--text", *text, "evaluation text (documents separated by blank lines)");
   cc->add(cmd, std::string("comma-separated cache configurations FORMAT[@paper|@sS,wW,nN]; default sweep: GQA ") + kGqaSweep +
                    "; MLA " + kMlaSweep);
@@ -190,7 +197,8 @@ void register_cmd(CLI::App& app) {
     command += " --text " + *text + (cc->cache.empty() ? "" : " --cache " + cc->cache) + " --ctx " + std::to_string(*ctx) +
                " --windows " + std::to_string(*windows) + " --needle-samples " + std::to_string(*needle);
     if (cc->protect != "none") command += " --protect " + cc->protect;
-    run(*models, *text, *cc, *ctx, *windows, *needle, !*nodiag, *json, *report, *seed, command);
+    if (!baseline->empty()) command += " --baseline-model " + *baseline;
+    run(*models, *text, *cc, *ctx, *windows, *needle, !*nodiag, *json, *report, *seed, command, *baseline);
   });
 }
 
