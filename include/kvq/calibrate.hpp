@@ -117,6 +117,19 @@ template <class R>
 double rope_output_objective(const MlaLayerWeights<R>& w, const MlaSample<R>& x, const RopePairs& pairs,
                              const R* angle, const R* scale, bool hadamard, const RowOp<R>* op);
 
+// The frozen attention weights of every layer of an MLA checkpoint in MlaBlock's layout
+// (kv_a_layernorm gamma, kv_b_proj's W_UV rows per head, o_proj), dims.T left 0. kvq::Error when
+// gamma has a zero channel (the weightless latent u = c / gamma is then undefined).
+std::vector<MlaLayerWeights<float>> load_mla_layer_weights(const std::string& model_dir);
+
+// Runs `model` (an MLA model) on each token sequence (positions from 0) with an exact fp32 cache
+// and returns, per layer, one sample per sequence: u, qa, qr, p from the runtime's own rows and
+// the teacher y recomputed by MlaBlock from the exact cache. kvq::Error naming the layer and
+// sequence on a non-finite activation.
+class Model;
+std::vector<std::vector<MlaSample<float>>> capture_mla_samples(Model& model, const std::vector<MlaLayerWeights<float>>& w,
+                                                               const std::vector<std::vector<std::int32_t>>& seqs);
+
 // ---- Fusion -----------------------------------------------------------------------------------
 
 // Producer rows: w [dc][in] <- R^T w.

@@ -183,6 +183,119 @@ void say(const CalibOptions& o, const std::string& s) {
 
 }  // namespace
 
+std::vector<MlaLayerWeights<float>> load_mla_layer_weights(const std::string& model_dir) {
+  const ModelConfig cfg = load_model_config((fs::path(model_dir) / "config.json").string());
+  if (!cfg.mla) fail(model_dir + ": an MLA (DeepSeek-V2/V3) model is needed; this one is " + cfg.architecture);
+  const int dc = cfg.kv_lora_rank, dr = cfg.qk_rope_head_dim, H = cfg.n_heads, vd = cfg.v_head_dim,
+            nope = cfg.qk_nope_head_dim, hid = cfg.hidden_size;
+  // The consumers straight from the checkpoint (the runtime keeps them internal).
+  std::map<std::string, std::string> where;
+  const fs::path index = fs::path(model_dir) / "model.safetensors.index.json";
+  if (fs::exists(index)) {
+    std::ifstream jf(index, std::ios::binary);
+    std::stringstream s2;
+    s2 << jf.rdbuf();
+    const auto j = nlohmann::json::parse(s2.str(), nullptr, false);
+    if (j.is_discarded() || !j.contains("weight_map") || !j.at("weight_map").is_object()) fail(index.string() + ": malformed index");
+    for (auto it = j.at("weight_map").begin(); it != j.at("weight_map").end(); ++it)
+      if (it.value().is_string()) where[it.key()] = it.value().get<std::string>();
+  }
+  std::map<std::string, std::unique_ptr<SafetensorsFile>> files;
+  auto tensor = [&](const std::string& name) -> std::vector<float> {
+    std::string file = "model.safetensors";
+    if (!where.empty()) {
+      auto it = where.find(name);
+      if (it == where.end()) fail(index.string() + ": missing tensor '" + name + "'");
+      file = it->second;
+    }
+    auto fit = files.find(file);
+    if (fit == files.end())
+      fit = files.emplace(file, std::make_unique<SafetensorsFile>((fs::path(model_dir) / file).string())).first;
+    return fit->second->get(name).to_float();
+  };
+  std::vector<MlaLayerWeights<float>> out(static_cast<std::size_t>(cfg.n_layers));
+  for (int l = 0; l < cfg.n_layers; ++l) {
+    auto& w = out[static_cast<std::size_t>(l)];
+    const std::string p = "model.layers." + std::to_string(l) + ".self_attn.";
+    w.dims = MlaDims{0, H, dc, dr, vd, hid};
+    w.scale = cfg.softmax_scale;
+    w.gamma = tensor(p + "kv_a_layernorm.weight");
+    require(w.gamma.size() == static_cast<std::size_t>(dc), p + "kv_a_layernorm.weight: unexpected size");
+    for (float v : w.gamma)
+      if (!(std::fabs(v) > 1e-30f)) fail(p + "kv_a_layernorm.weight has a zero channel: the weightless latent cannot be recovered");
+    const std::vector<float> kvb = tensor(p + "kv_b_proj.weight");
+    require(kvb.size() == static_cast<std::size_t>(H) * (nope + vd) * dc, p + "kv_b_proj.weight: unexpected size");
+    w.w_uv.resize(static_cast<std::size_t>(H) * vd * dc);
+    for (int h = 0; h < H; ++h)
+      std::copy(kvb.begin() + static_cast<std::ptrdiff_t>((static_cast<std::size_t>(h) * (nope + vd) + nope) * dc),
+                kvb.begin() + static_cast<std::ptrdiff_t>((static_cast<std::size_t>(h) * (nope + vd) + nope + vd) * dc),
+                w.w_uv.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(h) * vd * dc));
+    w.w_o = tensor(p + "o_proj.weight");
+    require(w.w_o.size() == static_cast<std::size_t>(hid) * H * vd, p + "o_proj.weight: unexpected size");
+  }
+  return out;
+}
+
+std::vector<std::vector<MlaSample<float>>> capture_mla_samples(Model& model, const std::vector<MlaLayerWeights<float>>& w,
+                                                               const std::vector<std::vector<std::int32_t>>& seqs) {
+  const ModelConfig& cfg = model.config();
+  require(cfg.mla, "capture_mla_samples: an MLA model is needed");
+  require(w.size() == static_cast<std::size_t>(cfg.n_layers), "capture_mla_samples: one weight set per layer");
+  const int dc = cfg.kv_lora_rank, dr = cfg.qk_rope_head_dim, H = cfg.n_heads, hid = cfg.hidden_size;
+  std::vector<std::vector<MlaSample<float>>> out(w.size(), std::vector<MlaSample<float>>(seqs.size()));
+  const CacheGeometry g = model.cache_geometry();
+  for (std::size_t i = 0; i < seqs.size(); ++i) {
+    model.set_observer([&](const LayerTrace& tr) {
+      const auto& gamma = w[static_cast<std::size_t>(tr.layer)].gamma;
+      MlaSample<float>& x = out[static_cast<std::size_t>(tr.layer)][i];
+      require(tr.pos0 == 0, "capture_mla_samples: a sequence must run as one chunk");
+      x.T = tr.n;
+      const std::size_t n = static_cast<std::size_t>(tr.n);
+      x.u.resize(n * dc);
+      x.qa.resize(n * H * dc);
+      x.qr.resize(n * H * dr);
+      x.p.assign(tr.v, tr.v + n * dr);
+      for (std::size_t t = 0; t < n; ++t) {
+        for (int j = 0; j < dc; ++j) x.u[t * dc + j] = tr.k[t * dc + j] / gamma[static_cast<std::size_t>(j)];
+        for (int h = 0; h < H; ++h) {
+          const float* q = tr.q + (t * H + h) * static_cast<std::size_t>(dc + dr);
+          std::copy(q, q + dc, x.qa.begin() + static_cast<std::ptrdiff_t>((t * H + h) * dc));
+          std::copy(q + dc, q + dc + dr, x.qr.begin() + static_cast<std::ptrdiff_t>((t * H + h) * dr));
+        }
+      }
+      for (const auto* v : {&x.u, &x.qa, &x.qr, &x.p})
+        for (float e : *v)
+          if (!std::isfinite(e))
+            fail("non-finite activation in layer " + std::to_string(tr.layer) + " of calibration sequence " + std::to_string(i));
+    });
+    auto cache = make_dense_cache(g, 1, 0, DenseStorage::kF32);
+    const auto& sq = seqs[i];
+    try {
+      model.forward(sq.data(), static_cast<int>(sq.size()), *cache, 0, nullptr, LogitsMode::kNone);
+    } catch (...) {
+      model.set_observer({});
+      throw;
+    }
+  }
+  model.set_observer({});
+  // Teacher outputs from the block itself (exact cache), so that a disabled quantizer gives 0.
+  for (std::size_t l = 0; l < w.size(); ++l) {
+    ops::BlasSingleThread bguard;
+#pragma omp parallel for schedule(dynamic)
+    for (std::size_t i = 0; i < seqs.size(); ++i) {
+      auto& x = out[l][i];
+      std::vector<float> C(x.u.size());
+      for (std::size_t k = 0; k < C.size(); ++k) C[k] = x.u[k] * w[l].gamma[k % static_cast<std::size_t>(dc)];
+      MlaDims d = w[l].dims;
+      d.T = x.T;
+      MlaBlock<float> blk(d, w[l].w_uv.data(), w[l].w_o.data(), w[l].scale);
+      x.y.resize(static_cast<std::size_t>(x.T) * hid);
+      blk.forward(x.qa.data(), x.qr.data(), C.data(), x.p.data(), x.y.data());
+    }
+  }
+  return out;
+}
+
 CalibResult calibrate(const CalibOptions& o) {
   const auto t0 = Clock::now();
   CalibResult res;
@@ -228,8 +341,8 @@ CalibResult calibrate(const CalibOptions& o) {
   const auto* qr = dynamic_cast<const AffineGroup*>(qp.value.get());
   require(qc && qr, "kvq calibrate: the cXrY quantizers must be AffineGroup");
   const AffineSte<float> opc(*qc), opr(*qr);
-  const int dc = cfg.kv_lora_rank, dr = cfg.qk_rope_head_dim, H = cfg.n_heads, vd = cfg.v_head_dim,
-            nope = cfg.qk_nope_head_dim, hid = cfg.hidden_size, NL = cfg.n_layers, T = o.seq_len;
+  const int dc = cfg.kv_lora_rank, dr = cfg.qk_rope_head_dim, H = cfg.n_heads,
+            hid = cfg.hidden_size, NL = cfg.n_layers, T = o.seq_len;
   const RopePairs pairs{dr, cfg.rope.interleaved};
   if (o.method == CalibMethod::kQuaRot && ((dc & (dc - 1)) != 0 || (dr & (dr - 1)) != 0))
     fail("kvq calibrate: quarot needs power-of-two kv_lora_rank and qk_rope_head_dim");
@@ -262,107 +375,22 @@ CalibResult calibrate(const CalibOptions& o) {
     s.insert(s.end(), stream.begin() + static_cast<std::ptrdiff_t>(b), stream.begin() + static_cast<std::ptrdiff_t>(b + T - 1));
   }
 
-  // ---- layer weights -------------------------------------------------------------------------
+  // ---- layer weights and capture (exact fp32 cache) ---------------------------------------------
   std::vector<LayerData> layers(static_cast<std::size_t>(NL));
   {
-    // Read the consumers straight from the checkpoint (the runtime keeps them internal).
-    std::map<std::string, std::string> where;
-    const fs::path index = fs::path(o.model_dir) / "model.safetensors.index.json";
-    std::map<std::string, std::unique_ptr<SafetensorsFile>> files;
-    auto tensor = [&](const std::string& name) -> std::vector<float> {
-      std::string file = "model.safetensors";
-      if (fs::exists(index)) {
-        if (where.empty()) {
-          std::ifstream jf(index, std::ios::binary);
-          std::stringstream s2;
-          s2 << jf.rdbuf();
-          const auto j = nlohmann::json::parse(s2.str(), nullptr, false);
-          if (j.is_discarded() || !j.contains("weight_map") || !j.at("weight_map").is_object())
-            fail(index.string() + ": malformed index");
-          for (auto it = j.at("weight_map").begin(); it != j.at("weight_map").end(); ++it)
-            if (it.value().is_string()) where[it.key()] = it.value().get<std::string>();
-        }
-        auto it = where.find(name);
-        if (it == where.end()) fail(index.string() + ": missing tensor '" + name + "'");
-        file = it->second;
-      }
-      auto fit = files.find(file);
-      if (fit == files.end())
-        fit = files.emplace(file, std::make_unique<SafetensorsFile>((fs::path(o.model_dir) / file).string())).first;
-      return fit->second->get(name).to_float();
-    };
+    auto ws = load_mla_layer_weights(o.model_dir);
+    say(o, "capturing " + std::to_string(nseq) + " sequences of " + std::to_string(T) + " tokens from " + o.text_file);
+    auto samples = capture_mla_samples(*model, ws, seqs);
     for (int l = 0; l < NL; ++l) {
       auto& L = layers[static_cast<std::size_t>(l)];
-      const std::string p = "model.layers." + std::to_string(l) + ".self_attn.";
-      L.w.dims = MlaDims{T, H, dc, dr, vd, hid};
-      L.w.scale = cfg.softmax_scale;
-      L.gamma = tensor(p + "kv_a_layernorm.weight");
-      require(L.gamma.size() == static_cast<std::size_t>(dc), p + "kv_a_layernorm.weight: unexpected size");
-      for (float v : L.gamma)
-        if (!(std::fabs(v) > 1e-30f))
-          fail(p + "kv_a_layernorm.weight has a zero channel: the weightless latent cannot be recovered");
-      L.w.gamma = L.gamma;
-      const std::vector<float> kvb = tensor(p + "kv_b_proj.weight");
-      require(kvb.size() == static_cast<std::size_t>(H) * (nope + vd) * dc, p + "kv_b_proj.weight: unexpected size");
-      L.w.w_uv.resize(static_cast<std::size_t>(H) * vd * dc);
-      for (int h = 0; h < H; ++h)
-        std::copy(kvb.begin() + static_cast<std::ptrdiff_t>((static_cast<std::size_t>(h) * (nope + vd) + nope) * dc),
-                  kvb.begin() + static_cast<std::ptrdiff_t>((static_cast<std::size_t>(h) * (nope + vd) + nope + vd) * dc),
-                  L.w.w_uv.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(h) * vd * dc));
-      L.w.w_o = tensor(p + "o_proj.weight");
-      require(L.w.w_o.size() == static_cast<std::size_t>(hid) * H * vd, p + "o_proj.weight: unexpected size");
+      L.w = std::move(ws[static_cast<std::size_t>(l)]);
+      L.w.dims.T = T;
+      L.gamma = L.w.gamma;
+      auto& sl = samples[static_cast<std::size_t>(l)];
+      for (int i = 0; i < nseq; ++i) (i < o.train_seqs ? L.train : L.held).push_back(std::move(sl[static_cast<std::size_t>(i)]));
     }
+    say(o, "captured in " + std::to_string(static_cast<int>(since(t0))) + " s");
   }
-
-  // ---- capture (exact fp32 cache) ------------------------------------------------------------
-  say(o, "capturing " + std::to_string(nseq) + " sequences of " + std::to_string(T) + " tokens from " + o.text_file);
-  for (int i = 0; i < nseq; ++i) {
-    const bool train = i < o.train_seqs;
-    model->set_observer([&](const LayerTrace& tr) {
-      auto& L = layers[static_cast<std::size_t>(tr.layer)];
-      MlaSample<float> x;
-      x.T = tr.n;
-      const std::size_t n = static_cast<std::size_t>(tr.n);
-      x.u.resize(n * dc);
-      x.qa.resize(n * H * dc);
-      x.qr.resize(n * H * dr);
-      x.p.assign(tr.v, tr.v + n * dr);
-      for (std::size_t t = 0; t < n; ++t) {
-        for (int j = 0; j < dc; ++j) x.u[t * dc + j] = tr.k[t * dc + j] / L.gamma[static_cast<std::size_t>(j)];
-        for (int h = 0; h < H; ++h) {
-          const float* q = tr.q + (t * H + h) * static_cast<std::size_t>(dc + dr);
-          std::copy(q, q + dc, x.qa.begin() + static_cast<std::ptrdiff_t>((t * H + h) * dc));
-          std::copy(q + dc, q + dc + dr, x.qr.begin() + static_cast<std::ptrdiff_t>((t * H + h) * dr));
-        }
-      }
-      for (const auto* v : {&x.u, &x.qa, &x.qr, &x.p})
-        for (float e : *v)
-          if (!std::isfinite(e))
-            fail("kvq calibrate: non-finite activation in layer " + std::to_string(tr.layer) + " of calibration sequence " +
-                 std::to_string(i));
-      (train ? L.train : L.held).push_back(std::move(x));
-    });
-    auto cache = make_dense_cache(g, 1, 0, DenseStorage::kF32);
-    model->forward(seqs[static_cast<std::size_t>(i)].data(), T, *cache, 0, nullptr, LogitsMode::kNone);
-  }
-  model->set_observer({});
-  // Teacher outputs from the block itself (exact cache), so that a disabled quantizer gives 0.
-  for (auto& L : layers)
-    for (auto* set : {&L.train, &L.held}) {
-      ops::BlasSingleThread bguard;
-#pragma omp parallel for schedule(dynamic)
-      for (std::size_t i = 0; i < set->size(); ++i) {
-        auto& x = (*set)[i];
-        std::vector<float> C(x.u.size());
-        for (std::size_t k = 0; k < C.size(); ++k) C[k] = x.u[k] * L.gamma[k % static_cast<std::size_t>(dc)];
-        MlaDims d = L.w.dims;
-        d.T = x.T;
-        MlaBlock<float> blk(d, L.w.w_uv.data(), L.w.w_o.data(), L.w.scale);
-        x.y.resize(static_cast<std::size_t>(x.T) * hid);
-        blk.forward(x.qa.data(), x.qr.data(), C.data(), x.p.data(), x.y.data());
-      }
-    }
-  say(o, "captured in " + std::to_string(static_cast<int>(since(t0))) + " s");
 
   // ---- per layer, per path ---------------------------------------------------------------------
   const std::vector<double> alphas_qm = {0.0, 0.125, 0.25, 0.5, 0.75, 1.0};
