@@ -1,0 +1,1 @@
+set_tests_properties(ExactJacobian.RopePathAllLayers ExactJacobian.ContentPathLayer1 PROPERTIES LABELS slow)
