@@ -96,7 +96,7 @@ struct AnalysisOptions {
   double nmse = 0.01;                      // cache NMSE of the perturbation (response: 0.01)
   // Jacobian only
   int probes = 256;                        // Hutchinson probes per (sequence, layer, path)
-  int permutations = 4;                    // whole-token permutations per (sequence, layer, path)
+  int permutations = 16;                   // whole-token permutations per (sequence, layer, path)
   std::function<void(const std::string&)> log;
 };
 

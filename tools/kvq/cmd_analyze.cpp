@@ -20,7 +20,7 @@ namespace fs = std::filesystem;
 struct Args {
   std::string model, cache = "c4r4", seeds = "0,1,2", report;
   std::vector<std::string> texts;
-  int seqs = -1, seq_len = -1, probes = 256, permutations = 4;
+  int seqs = -1, seq_len = -1, probes = 256, permutations = 16;
   double nmse = -1;
   bool json = false, quiet = false;
 };
@@ -185,7 +185,7 @@ void register_cmd(CLI::App& app) {
     auto* sub = cmd->add_subcommand("jacobian", "Hutchinson T, A, O and G per layer and path, predictor, interventions (default 1 x 256 tokens per cell, 256 probes, NMSE 1e-3)");
     add_common(sub, *a);
     sub->add_option("--probes", a->probes, "Hutchinson probes per (sequence, layer, path) (default 256)");
-    sub->add_option("--permutations", a->permutations, "whole-token permutations per (sequence, layer, path) (default 4)");
+    sub->add_option("--permutations", a->permutations, "whole-token permutations per (sequence, layer, path) (default 16)");
     sub->callback([a] { run(*a, true, describe(*a, true)); });
   }
 }
