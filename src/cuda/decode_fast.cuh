@@ -40,18 +40,38 @@ struct FCfg {
   // 4-bit uniform values are decoded arithmetically (fp16 magic numbers), no table.
   static constexpr bool kMagicV = VC == ValueCode::kUniform && VB == 4;
   static constexpr int VENT = kMagicV ? 0 : 1 << (2 * VB);
-  static constexpr int LUT_BYTES = (KENT > VENT ? KENT : VENT) * 256;  // may be 0
+  static constexpr int LUT_BYTES = (KENT > VENT ? KENT : VENT) * 256;  // may be 0; a power of two
   static constexpr int Q_BYTES = 4 * D * 4 + 2 * 16 * 4;  // query [4][D], then centroids [2][16]
   static constexpr int STAGE_BYTES = align16c(kChunk * (KCB + VCB + MB)) + 16;
   static constexpr int WFIT = (kSmemBudget - LUT_BYTES - Q_BYTES) / (2 * STAGE_BYTES);
   static constexpr int WARPS = WFIT >= 16 ? 16 : (WFIT / 2) * 2;
   static constexpr int THREADS = WARPS * 32;
-  static constexpr int SMEM = LUT_BYTES + Q_BYTES + WARPS * 2 * STAGE_BYTES;
   static constexpr int RS = D + 3;
+  // Layout (lut_pad: bytes from the start of dynamic shared memory to the first shared-window address
+  // aligned to LUT_BYTES, so that a table address is (window bits | entry << 8 | word) and one PRMT or
+  // LOP3 builds it, no add): stages of warps [0, nlo) in the pad, the table, the query, the stages of
+  // the other warps.
+  static constexpr int nlo(int lut_pad) { return lut_pad / (2 * STAGE_BYTES) < WARPS ? lut_pad / (2 * STAGE_BYTES) : WARPS; }
+  static constexpr int smem(int lut_pad) {
+    const int need = lut_pad + LUT_BYTES + Q_BYTES + (WARPS - nlo(lut_pad)) * 2 * STAGE_BYTES;
+    const int prot = kMaxGroup * D * 4 + WARPS * kMaxGroup * RS * 4;  // protected split
+    const int red = WARPS * 4 * RS * 4;                               // merge of the warps
+    const int m = need > prot ? need : prot;
+    return m > red ? m : red;
+  }
   static_assert(WARPS >= 8, "fast decode: too little shared memory");
-  static_assert(WARPS * 4 * RS * 4 <= WARPS * 2 * STAGE_BYTES, "reduction buffer must fit in the stages");
-  static_assert(kMaxGroup * D * 4 + WARPS * kMaxGroup * RS * 4 <= SMEM, "protected split must fit");
 };
+
+// Shared-window address of the start of dynamic shared memory.
+__device__ __forceinline__ std::uint32_t smem_u32(const void* p) {
+  return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
+}
+// 32-bit load from a shared-window address.
+__device__ __forceinline__ std::uint32_t lds_u32(std::uint32_t a) {
+  std::uint32_t v;
+  asm("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(a));
+  return v;
+}
 
 // Bits [pos, pos + wd) of the word array w, moved to start at bit dst; other bits are garbage.
 template <int NW>
@@ -102,14 +122,23 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   // groups instead of one.
   auto phys = [](int x) { return x ^ ((x >> 1) & 1); };
 
-  std::uint8_t* const lut = smem_raw;
-  float* const qs = reinterpret_cast<float*>(smem_raw + C::LUT_BYTES);
-  std::uint8_t* const stages = smem_raw + C::LUT_BYTES + C::Q_BYTES;
+  const std::uint32_t sbase = smem_u32(smem_raw);
+  const int lut_pad = C::LUT_BYTES > 0 ? static_cast<int>((C::LUT_BYTES - (sbase & (C::LUT_BYTES - 1))) & (C::LUT_BYTES - 1)) : 0;
+  {
+    std::uint32_t dyn;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+    if (static_cast<std::uint32_t>(C::smem(lut_pad)) > dyn) __trap();  // launcher assumed another base
+  }
+  std::uint8_t* const lut = smem_raw + lut_pad;
+  const std::uint32_t lut_s = sbase + static_cast<std::uint32_t>(lut_pad);  // aligned to LUT_BYTES
+  float* const qs = reinterpret_cast<float*>(lut + C::LUT_BYTES);
+  const int n_lo = C::nlo(lut_pad);
   const std::uint64_t page_bytes = p.fmt.page.page_bytes, koff = p.fmt.page.key_code_off,
                       voff = p.fmt.page.value_code_off, moff = p.fmt.page.meta_off;
   const std::uint8_t* __restrict__ pool = p.pool;
   const int nloc = (ce - cb - w + C::WARPS - 1) / C::WARPS > 0 ? (ce - cb - w + C::WARPS - 1) / C::WARPS : 0;
-  std::uint8_t* my_stages = stages + static_cast<std::size_t>(w) * 2 * C::STAGE_BYTES;
+  std::uint8_t* my_stages = w < n_lo ? smem_raw + static_cast<std::size_t>(w) * 2 * C::STAGE_BYTES
+                                     : lut + C::LUT_BYTES + C::Q_BYTES + static_cast<std::size_t>(w - n_lo) * 2 * C::STAGE_BYTES;
   const std::int32_t* bt = p.block_tables + static_cast<std::size_t>(b) * p.max_pages;
 
   auto page_of = [&](int i) { return i < nloc ? bt[(cb + w + i * C::WARPS) >> 1] : 0; };
@@ -219,6 +248,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     qa[kt][3] = l1;
   }
   const std::uint32_t L4 = static_cast<std::uint32_t>(lane) << 2;
+  const std::uint32_t XK = lut_s | L4, XV = lut_s | 128u | L4;  // table address of entry 0 for this lane
   const bool hi_lane = g < 4;
 
   float o[8][4];
@@ -238,7 +268,6 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     const std::uint8_t* smeta = sv + kChunk * C::VCB;
     const int pos0 = (cb + w + i * C::WARPS) * kChunk;
     const bool full = pos0 >= lo && pos0 + kChunk <= hi;
-    auto valid = [&](int t) { return full || (pos0 + phys(t) >= lo && pos0 + phys(t) < hi); };
 
     // Metadata of this lane's 8 tokens (nt * 8 + 2 t4 + e): 16-bit units, 2 * MB / 2 per pair.
     constexpr int MW = C::MB / 2;  // 16-bit units per token
@@ -256,14 +285,15 @@ __global__ void __launch_bounds__(C::THREADS, 1)
       }
     }
     const int esw = t4 & 1;  // logical e -> physical e ^ esw
-    auto meta = [&](int nt, int e, int k) -> float {  // 16-bit unit k of logical token nt * 8 + 2 t4 + e
-      const int u = (e ^ esw) * MW + k;
+    // 16-bit unit k of the lane's logical tokens nt * 8 + 2 t4 + {0, 1} as a float pair: one PRMT picks
+    // the unit of both physical tokens (swapped where esw), one conversion per half.
+    auto meta2 = [&](int nt, int k) -> float2 {
       const int k0 = k, k1 = MW + k;  // unit of physical token 0 / 1 of the pair
-      const std::uint32_t x0 = mraw[nt][k0 >> 1], x1 = mraw[nt][k1 >> 1];
-      const std::uint16_t h0 = static_cast<std::uint16_t>((k0 & 1) ? (x0 >> 16) : (x0 & 0xffffu));
-      const std::uint16_t h1 = static_cast<std::uint16_t>((k1 & 1) ? (x1 >> 16) : (x1 & 0xffffu));
-      (void)u;
-      return half_bits_to_float(esw ^ e ? h1 : h0);
+      const unsigned b0 = 2u * static_cast<unsigned>(k0 & 1), b2 = 4u + 2u * static_cast<unsigned>(k1 & 1);
+      const unsigned s0 = b0 | (b0 + 1) << 4 | b2 << 8 | (b2 + 1) << 12;
+      const unsigned s1 = b2 | (b2 + 1) << 4 | b0 << 8 | (b0 + 1) << 12;
+      const std::uint32_t x = __byte_perm(mraw[nt][k0 >> 1], mraw[nt][k1 >> 1], esw ? s1 : s0);
+      return __half22float2(*reinterpret_cast<const __half2*>(&x));
     };
 
     // ---- scores ----
@@ -290,17 +320,17 @@ __global__ void __launch_bounds__(C::THREADS, 1)
       auto kaddr = [&](const std::uint32_t(&ww)[NW], int pair) -> std::uint32_t {
         const int pos = pair * FW;
         if constexpr (FW == 8) {
-          return __byte_perm(ww[pos >> 5], L4, 0x5504u | (static_cast<unsigned>((pos & 31) >> 3) << 4));
+          return __byte_perm(ww[pos >> 5], XK, 0x7604u | (static_cast<unsigned>((pos & 31) >> 3) << 4));
         } else {
-          return (field_at(ww, pos, FW, 8) & (((1u << FW) - 1u) << 8)) | L4;
+          return (field_at(ww, pos, FW, 8) & (((1u << FW) - 1u) << 8)) | XK;
         }
       };
 #pragma unroll
       for (int kt = 0; kt < 8; ++kt) {
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
-          const std::uint32_t b0 = lds32(lut, kaddr(wv[nt], 2 * kt));
-          const std::uint32_t b1 = lds32(lut, kaddr(wv[nt], 2 * kt + 1));
+          const std::uint32_t b0 = lds_u32(kaddr(wv[nt], 2 * kt));
+          const std::uint32_t b1 = lds_u32(kaddr(wv[nt], 2 * kt + 1));
           mma16816<false>(acc[nt], qa[kt], b0, b1);
         }
       }
@@ -331,11 +361,23 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     float sc[4][2];
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
+      float v0 = acc[nt][0] + acc[nt][2], v1 = acc[nt][1] + acc[nt][3];
+      if constexpr (C::KC == KeyCode::kTq) {
+        const float2 kn = meta2(nt, 0);
+        v0 *= kn.x;
+        v1 *= kn.y;
+      }
+      sc[nt][0] = v0;
+      sc[nt][1] = v1;
+    }
+    if (!full) {  // warp-uniform: only the first and last chunk of a range can be partial
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        float v = acc[nt][e] + acc[nt][2 + e];
-        if constexpr (C::KC == KeyCode::kTq) v *= meta(nt, e, 0);
-        sc[nt][e] = valid(nt * 8 + 2 * t4 + e) ? v : -INFINITY;
+      for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int x = pos0 + phys(nt * 8 + 2 * t4 + e);
+          if (x < lo || x >= hi) sc[nt][e] = -INFINITY;
+        }
       }
     }
 
@@ -378,14 +420,18 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     for (int kk = 0; kk < 2; ++kk) {
       float pv[4];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int nt = 2 * kk + (j >> 1), e = j & 1;
-        const float pr = sc[nt][e];
+      for (int tp = 0; tp < 2; ++tp) {
+        const int nt = 2 * kk + tp;
+        const float2 vm = meta2(nt, C::KMB / 2);
+        const float p0 = sc[nt][0], p1 = sc[nt][1];
+        const float t0 = p0 * vm.x, t1 = p1 * vm.y;
+        pv[2 * tp] = p0 > 0 ? t0 : 0.0f;
+        pv[2 * tp + 1] = p1 > 0 ? t1 : 0.0f;
         if constexpr (C::VC == ValueCode::kUniform) {
-          pv[j] = pr > 0 ? pr * meta(nt, e, C::KMB / 2) : 0.0f;
-          if (pr > 0) z_run += pr * meta(nt, e, C::KMB / 2 + 1);
-        } else {
-          pv[j] = pr > 0 ? pr * meta(nt, e, C::KMB / 2) : 0.0f;
+          const float2 vz = meta2(nt, C::KMB / 2 + 1);
+          const float z0 = p0 * vz.x, z1 = p1 * vz.y;
+          z_run += p0 > 0 ? z0 : 0.0f;
+          z_run += p1 > 0 ? z1 : 0.0f;
         }
       }
       std::uint32_t bfr[2];
@@ -430,9 +476,9 @@ __global__ void __launch_bounds__(C::THREADS, 1)
             const std::uint32_t O = ((wa[h] >> 4) & 0x0f0f0f0fu) | (wb[h] & 0xf0f0f0f0u);
 #pragma unroll
             for (int k = 0; k < 4; ++k) {
-              const unsigned sel = 0x5504u | (static_cast<unsigned>(k) << 4);
-              areg[tp][8 * h + 2 * k] = lds32(lut + 128, __byte_perm(E, L4, sel));
-              areg[tp][8 * h + 2 * k + 1] = lds32(lut + 128, __byte_perm(O, L4, sel));
+              const unsigned sel = 0x7604u | (static_cast<unsigned>(k) << 4);
+              areg[tp][8 * h + 2 * k] = lds_u32(__byte_perm(E, XV, sel));
+              areg[tp][8 * h + 2 * k + 1] = lds_u32(__byte_perm(O, XV, sel));
             }
           }
         } else {  // 3-bit: 48 bits at byte 6 g
@@ -450,7 +496,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
             const int f = 3 * (j & ~1);
             const std::uint64_t X = (j & 1) ? O : E;
             const std::uint32_t x = f >= 8 ? static_cast<std::uint32_t>(X >> (f - 8)) : static_cast<std::uint32_t>(X << (8 - f));
-            areg[tp][j] = lds32(lut + 128, (x & 0x3f00u) | L4);
+            areg[tp][j] = lds_u32((x & 0x3f00u) | XV);
           }
         }
       }
@@ -475,7 +521,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   }
   __syncthreads();
   constexpr int RS = C::RS;
-  float* red = reinterpret_cast<float*>(stages);
+  float* red = reinterpret_cast<float*>(smem_raw);  // every warp's copies have landed (cp_async_wait above)
   if (t4 < 2) {
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
@@ -532,11 +578,20 @@ cudaError_t launch_decode_fast(const DecodeParams& p, int nsplit, int cps, float
       pg.value_code_bytes != static_cast<std::uint32_t>(C::VCB) || pg.meta_bytes != static_cast<std::uint32_t>(C::MB) ||
       pg.key_meta_bytes != static_cast<std::uint32_t>(C::KMB))
     return cudaErrorInvalidValue;
-  cudaError_t e = cudaFuncSetAttribute(decode_fast_kernel<C>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
+  // Dynamic shared memory starts after the per-block reserved bytes (1 KB on sm_90; the kernel has no
+  // static shared memory); the kernel checks the layout against the size it got and traps otherwise.
+  int dev = 0, reserved = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev);
+  if (e != cudaSuccess) return e;
+  const int pad = C::LUT_BYTES > 0 ? (C::LUT_BYTES - reserved % C::LUT_BYTES) % C::LUT_BYTES : 0;
+  const int smem = C::smem(pad);
+  if (smem > kSmemBudget + 2 * 1024) return cudaErrorInvalidValue;
+  e = cudaFuncSetAttribute(decode_fast_kernel<C>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != cudaSuccess) return e;
   const dim3 grid(static_cast<unsigned>(nsplit + (p.protect.enabled() ? 1 : 0)), static_cast<unsigned>(p.fmt.kv_heads),
                   static_cast<unsigned>(p.batch));
-  decode_fast_kernel<C><<<grid, C::THREADS, C::SMEM, st>>>(p, nsplit, cps, po, pl);
+  decode_fast_kernel<C><<<grid, C::THREADS, static_cast<std::size_t>(smem), st>>>(p, nsplit, cps, po, pl);
   return cudaGetLastError();
 }
 
