@@ -16,9 +16,10 @@ CACHES = ["c4r4", "c2r4"]
 
 
 def rows_of(path):
-    if not os.path.exists(path):
+    try:
+        data = json.load(open(path))
+    except (OSError, ValueError):  # missing, or a run still writing it
         return {}
-    data = json.load(open(path))
     out = {}
     for m in data["models"]:
         name = m["model"].rstrip("/").split("/")[-1]
