@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Plots of `kvq analyze response|jacobian --report` JSON files (docs/analysis.md).
 Usage: plot_analysis.py report.json out.png
+       plot_analysis.py --summary out.png REPORT_DIR... (layer ratios of several models side by side)
 
 response: per-layer mean response R_C and R_P over cells with min/max envelopes (in the manner
 of QuantMLA's Figure 2) and the layer ratios r_l = R_P / R_C (median over cells, IQR band).
@@ -106,7 +107,35 @@ def jacobian(d, out):
     fig.savefig(out, dpi=110)
 
 
+def summary(out, dirs):
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for i, d in enumerate(dirs):
+        r = json.load(open(d.rstrip("/") + "/response.json"))
+        name = d.rstrip("/").split("/")[-1]
+        nl = r["options"]["layers"]
+        pl = r["per_layer"]
+        ls = "-" if r["options"]["cache"] == "c4r4" else "--"
+        a.plot(range(nl), pl["ratio_median"], "o" + ls, color=f"C{i % 4}", label=name)
+        try:
+            j = json.load(open(d.rstrip("/") + "/jacobian.json"))
+        except OSError:
+            continue
+        g = [sum(c["layers"][l]["rope"]["G"] / c["layers"][l]["content"]["G"] for c in j["cells"]) / len(j["cells"]) for l in range(nl)]
+        b.plot(range(nl), g, "s" + ls, color=f"C{i % 4}", label=name)
+    for ax, t in ((a, "response: median layer ratio r_l = R_P / R_C"), (b, "jacobian: mean G_P / G_C")):
+        ax.axhline(1.0, color="k", lw=0.6)
+        ax.set_yscale("log")
+        ax.set_xlabel("layer")
+        ax.set_title(t)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
 def main() -> int:
+    if sys.argv[1] == "--summary":
+        summary(sys.argv[2], sys.argv[3:])
+        return 0
     d = json.load(open(sys.argv[1]))
     if d.get("analysis") == "response":
         response(d, sys.argv[2])

@@ -104,6 +104,8 @@ struct ResponseLayer {
   double r_c = 0, r_p = 0;   // mean over the cell's sequences
   double ratio = 0;          // r_P / r_C
   double block_rel_err = 0;  // max over sequences: ||y_block - y_runtime|| / ||y_runtime|| (capture check)
+  // The quantizer's own (unrescaled) error: its cache NMSE and the output NMSE it causes, per path.
+  double q_cache_c = 0, q_cache_p = 0, q_out_c = 0, q_out_p = 0;
 };
 struct ResponseCell {
   std::string text;

@@ -220,7 +220,8 @@ double sq_dist(const std::vector<float>& a, const std::vector<float>& b) {
   return s;
 }
 
-// The quantizer's QDQ error on rows [T][d], rescaled to cache NMSE `nmse` (||e||^2 / ||c||^2).
+// The quantizer's QDQ error on rows [T][d], rescaled to cache NMSE `nmse` (||e||^2 / ||c||^2);
+// nmse <= 0 keeps the quantizer's own error.
 std::vector<float> qdq_error(const VectorQuantizer& q, const std::vector<float>& c, double nmse, const std::string& what) {
   const int d = q.dim();
   const std::size_t n = c.size() / static_cast<std::size_t>(d);
@@ -236,6 +237,7 @@ std::vector<float> qdq_error(const VectorQuantizer& q, const std::vector<float>&
   const double ee = sq_norm(e), cc = sq_norm(c);
   if (!(ee > 0) || !std::isfinite(ee))
     fail("kvq analyze: the " + what + " quantizer leaves no (or a non-finite) error to rescale");
+  if (nmse <= 0) return e;
   const float f = static_cast<float>(std::sqrt(nmse * cc / ee));
   for (auto& v : e) v *= f;
   return e;
@@ -301,7 +303,7 @@ ResponseResult analyze_response(const AnalysisOptions& o) {
       cell.seed = seed;
       cell.layers.resize(static_cast<std::size_t>(NL));
       const std::size_t ntask = static_cast<std::size_t>(o.seqs) * NL;
-      std::vector<double> rc(ntask), rp(ntask), be(ntask);
+      std::vector<double> rc(ntask), rp(ntask), be(ntask), qcc(ntask), qcp(ntask), qoc(ntask), qop(ntask);
       {
         ops::BlasSingleThread guard;
 #pragma omp parallel for schedule(dynamic)
@@ -320,6 +322,11 @@ ResponseResult analyze_response(const AnalysisOptions& o) {
             const double nmse_cache = sq_dist(cp, c) / sq_norm(c);
             const std::vector<float> y1 = perturbed_output(blk, x, p, e);
             (content ? rc : rp)[k] = (sq_dist(y1, y0) / yy) / nmse_cache;
+            // The quantizer's own error, not rescaled.
+            const std::vector<float> eq = qdq_error(content ? *s->qc : *s->qr, c, 0.0, cache_path_name(p));
+            const std::vector<float> y2 = perturbed_output(blk, x, p, eq);
+            (content ? qcc : qcp)[k] = sq_norm(eq) / sq_norm(c);
+            (content ? qoc : qop)[k] = sq_dist(y2, y0) / yy;
           }
         }
       }
@@ -335,6 +342,8 @@ ResponseResult analyze_response(const AnalysisOptions& o) {
           L.r_c += rc[k] / o.seqs;
           L.r_p += rp[k] / o.seqs;
           L.block_rel_err = std::max(L.block_rel_err, be[k]);
+          L.q_cache_c += qcc[k] / o.seqs, L.q_cache_p += qcp[k] / o.seqs;
+          L.q_out_c += qoc[k] / o.seqs, L.q_out_p += qop[k] / o.seqs;
         }
         L.ratio = L.r_p / L.r_c;
         sc += L.r_c;
@@ -380,7 +389,9 @@ ResponseResult analyze_response(const AnalysisOptions& o) {
     nlohmann::json jl = nlohmann::json::array();
     for (int l = 0; l < NL; ++l) {
       const auto& L = cell.layers[static_cast<std::size_t>(l)];
-      jl.push_back({{"layer", l}, {"r_c", L.r_c}, {"r_p", L.r_p}, {"ratio", L.ratio}, {"block_rel_err", L.block_rel_err}});
+      jl.push_back({{"layer", l}, {"r_c", L.r_c}, {"r_p", L.r_p}, {"ratio", L.ratio}, {"block_rel_err", L.block_rel_err},
+                    {"quantizer", {{"cache_nmse_c", L.q_cache_c}, {"cache_nmse_p", L.q_cache_p},
+                                   {"out_nmse_c", L.q_out_c}, {"out_nmse_p", L.q_out_p}}}});
     }
     jc.push_back({{"text", cell.text}, {"seed", cell.seed}, {"model_ratio", cell.model_ratio}, {"layers", jl}});
   }

@@ -87,6 +87,17 @@ std::string response_table(const kvq::ResponseResult& r, const kvq::AnalysisOpti
     s += fmt::format("| {} | {:.4g} | {:.4g} | {:.4g} | {:.4g} | {:.3f} | [{:.3f}, {:.3f}] |\n", l, r.rc_min[i], r.rc_max[i],
                      r.rp_min[i], r.rp_max[i], r.ratio_median[i], r.ratio_q1[i], r.ratio_q3[i]);
   }
+  s += "\nThe quantizer's own error (not rescaled), mean over cells\n\n"
+       "| layer | cache NMSE C | output NMSE C | cache NMSE P | output NMSE P |\n|---|---|---|---|---|\n";
+  for (int l = 0; l < r.n_layers; ++l) {
+    double a = 0, b = 0, c = 0, d = 0;
+    for (const auto& cell : r.cells) {
+      const auto& L = cell.layers[static_cast<std::size_t>(l)];
+      a += L.q_cache_c, b += L.q_out_c, c += L.q_cache_p, d += L.q_out_p;
+    }
+    const double n = static_cast<double>(r.cells.size());
+    s += fmt::format("| {} | {:.3e} | {:.3e} | {:.3e} | {:.3e} |\n", l, a / n, b / n, c / n, d / n);
+  }
   s += fmt::format("\nmodel-level ratio (mean_l R_P / mean_l R_C): mean {:.3f} over {} cells, range [{:.3f}, {:.3f}]\n",
                    r.model_ratio_mean, r.cells.size(), r.model_ratio_min, r.model_ratio_max);
   s += fmt::format("layer ratios r_l over (layer, cell): median {:.3f}, IQR [{:.3f}, {:.3f}]\n", r.ratio_median_all,
