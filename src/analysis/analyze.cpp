@@ -20,6 +20,7 @@
 
 #include "../model/ops.hpp"
 #include "kvq/analysis.hpp"
+#include "kvq/calibrate.hpp"
 #include "kvq/common.hpp"
 #include "kvq/dense_cache.hpp"
 #include "kvq/eval.hpp"
@@ -98,48 +99,8 @@ std::unique_ptr<Setup> setup(const AnalysisOptions& o, const char* who) {
   s->tok = Tokenizer::load((fs::path(o.model_dir) / "tokenizer.json").string());
   require(!s->cfg.eos_token_ids.empty() && s->cfg.bos_token_id >= 0, cmd + ": the model needs bos and eos token ids");
 
-  // The consumers straight from the checkpoint (single file or sharded with an index).
-  const int H = s->cfg.n_heads, dc = s->cfg.kv_lora_rank, vd = s->cfg.v_head_dim, nope = s->cfg.qk_nope_head_dim,
-            hid = s->cfg.hidden_size;
-  std::map<std::string, std::string> where;
-  const fs::path index = fs::path(o.model_dir) / "model.safetensors.index.json";
-  if (fs::exists(index)) {
-    std::ifstream jf(index, std::ios::binary);
-    std::stringstream ss;
-    ss << jf.rdbuf();
-    const auto j = nlohmann::json::parse(ss.str(), nullptr, false);
-    if (j.is_discarded() || !j.contains("weight_map") || !j.at("weight_map").is_object())
-      fail(index.string() + ": malformed index");
-    for (auto it = j.at("weight_map").begin(); it != j.at("weight_map").end(); ++it)
-      if (it.value().is_string()) where[it.key()] = it.value().get<std::string>();
-  }
-  std::map<std::string, std::unique_ptr<SafetensorsFile>> files;
-  auto tensor = [&](const std::string& name) -> std::vector<float> {
-    std::string file = "model.safetensors";
-    if (!where.empty()) {
-      auto it = where.find(name);
-      if (it == where.end()) fail(index.string() + ": missing tensor '" + name + "'");
-      file = it->second;
-    }
-    auto fit = files.find(file);
-    if (fit == files.end())
-      fit = files.emplace(file, std::make_unique<SafetensorsFile>((fs::path(o.model_dir) / file).string())).first;
-    return fit->second->get(name).to_float();
-  };
-  s->w.resize(static_cast<std::size_t>(s->cfg.n_layers));
-  for (int l = 0; l < s->cfg.n_layers; ++l) {
-    auto& L = s->w[static_cast<std::size_t>(l)];
-    const std::string p = "model.layers." + std::to_string(l) + ".self_attn.";
-    const std::vector<float> kvb = tensor(p + "kv_b_proj.weight");
-    require(kvb.size() == static_cast<std::size_t>(H) * (nope + vd) * dc, p + "kv_b_proj.weight: unexpected size");
-    L.w_uv.resize(static_cast<std::size_t>(H) * vd * dc);
-    for (int h = 0; h < H; ++h)
-      std::copy(kvb.begin() + static_cast<std::ptrdiff_t>((static_cast<std::size_t>(h) * (nope + vd) + nope) * dc),
-                kvb.begin() + static_cast<std::ptrdiff_t>((static_cast<std::size_t>(h) * (nope + vd) + nope + vd) * dc),
-                L.w_uv.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(h) * vd * dc));
-    L.w_o = tensor(p + "o_proj.weight");
-    require(L.w_o.size() == static_cast<std::size_t>(hid) * H * vd, p + "o_proj.weight: unexpected size");
-  }
+  // The consumers straight from the checkpoint (the calibration's loader).
+  for (auto& lw : load_mla_layer_weights(o.model_dir)) s->w.push_back({std::move(lw.w_uv), std::move(lw.w_o)});
   return s;
 }
 
