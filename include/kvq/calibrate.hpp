@@ -144,20 +144,20 @@ void fuse_rope_rows(float* w, int dr, int in, const RopePairs& pairs, const doub
 // Per-layer learned (or fixed) transforms.
 struct LayerTransform {
   std::vector<double> rotation;  // [dc][dc]; empty = identity
-  std::vector<double> scale;     // [dc]; empty = keep kv_a_layernorm (no content scale)
+  std::vector<double> scale;     // [dc]; empty = 1 (with a rotation, gamma still moves into kv_b_proj)
   std::vector<double> angle;     // [dr / 2]; empty = 0
   std::vector<double> rope_scale;  // [dr / 2]; empty = 1
 };
 
-// Reads the checkpoint in `model_dir`, fuses the transforms (one per layer), and writes a complete
-// model directory `out_dir` (config, tokenizer files, one model.safetensors in `dtype` (kBF16
-// keeps the source dtype: bf16 or f32 tensors as they were), and `calibration_json` as
-// kvq_calibration.json when not empty). Writes into a temporary sibling directory and renames
-// it at the end; an existing out_dir is replaced only then. Returns the FNV-1a 64 checksum of
-// model.safetensors as hex.
+// Reads the checkpoint in `model_dir`, fuses the transforms (one per layer) and writes a complete
+// model into the existing, empty directory `dir`: config.json, the tokenizer files, one
+// model.safetensors in `dtype` (kSource keeps each tensor's dtype, bf16 / f16 / f32), and
+// `calibration_json` as kvq_calibration.json when not empty. Returns the FNV-1a 64 checksum of
+// model.safetensors as hex. The caller owns the directory (`calibrate` writes into OUT.tmp and
+// renames it when everything has been checked).
 enum class FuseDtype { kSource, kF32 };
-std::string fuse_checkpoint(const std::string& model_dir, const std::vector<LayerTransform>& transforms,
-                            const std::string& out_dir, FuseDtype dtype, const std::string& calibration_json);
+std::string fuse_into(const std::string& model_dir, const std::vector<LayerTransform>& transforms, const std::string& dir,
+                      FuseDtype dtype, const std::string& calibration_json);
 
 // FNV-1a 64-bit of a file's bytes, as 16 hex digits.
 std::string file_checksum(const std::string& path);

@@ -21,11 +21,9 @@
 #include "kvq/safetensors.hpp"
 #include "kvq/tokenizer.hpp"
 #include "../model/ops.hpp"
+#include "checkpoint.hpp"
 
 namespace kvq {
-
-std::string fuse_into(const std::string& model_dir, const std::vector<LayerTransform>& tr, const std::string& dir,
-                      FuseDtype dtype, const std::string& calibration_json);
 
 namespace fs = std::filesystem;
 
@@ -109,23 +107,44 @@ std::vector<double> alpha_scales(const std::vector<double>& stat, double alpha) 
   return s;
 }
 
-// Mean of f(sample) over samples, in parallel (one BLAS thread per OpenMP thread).
+// Mean of f(sample) over samples, in parallel (one BLAS thread per OpenMP thread), summed in
+// sample order so that the result does not depend on the thread schedule.
 template <class F>
 double mean_over(const std::vector<MlaSample<float>>& xs, F f) {
-  ops::BlasSingleThread guard;
+  std::vector<double> v(xs.size());
+  {
+    ops::BlasSingleThread guard;
+#pragma omp parallel for schedule(dynamic)
+    for (std::size_t i = 0; i < xs.size(); ++i) v[i] = f(xs[i]);
+  }
   double sum = 0;
-#pragma omp parallel for schedule(dynamic) reduction(+ : sum)
-  for (std::size_t i = 0; i < xs.size(); ++i) sum += f(xs[i]);
+  for (double x : v) sum += x;
   return sum / static_cast<double>(xs.size());
 }
 
-struct ContentParams {
-  std::vector<double> a;  // skew [dc][dc]
-  std::vector<double> l;  // log scales [dc]
-};
-struct RopeParams {
-  std::vector<double> angle, l;  // [dr/2]
-};
+// Mean over the minibatch `idx` of two per-sample gradients: f(i, ga, gb) adds sample i's
+// gradients to zeroed float buffers of na and nb entries. Samples run in parallel (one BLAS
+// thread per OpenMP thread); the sums are taken in double and in minibatch order, so a seeded
+// run is reproducible whatever the thread schedule.
+template <class F>
+std::pair<std::vector<double>, std::vector<double>> minibatch_gradients(const std::vector<int>& idx, std::size_t na,
+                                                                        std::size_t nb, F f) {
+  std::vector<std::vector<float>> a(idx.size(), std::vector<float>(na, 0.0f)), b(idx.size(), std::vector<float>(nb, 0.0f));
+  {
+    ops::BlasSingleThread guard;
+#pragma omp parallel for schedule(dynamic)
+    for (std::size_t k = 0; k < idx.size(); ++k) f(idx[k], a[k].data(), b[k].data());
+  }
+  std::vector<double> ga(na, 0.0), gb(nb, 0.0);
+  for (std::size_t k = 0; k < idx.size(); ++k) {
+    for (std::size_t i = 0; i < na; ++i) ga[i] += a[k][i];
+    for (std::size_t i = 0; i < nb; ++i) gb[i] += b[k][i];
+  }
+  const double inv = 1.0 / static_cast<double>(idx.size());
+  for (auto& v : ga) v *= inv;
+  for (auto& v : gb) v *= inv;
+  return {std::move(ga), std::move(gb)};
+}
 
 double content_heldout(const LayerData& L, const std::vector<double>& rot, const std::vector<double>& s, const RowOp<float>* op) {
   const std::vector<float> rf = to_float(rot), sf = to_float(s);
@@ -189,30 +208,8 @@ std::vector<MlaLayerWeights<float>> load_mla_layer_weights(const std::string& mo
   const int dc = cfg.kv_lora_rank, dr = cfg.qk_rope_head_dim, H = cfg.n_heads, vd = cfg.v_head_dim,
             nope = cfg.qk_nope_head_dim, hid = cfg.hidden_size;
   // The consumers straight from the checkpoint (the runtime keeps them internal).
-  std::map<std::string, std::string> where;
-  const fs::path index = fs::path(model_dir) / "model.safetensors.index.json";
-  if (fs::exists(index)) {
-    std::ifstream jf(index, std::ios::binary);
-    std::stringstream s2;
-    s2 << jf.rdbuf();
-    const auto j = nlohmann::json::parse(s2.str(), nullptr, false);
-    if (j.is_discarded() || !j.contains("weight_map") || !j.at("weight_map").is_object()) fail(index.string() + ": malformed index");
-    for (auto it = j.at("weight_map").begin(); it != j.at("weight_map").end(); ++it)
-      if (it.value().is_string()) where[it.key()] = it.value().get<std::string>();
-  }
-  std::map<std::string, std::unique_ptr<SafetensorsFile>> files;
-  auto tensor = [&](const std::string& name) -> std::vector<float> {
-    std::string file = "model.safetensors";
-    if (!where.empty()) {
-      auto it = where.find(name);
-      if (it == where.end()) fail(index.string() + ": missing tensor '" + name + "'");
-      file = it->second;
-    }
-    auto fit = files.find(file);
-    if (fit == files.end())
-      fit = files.emplace(file, std::make_unique<SafetensorsFile>((fs::path(model_dir) / file).string())).first;
-    return fit->second->get(name).to_float();
-  };
+  const calib_detail::Checkpoint ck(model_dir);
+  auto tensor = [&](const std::string& name) { return ck.get(name).to_float(); };
   std::vector<MlaLayerWeights<float>> out(static_cast<std::size_t>(cfg.n_layers));
   for (int l = 0; l < cfg.n_layers; ++l) {
     auto& w = out[static_cast<std::size_t>(l)];
@@ -408,23 +405,19 @@ CalibResult calibrate(const CalibOptions& o) {
     R.rope.rtn = rope_heldout(L, pairs, zero_a, one_r, false, &opr);
     R.rope_output_rtn = rope_output_heldout(L, pairs, zero_a, one_r, false, &opr);
     // Statistics on the training set.
-    std::vector<const std::vector<float>*> ub, pb;
-    for (const auto& x : L.train) ub.push_back(&x.u), pb.push_back(&x.p);
+    std::vector<const std::vector<float>*> ub;
+    for (const auto& x : L.train) ub.push_back(&x.u);
     const std::vector<double> a_c = percentile_abs(ub, dc, 0.999);
-    std::vector<double> a_r(static_cast<std::size_t>(dr / 2));
-    {
-      // pair magnitude sqrt(k_a^2 + k_b^2) (invariant under RoPE), 99.9th percentile
-      std::vector<float> mag;
-      std::vector<std::vector<float>> pm(1);
-      pm[0].reserve(L.train.size() * static_cast<std::size_t>(T) * static_cast<std::size_t>(dr / 2));
-      for (const auto& x : L.train)
-        for (int t = 0; t < x.T; ++t)
-          for (int i = 0; i < dr / 2; ++i) {
-            const float a = x.p[static_cast<std::size_t>(t) * dr + pairs.first(i)], b = x.p[static_cast<std::size_t>(t) * dr + pairs.second(i)];
-            pm[0].push_back(std::sqrt(a * a + b * b));
-          }
-      a_r = percentile_abs({&pm[0]}, dr / 2, 0.999);
-    }
+    // RoPE: the pair magnitude sqrt(k_a^2 + k_b^2) (invariant under RoPE), 99.9th percentile.
+    std::vector<float> pair_mag;
+    pair_mag.reserve(L.train.size() * static_cast<std::size_t>(T) * static_cast<std::size_t>(dr / 2));
+    for (const auto& x : L.train)
+      for (int t = 0; t < x.T; ++t)
+        for (int i = 0; i < dr / 2; ++i) {
+          const float a = x.p[static_cast<std::size_t>(t) * dr + pairs.first(i)], b = x.p[static_cast<std::size_t>(t) * dr + pairs.second(i)];
+          pair_mag.push_back(std::sqrt(a * a + b * b));
+        }
+    const std::vector<double> a_r = percentile_abs({&pair_mag}, dr / 2, 0.999);
     // ---- content
     std::vector<double> rot = I, s(static_cast<std::size_t>(dc), 1.0);
     if (o.method == CalibMethod::kQuaRot) {
@@ -477,27 +470,12 @@ CalibResult calibrate(const CalibOptions& o) {
           const std::vector<double> sv = exp_scales(lg);
           const std::vector<float> rf = to_float(Rm), sf = to_float(sv);
           const std::vector<int> idx = bt.next(o.batch);
-          std::vector<double> gR(Rm.size(), 0.0), gs(static_cast<std::size_t>(dc), 0.0);
-          {
-            ops::BlasSingleThread bguard;
-#pragma omp parallel
-            {
-              std::vector<float> lr_(Rm.size(), 0.0f), ls_(static_cast<std::size_t>(dc), 0.0f);
-#pragma omp for schedule(dynamic)
-              for (std::size_t b = 0; b < idx.size(); ++b)
-                content_objective(L.w, L.train[static_cast<std::size_t>(idx[b])], rf.data(), sf.data(), &opc, lr_.data(), ls_.data());
-#pragma omp critical
-              {
-                for (std::size_t i = 0; i < gR.size(); ++i) gR[i] += lr_[i];
-                for (std::size_t i = 0; i < gs.size(); ++i) gs[i] += ls_[i];
-              }
-            }
-          }
-          const double inv = 1.0 / static_cast<double>(idx.size());
-          for (auto& v : gR) v *= inv;
+          auto [gR, gs] = minibatch_gradients(idx, Rm.size(), static_cast<std::size_t>(dc), [&](int i, float* a, float* b) {
+            content_objective(L.w, L.train[static_cast<std::size_t>(i)], rf.data(), sf.data(), &opc, a, b);
+          });
           std::vector<double> gA = cayley_backward(M, Rm, gR, dc);
           std::vector<double> gl(lg.size());
-          for (std::size_t j = 0; j < lg.size(); ++j) gl[j] = gs[j] * inv * log_scale_grad(lg[j]);
+          for (std::size_t j = 0; j < lg.size(); ++j) gl[j] = gs[j] * log_scale_grad(lg[j]);
           adA.step(A, gA);
           adL.step(lg, gl);
           if (step % o.eval_every == 0 || step == o.steps) {
@@ -521,26 +499,11 @@ CalibResult calibrate(const CalibOptions& o) {
           const std::vector<double> sv = exp_scales(lg);
           const std::vector<float> af = to_float(ang), sf = to_float(sv);
           const std::vector<int> idx = bt.next(o.batch);
-          std::vector<double> ga(ang.size(), 0.0), gs(lg.size(), 0.0);
-          {
-            ops::BlasSingleThread bguard;
-#pragma omp parallel
-            {
-              std::vector<float> a_(ang.size(), 0.0f), s_(lg.size(), 0.0f);
-#pragma omp for schedule(dynamic)
-              for (std::size_t b = 0; b < idx.size(); ++b)
-                rope_objective(L.train[static_cast<std::size_t>(idx[b])], H, pairs, af.data(), sf.data(), false, &opr, a_.data(), s_.data());
-#pragma omp critical
-              {
-                for (std::size_t i = 0; i < ga.size(); ++i) ga[i] += a_[i];
-                for (std::size_t i = 0; i < gs.size(); ++i) gs[i] += s_[i];
-              }
-            }
-          }
-          const double inv = 1.0 / static_cast<double>(idx.size());
-          for (auto& v : ga) v *= inv;
+          auto [ga, gs] = minibatch_gradients(idx, ang.size(), lg.size(), [&](int i, float* a, float* b) {
+            rope_objective(L.train[static_cast<std::size_t>(i)], H, pairs, af.data(), sf.data(), false, &opr, a, b);
+          });
           std::vector<double> gl(lg.size());
-          for (std::size_t j = 0; j < lg.size(); ++j) gl[j] = gs[j] * inv * log_scale_grad(lg[j]);
+          for (std::size_t j = 0; j < lg.size(); ++j) gl[j] = gs[j] * log_scale_grad(lg[j]);
           adT.step(ang, ga);
           adL.step(lg, gl);
           if (step % o.eval_every == 0 || step == o.steps) {
@@ -660,7 +623,7 @@ CalibResult calibrate(const CalibOptions& o) {
     std::error_code ec;
     for (const auto& e : fs::directory_iterator(tmp)) fs::remove_all(e.path(), ec);
   }
-  res.checksum = fuse_into(o.model_dir, transforms, tmp.string(), o.dtype, "{}");
+  res.checksum = fuse_into(o.model_dir, transforms, tmp.string(), o.dtype, j32.dump(2));  // full record below
   {
     auto sm = Model::load(tmp.string());
     res.nll_saved = run_nll(*sm, nullptr);

@@ -14,6 +14,7 @@
 #include "kvq/common.hpp"
 #include "kvq/model.hpp"
 #include "kvq/safetensors.hpp"
+#include "checkpoint.hpp"
 
 namespace kvq {
 
@@ -37,63 +38,6 @@ std::string file_checksum(const std::string& path) {
   return out;
 }
 
-namespace {
-
-std::string read_text(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  if (!f) fail(p.string() + ": cannot open");
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
-
-// Every tensor of a checkpoint directory, in name order, with the file that holds it.
-struct Checkpoint {
-  std::map<std::string, std::unique_ptr<SafetensorsFile>> files;
-  std::map<std::string, const TensorView*> tensors;
-
-  explicit Checkpoint(const std::string& dir) {
-    const fs::path index = fs::path(dir) / "model.safetensors.index.json";
-    std::vector<std::string> names;
-    if (fs::exists(index)) {
-      nlohmann::json j;
-      try {
-        j = nlohmann::json::parse(read_text(index));
-      } catch (const nlohmann::json::exception& e) {
-        fail(index.string() + ": malformed JSON: " + e.what());
-      }
-      if (!j.is_object() || !j.contains("weight_map") || !j.at("weight_map").is_object())
-        fail(index.string() + ": field 'weight_map' must be an object");
-      for (auto it = j.at("weight_map").begin(); it != j.at("weight_map").end(); ++it) {
-        if (!it.value().is_string()) fail(index.string() + ": weight_map entry '" + it.key() + "' is not a file name");
-        const std::string file = it.value().get<std::string>();
-        if (file.empty() || file.find('/') != std::string::npos || file == "." || file == "..")
-          fail(index.string() + ": weight_map entry '" + it.key() + "' names an invalid file '" + file + "'");
-        names.push_back(file);
-      }
-    } else {
-      names.push_back("model.safetensors");
-    }
-    for (const auto& n : names) {
-      if (files.count(n)) continue;
-      const fs::path p = fs::path(dir) / n;
-      if (!fs::exists(p)) fail(dir + ": checkpoint file " + n + " not found");
-      files.emplace(n, std::make_unique<SafetensorsFile>(p.string()));
-    }
-    for (const auto& [n, f] : files)
-      for (const auto& [name, view] : f->tensors()) tensors[name] = &view;
-  }
-  const TensorView& get(const std::string& name) const {
-    auto it = tensors.find(name);
-    if (it == tensors.end()) fail("checkpoint: missing tensor '" + name + "'");
-    return *it->second;
-  }
-};
-
-}  // namespace
-
-// Writes the fused checkpoint into `dir` (which must exist and be empty). Internal entry point of
-// fuse_checkpoint and the driver (which manages the temporary directory itself).
 std::string fuse_into(const std::string& model_dir, const std::vector<LayerTransform>& tr, const std::string& dir,
                       FuseDtype dtype, const std::string& calibration_json) {
   const ModelConfig cfg = load_model_config((fs::path(model_dir) / "config.json").string());
@@ -103,7 +47,7 @@ std::string fuse_into(const std::string& model_dir, const std::vector<LayerTrans
   const int dc = cfg.kv_lora_rank, dr = cfg.qk_rope_head_dim, nh = cfg.n_heads, nope = cfg.qk_nope_head_dim,
             vd = cfg.v_head_dim, hid = cfg.hidden_size, qh = nope + dr;
   const RopePairs pairs{dr, cfg.rope.interleaved};
-  Checkpoint ck(model_dir);
+  const calib_detail::Checkpoint ck(model_dir);
   std::vector<TensorToWrite> out;
   for (const auto& [name, view] : ck.tensors) {
     TensorToWrite t;
@@ -162,7 +106,7 @@ std::string fuse_into(const std::string& model_dir, const std::vector<LayerTrans
   const fs::path st = fs::path(dir) / "model.safetensors";
   write_safetensors(st.string(), out, {{"format", "pt"}});
   // Config and tokenizer files; config's dtype follows the written tensors.
-  nlohmann::json conf = nlohmann::json::parse(read_text(fs::path(model_dir) / "config.json"));
+  nlohmann::json conf = nlohmann::json::parse(calib_detail::read_file_text(fs::path(model_dir) / "config.json"));
   if (dtype == FuseDtype::kF32) {
     conf["dtype"] = "float32";
     if (conf.contains("torch_dtype")) conf["torch_dtype"] = "float32";
@@ -183,24 +127,6 @@ std::string fuse_into(const std::string& model_dir, const std::vector<LayerTrans
     if (!f) fail(dir + ": cannot write kvq_calibration.json");
   }
   return sum;
-}
-
-std::string fuse_checkpoint(const std::string& model_dir, const std::vector<LayerTransform>& transforms,
-                            const std::string& out_dir, FuseDtype dtype, const std::string& calibration_json) {
-  const fs::path out(out_dir);
-  const fs::path tmp = out.string() + ".tmp";
-  std::error_code ec;
-  fs::remove_all(tmp, ec);
-  if (!fs::create_directories(tmp, ec) || ec) fail(out_dir + ": cannot create the output directory (" + ec.message() + ")");
-  try {
-    const std::string sum = fuse_into(model_dir, transforms, tmp.string(), dtype, calibration_json);
-    if (fs::exists(out)) fs::remove_all(out);
-    fs::rename(tmp, out);
-    return sum;
-  } catch (...) {
-    fs::remove_all(tmp, ec);
-    throw;
-  }
 }
 
 }  // namespace kvq

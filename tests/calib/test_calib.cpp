@@ -33,6 +33,15 @@ std::vector<double> randn(std::size_t n, std::uint64_t seed, double sd = 1.0) {
   return v;
 }
 
+// A = W - W^T with W's entries N(0, sd^2): a random skew-symmetric matrix [n][n].
+std::vector<double> random_skew(int n, std::uint64_t seed, double sd) {
+  const auto w = randn(static_cast<std::size_t>(n) * n, seed, sd);
+  std::vector<double> a(w.size());
+  for (int i = 0; i < n; ++i)
+    for (int j = 0; j < n; ++j) a[static_cast<std::size_t>(i) * n + j] = w[static_cast<std::size_t>(i) * n + j] - w[static_cast<std::size_t>(j) * n + i];
+  return a;
+}
+
 double rel_err(double a, double b) { return std::fabs(a - b) / std::max({std::fabs(a), std::fabs(b), 1e-12}); }
 
 fs::path temp_dir(const std::string& name) {
@@ -190,10 +199,7 @@ TEST(MlaBlock, ReproducesTheRuntimeAttentionOutput) {
 
 TEST(Cayley, OrthogonalAndBackwardMatchesFiniteDifferences) {
   const int n = 6;
-  auto w = randn(n * n, 3, 0.3);
-  std::vector<double> A(n * n);
-  for (int i = 0; i < n; ++i)
-    for (int j = 0; j < n; ++j) A[i * n + j] = w[i * n + j] - w[j * n + i];
+  const auto A = random_skew(n, 3, 0.3);
   std::vector<double> M;
   const auto R = cayley(A, n, &M);
   for (int i = 0; i < n; ++i)
@@ -275,10 +281,7 @@ TEST(Objectives, ContentGradientMatchesFiniteDifferences) {
   Small s = make_small(6, 21);
   const int dc = s.w.dims.dc;
   SmoothOp op(dc);
-  auto w = randn(dc * dc, 22, 0.2);
-  std::vector<double> A(dc * dc);
-  for (int i = 0; i < dc; ++i)
-    for (int j = 0; j < dc; ++j) A[i * dc + j] = w[i * dc + j] - w[j * dc + i];
+  const auto A = random_skew(dc, 22, 0.2);
   const auto R = cayley(A, dc);
   auto sv = randn(dc, 23, 0.3);
   for (auto& v : sv) v = std::exp(v);
@@ -311,10 +314,7 @@ TEST(Objectives, ExactPathsAreInvariantUnderTheTransforms) {
     s.x.y.resize(static_cast<std::size_t>(9) * s.w.dims.hidden);
     b.forward(s.x.qa.data(), s.x.qr.data(), C.data(), s.x.p.data(), s.x.y.data());
   }
-  auto w = randn(dc * dc, 32, 0.4);
-  std::vector<double> A(dc * dc);
-  for (int i = 0; i < dc; ++i)
-    for (int j = 0; j < dc; ++j) A[i * dc + j] = w[i * dc + j] - w[j * dc + i];
+  const auto A = random_skew(dc, 32, 0.4);
   const auto R = cayley(A, dc);
   auto sv = randn(dc, 33, 0.5);
   for (auto& v : sv) v = std::exp(v);
@@ -389,10 +389,7 @@ void write_fused(const fs::path& out, Variant v, std::uint64_t seed, const std::
   const RopePairs pp{dr, cfg.rope.interleaved}, wrong{dr, !cfg.rope.interleaved};
   for (int l = 0; l < cfg.n_layers; ++l) {
     const std::string p = "model.layers." + std::to_string(l) + ".self_attn.";
-    auto w = randn(static_cast<std::size_t>(dc) * dc, seed + 10 * l, 0.05);
-    std::vector<double> A(static_cast<std::size_t>(dc) * dc);
-    for (int i = 0; i < dc; ++i)
-      for (int j = 0; j < dc; ++j) A[i * dc + j] = w[i * dc + j] - w[j * dc + i];
+    const auto A = random_skew(dc, seed + 10 * l, 0.05);
     const auto R = cayley(A, dc);
     std::vector<double> Rt(R.size());
     for (int i = 0; i < dc; ++i)
@@ -562,6 +559,15 @@ TEST(Calibrate, WritesALoadableFusedModelWithItsRecord) {
     auto model = Model::load(out.string());
     EXPECT_EQ(model->config().online_rope_hadamard, m == CalibMethod::kQuaRot);
   }
+  fs::remove_all(base);
+}
+
+TEST(Calibrate, SeededRunsAreReproducible) {
+  // Same options twice: the same checkpoint bytes, whatever the OpenMP schedule did.
+  const fs::path base = temp_dir("repro");
+  std::string sums[2];
+  for (int r = 0; r < 2; ++r) sums[r] = calibrate(small_options(base / std::to_string(r), CalibMethod::kQuantMla)).checksum;
+  EXPECT_EQ(sums[0], sums[1]);
   fs::remove_all(base);
 }
 
