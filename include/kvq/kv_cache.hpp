@@ -13,6 +13,15 @@
 
 namespace kvq {
 
+// MLA's per-head up-projections (kv_b_proj), for attention in the expanded form.
+struct MlaUpProjection {
+  int n_heads = 0;
+  int nope = 0;                // qk_nope_head_dim
+  int v_dim = 0;               // v_head_dim
+  const float* w_uk = nullptr;  // [n_heads][nope][d_latent]
+  const float* w_uv = nullptr;  // [n_heads][v_dim][d_latent]
+};
+
 struct CacheGeometry {
   int n_layers = 0;
   bool mla = false;
@@ -46,6 +55,21 @@ class KvCache {
   //       caller applies W_UV).
   virtual void attend(int seq, int layer, int n_q, int pos0, int n_heads, float scale,
                       const float* q, float* out) const = 0;
+  // MLA only, the same attention as attend() in DeepSeek-V2's expanded form: every row the
+  // queries see (protected rows in bf16, the rest decoded from packed copies, exactly as in
+  // attend()) is up-projected per head, k_h = [W_UK_h c | k_R], v_h = W_UV_h c, and each head
+  // attends over 128 + 64 dimensions instead of 576 + 512. Equal to attend() followed by W_UV
+  // up to float rounding; cheaper for prefill-sized chunks (the up-projection costs one GEMM
+  // per row, the absorbed form ~6x more per query-row pair).
+  //  q is [n_q][n_heads * (nope + d_rope)] laid out per head as [q_nope | q_rope];
+  //  out [n_q][n_heads * v_dim].
+  // Returns false (and writes nothing) where the cache does not implement it; the caller then
+  // uses attend().
+  virtual bool attend_expanded(int seq, int layer, int n_q, int pos0, float scale, const MlaUpProjection& up,
+                               const float* q, float* out) const {
+    (void)seq, (void)layer, (void)n_q, (void)pos0, (void)scale, (void)up, (void)q, (void)out;
+    return false;
+  }
   // Drops all tokens of `seq` (its storage returns to the pool).
   virtual void reset(int seq = 0) = 0;
   virtual std::string describe() const = 0;

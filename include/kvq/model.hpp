@@ -119,11 +119,16 @@ void moe_route(const MoeConfig& moe, const float* router_logits, const float* co
 
 enum class LogitsMode { kAll, kLast, kNone };
 
-// How MLA prefill attends. kAbsorbed (default) goes through KvCache::attend like decode.
-// kExpanded computes per-head keys and values from the chunk's own fp32 latent rows (the rows are
-// still appended to the cache) and is used only for a chunk that starts the sequence
-// (position 0); other chunks fall back to the absorbed form. It exists to check the two agree.
-enum class MlaPrefill { kAbsorbed, kExpanded };
+// How MLA attends. kAuto (default): chunks of at least kMlaExpandedMinChunk tokens use
+// KvCache::attend_expanded (the same rows as decode sees, up-projected per head: ~6x fewer
+// flops per query-row pair than the absorbed form) where the cache implements it and no
+// observer is set (observers receive the absorbed form's queries and latent outputs); every
+// other chunk goes through KvCache::attend like decode. kAbsorbed: always KvCache::attend.
+// kExpanded computes per-head keys and values from the chunk's own fp32 latent rows (the rows
+// are still appended to the cache) and is used only for a chunk that starts the sequence
+// (position 0); other chunks fall back to the absorbed form. It exists to check the forms agree.
+enum class MlaPrefill { kAuto, kAbsorbed, kExpanded };
+inline constexpr int kMlaExpandedMinChunk = 64;
 
 // What one layer of one forward call produced; pointers are valid during the callback only.
 struct LayerTrace {

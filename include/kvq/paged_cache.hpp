@@ -68,6 +68,10 @@ class PagedCache final : public KvCache {
   void append(int seq, int layer, int n, const float* k, const float* v) override;
   void attend(int seq, int layer, int n_q, int pos0, int n_heads, float scale, const float* q,
               float* out) const override;
+  // The fast path's expanded MLA form (see KvCache); false on the reference path and for
+  // MHA/GQA caches.
+  bool attend_expanded(int seq, int layer, int n_q, int pos0, float scale, const MlaUpProjection& up, const float* q,
+                       float* out) const override;
   void reset(int seq = 0) override;
   std::string describe() const override;
 

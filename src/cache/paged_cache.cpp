@@ -383,6 +383,38 @@ void PagedCache::read_row(int seq, int layer, int t, int as_of, float* k, float*
 
 // ---- attention -----------------------------------------------------------------------------
 
+namespace {
+
+// Calls f(t) for every row that query position p reads from bf16: sinks [0, S) and the window
+// [p + 1 - W, p] (each row once).
+template <class F>
+void for_protected(int p, int S, int W, F&& f) {
+  const int s_end = std::min(S, p + 1);
+  for (int t = 0; t < s_end; ++t) f(t);
+  for (int t = std::max(s_end, p + 1 - W); t <= p; ++t) f(t);
+}
+
+// In place: row[0..p] <- softmax(row[0..p]), row[p+1..cols) <- 0 (causal mask of query p).
+void causal_softmax(float* row, int p, int cols) {
+  float mx = row[0];
+  for (int t = 1; t <= p; ++t) mx = std::max(mx, row[t]);
+  double z = 0;
+  for (int t = 0; t <= p; ++t) z += (row[t] = std::exp(row[t] - mx));
+  const float inv = static_cast<float>(1.0 / z);
+  for (int t = 0; t <= p; ++t) row[t] *= inv;
+  for (int t = p + 1; t < cols; ++t) row[t] = 0.0f;
+}
+
+// Argument checks shared by attend() and attend_expanded().
+void check_attend(const PagedCache::Impl::Seq& s, const PagedCache::Impl::Prot& pr, int layer, int n_q, int pos0, int W) {
+  require(pos0 >= 0 && pos0 + n_q <= s.layer_len[static_cast<std::size_t>(layer)],
+          "PagedCache::attend: queries past the rows appended to layer " + std::to_string(layer));
+  if (W > 0 && pr.staging_n > 0)
+    require(pos0 >= pr.staging_start, "PagedCache::attend: queries must belong to the chunk appended last (window rows)");
+}
+
+}  // namespace
+
 void PagedCache::attend(int seq, int layer, int n_q, int pos0, int n_heads, float scale, const float* q,
                         float* out) const {
   const auto& im = *impl_;
@@ -392,11 +424,8 @@ void PagedCache::attend(int seq, int layer, int n_q, int pos0, int n_heads, floa
   const auto& L = im.layers[static_cast<std::size_t>(layer)];
   const auto& pr = s.prot[static_cast<std::size_t>(layer)];
   if (n_q <= 0) return;
-  require(pos0 >= 0 && pos0 + n_q <= s.layer_len[static_cast<std::size_t>(layer)],
-          "PagedCache::attend: queries past the rows appended to layer " + std::to_string(layer));
   const int W = opt_.protect.window;
-  if (W > 0 && pr.staging_n > 0)
-    require(pos0 >= pr.staging_start, "PagedCache::attend: queries must belong to the chunk appended last (window rows)");
+  check_attend(s, pr, layer, n_q, pos0, W);
   require(geo_.mla || (n_heads % im.heads == 0), "PagedCache::attend: query heads must be a multiple of KV heads");
   const RowSource src{&im, &L, &s, &pr, opt_.protect.sinks, W, opt_.page_tokens};
   const int dk = im.dk, dv = im.dv;
@@ -505,19 +534,8 @@ void PagedCache::attend(int seq, int layer, int n_q, int pos0, int n_heads, floa
           }
           row[t] = d * scale;
         };
-        const int s_end = std::min(opt_.protect.sinks, p + 1);
-        for (int t = 0; t < s_end; ++t) fix(t);
-        for (int t = std::max(s_end, p + 1 - W); t <= p; ++t) fix(t);
-        for (int t = p + 1; t < cols; ++t) row[t] = -std::numeric_limits<float>::infinity();
-        float mx = row[0];
-        for (int t = 1; t <= p; ++t) mx = std::max(mx, row[t]);
-        double z = 0;
-        for (int t = 0; t < cols; ++t) {
-          row[t] = t <= p ? std::exp(row[t] - mx) : 0.0f;
-          z += row[t];
-        }
-        const float inv = static_cast<float>(1.0 / z);
-        for (int t = 0; t <= p; ++t) row[t] *= inv;
+        for_protected(p, opt_.protect.sinks, W, fix);
+        causal_softmax(row, p, cols);
       }
       float* O = out + static_cast<std::size_t>(i0) * static_cast<std::size_t>(ostride) + static_cast<std::size_t>(h) * static_cast<std::size_t>(odim);
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, odim, cols, 1.0f, P.data(), cols, mla ? K : V, mla ? dk : dv,
@@ -540,9 +558,7 @@ void PagedCache::attend(int seq, int layer, int n_q, int pos0, int n_heads, floa
             for (int c = 0; c < dv; ++c) oh[c] += w * (vb[static_cast<std::size_t>(c)] - vp[c]);
           }
         };
-        const int s_end = std::min(opt_.protect.sinks, p + 1);
-        for (int t = 0; t < s_end; ++t) add(t);
-        for (int t = std::max(s_end, p + 1 - W); t <= p; ++t) add(t);
+        for_protected(p, opt_.protect.sinks, W, add);
       }
     }
     return;
@@ -621,6 +637,108 @@ void PagedCache::attend(int seq, int layer, int n_q, int pos0, int n_heads, floa
 }
 
 // ---- accounting --------------------------------------------------------------------------
+
+bool PagedCache::attend_expanded(int seq, int layer, int n_q, int pos0, float scale, const MlaUpProjection& up,
+                                 const float* q, float* out) const {
+  if (!geo_.mla || path_ == AttentionPath::kReference) return false;
+  const auto& im = *impl_;
+  require(seq >= 0 && seq < static_cast<int>(im.seqs.size()), "PagedCache: sequence " + std::to_string(seq) + " out of range");
+  require(layer >= 0 && layer < geo_.n_layers, "PagedCache: layer out of range");
+  require(up.n_heads > 0 && up.nope > 0 && up.v_dim > 0 && up.w_uk && up.w_uv,
+          "PagedCache::attend_expanded: empty up-projection");
+  const auto& s = im.seqs[static_cast<std::size_t>(seq)];
+  const auto& L = im.layers[static_cast<std::size_t>(layer)];
+  const auto& pr = s.prot[static_cast<std::size_t>(layer)];
+  if (n_q <= 0) return true;
+  const int S = opt_.protect.sinks, W = opt_.protect.window;
+  check_attend(s, pr, layer, n_q, pos0, W);
+  const RowSource src{&im, &L, &s, &pr, S, W, opt_.page_tokens};
+  const int dc = im.dk, rd = im.dv, H = up.n_heads, nope = up.nope, vd = up.v_dim;
+  const int n_rows = pos0 + n_q;
+  const auto Z = [](int a) { return static_cast<std::size_t>(a); };
+  BlasOneThread one;
+
+  // Every row decoded from its packed copy, and the bf16 copies of the rows some query of the
+  // chunk reads from bf16: the sinks and the window band [pos0 + 1 - W, n_rows).
+  std::vector<float> C(Z(n_rows) * Z(dc)), R(Z(n_rows) * Z(rd));
+  src.packed_all(n_rows, 0, C.data(), R.data());
+  const int s_end = std::min(S, n_rows);
+  const int b0 = W > 0 ? std::max(s_end, pos0 + 1 - W) : n_rows;
+  const int nb = s_end + (n_rows - b0);
+  const auto slot = [&](int t) { return t < s_end ? t : s_end + (t - b0); };
+  std::vector<float> Cb(Z(nb) * Z(dc)), Rb(Z(nb) * Z(rd));
+  const auto fetch = [&](int t) {
+    const std::uint16_t* r = src.protected_row(t);
+    from_bf16(r, Z(dc), &Cb[Z(slot(t)) * Z(dc)]);
+    from_bf16(r + im.rk, Z(rd), &Rb[Z(slot(t)) * Z(rd)]);
+  };
+  for (int t = 0; t < s_end; ++t) fetch(t);
+  for (int t = b0; t < n_rows; ++t) fetch(t);
+
+  // Up-projection per head: K_h = C W_UK_h^T [n_rows][nope], V_h = C W_UV_h^T [n_rows][vd],
+  // and the same for the bf16 copies.
+  std::vector<std::vector<float>> Kh(Z(H)), Vh(Z(H)), Kbh(Z(H)), Vbh(Z(H));
+#pragma omp parallel for schedule(static)
+  for (int h = 0; h < H; ++h) {
+    const float* wk = up.w_uk + Z(h) * Z(nope) * Z(dc);
+    const float* wv = up.w_uv + Z(h) * Z(vd) * Z(dc);
+    auto project = [&](const std::vector<float>& X, int rows, const float* w, int od, std::vector<float>& Y) {
+      Y.resize(Z(rows) * Z(od));
+      if (rows > 0)
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, od, dc, 1.0f, X.data(), dc, w, dc, 0.0f, Y.data(), od);
+    };
+    project(C, n_rows, wk, nope, Kh[Z(h)]);
+    project(C, n_rows, wv, vd, Vh[Z(h)]);
+    project(Cb, nb, wk, nope, Kbh[Z(h)]);
+    project(Cb, nb, wv, vd, Vbh[Z(h)]);
+  }
+
+  const int qstride = H * (nope + rd), ostride = H * vd;
+  const int tile = 128;
+  const int n_tiles = (n_q + tile - 1) / tile;
+#pragma omp parallel for schedule(dynamic)
+  for (int job = 0; job < H * n_tiles; ++job) {
+    const int h = job / n_tiles, tq = job % n_tiles;
+    const int i0 = tq * tile, m = std::min(tile, n_q - i0);
+    const int cols = pos0 + i0 + m;
+    const float* K = Kh[Z(h)].data();
+    const float* V = Vh[Z(h)].data();
+    const float* Kb = Kbh[Z(h)].data();
+    const float* Vb = Vbh[Z(h)].data();
+    const float* Q = q + Z(i0) * Z(qstride) + Z(h) * Z(nope + rd);
+    std::vector<float> P(Z(m) * Z(cols));
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, cols, nope, scale, Q, qstride, K, nope, 0.0f, P.data(), cols);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, cols, rd, scale, Q + nope, qstride, R.data(), rd, 1.0f, P.data(), cols);
+    for (int i = 0; i < m; ++i) {
+      const int p = pos0 + i0 + i;
+      float* row = &P[Z(i) * Z(cols)];
+      const float* qn = Q + Z(i) * Z(qstride);
+      for_protected(p, S, W, [&](int t) {
+        const float* kb = Kb + Z(slot(t)) * Z(nope);
+        const float* rb = &Rb[Z(slot(t)) * Z(rd)];
+        float d = 0;
+        for (int c = 0; c < nope; ++c) d += qn[c] * kb[c];
+        for (int c = 0; c < rd; ++c) d += qn[nope + c] * rb[c];
+        row[t] = d * scale;
+      });
+      causal_softmax(row, p, cols);
+    }
+    float* O = out + Z(i0) * Z(ostride) + Z(h) * Z(vd);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, vd, cols, 1.0f, P.data(), cols, V, vd, 0.0f, O, ostride);
+    for (int i = 0; i < m; ++i) {
+      const int p = pos0 + i0 + i;
+      const float* row = &P[Z(i) * Z(cols)];
+      float* oh = O + Z(i) * Z(ostride);
+      for_protected(p, S, W, [&](int t) {
+        const float w = row[t];
+        const float* vb = Vb + Z(slot(t)) * Z(vd);
+        const float* vp = V + Z(t) * Z(vd);
+        for (int c = 0; c < vd; ++c) oh[c] += w * (vb[c] - vp[c]);
+      });
+    }
+  }
+  return true;
+}
 
 CacheMemory PagedCache::memory(int seq) const {
   const auto& im = *impl_;

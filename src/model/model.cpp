@@ -164,7 +164,7 @@ class ModelImpl final : public Model {
   std::vector<float> inv_freq_;
   std::vector<float> cos_, sin_;  // [n][rope.dim/2] for the current chunk
   LayerObserver observer_;
-  MlaPrefill mla_prefill_ = MlaPrefill::kAbsorbed;
+  MlaPrefill mla_prefill_ = MlaPrefill::kAuto;
   int max_chunk_ = 2048;
   std::size_t weight_bytes_ = 0;
 };
@@ -507,6 +507,10 @@ void ModelImpl::attention_mla(int l, const float* h, int n, int pos0, KvCache& c
       ops::gemm_nn(n, vd, n, s.data(), n, vh.data(), vd, o.data() + static_cast<std::size_t>(hh) * vd, nh * vd);
     }
     tr.q = q.data(); tr.q_dim = nh * qh; tr.attn_out = o.data(); tr.out_dim = nh * vd;
+  } else if (mla_prefill_ == MlaPrefill::kAuto && !observer_ && n >= kMlaExpandedMinChunk &&
+             cache.attend_expanded(seq, l, n, pos0, cfg_.softmax_scale,
+                                   MlaUpProjection{nh, nope, vd, L.w_uk.data(), L.w_uv.data()}, q.data(), o.data())) {
+    // Expanded form through the cache (o holds the per-head outputs); no trace is taken here.
   } else {
     const int ad = dc + rd;
     qabs.resize(N * nh * ad);

@@ -333,3 +333,104 @@ TEST(PagedCache, RealFixtureRowsFastEqualsReference) {
     EXPECT_LT(nrel(attend(c, 0, 1, 300, 16, 3), ref), 1e-5) << fmt;
   }
 }
+
+namespace {
+
+// Expanded MLA attention through the cache vs the absorbed reference (double loops) followed
+// by W_UV in double: the same rows (bf16 where protected, packed elsewhere), two forms.
+struct UpProj {
+  int H = 4, nope = 64, vd = 64;
+  std::vector<float> wk, wv;
+  explicit UpProj(int dc) : wk(randn(static_cast<std::size_t>(H * nope * dc), 501, 0.05f)), wv(randn(static_cast<std::size_t>(H * vd * dc), 502, 0.05f)) {}
+  MlaUpProjection view() const { return MlaUpProjection{H, nope, vd, wk.data(), wv.data()}; }
+};
+
+// Returns {expanded, absorbed reference} outputs [n_q][H * vd] for queries [pos0, pos0 + n_q).
+std::pair<std::vector<float>, std::vector<float>> expanded_vs_absorbed(PagedCache& c, const UpProj& up, int layer, int n_q,
+                                                                       int pos0, unsigned seed) {
+  const auto& g = c.geometry();
+  const int dc = g.d_latent, rd = g.d_rope, qh = up.nope + rd, ad = dc + rd;
+  const auto q = randn(static_cast<std::size_t>(n_q * up.H * qh), seed, 0.3f);
+  std::vector<float> qabs(static_cast<std::size_t>(n_q * up.H * ad));
+  for (int i = 0; i < n_q; ++i)
+    for (int h = 0; h < up.H; ++h) {
+      const float* qi = &q[static_cast<std::size_t>((i * up.H + h) * qh)];
+      float* qa = &qabs[static_cast<std::size_t>((i * up.H + h) * ad)];
+      for (int j = 0; j < dc; ++j) {
+        double s = 0;
+        for (int e = 0; e < up.nope; ++e) s += static_cast<double>(qi[e]) * up.wk[static_cast<std::size_t>((h * up.nope + e) * dc + j)];
+        qa[j] = static_cast<float>(s);
+      }
+      for (int j = 0; j < rd; ++j) qa[dc + j] = qi[up.nope + j];
+    }
+  const float scale = 1.0f / std::sqrt(static_cast<float>(qh));
+  std::vector<float> lat(static_cast<std::size_t>(n_q * up.H * dc));
+  c.set_attention_path(AttentionPath::kReference);
+  c.attend(0, layer, n_q, pos0, up.H, scale, qabs.data(), lat.data());
+  std::vector<float> ref(static_cast<std::size_t>(n_q * up.H * up.vd));
+  for (int i = 0; i < n_q; ++i)
+    for (int h = 0; h < up.H; ++h)
+      for (int e = 0; e < up.vd; ++e) {
+        double s = 0;
+        for (int j = 0; j < dc; ++j)
+          s += static_cast<double>(lat[static_cast<std::size_t>((i * up.H + h) * dc + j)]) * up.wv[static_cast<std::size_t>((h * up.vd + e) * dc + j)];
+        ref[static_cast<std::size_t>((i * up.H + h) * up.vd + e)] = static_cast<float>(s);
+      }
+  std::vector<float> out(ref.size(), NAN);
+  EXPECT_FALSE(c.attend_expanded(0, layer, n_q, pos0, scale, up.view(), q.data(), out.data()))
+      << "the reference path has no expanded form";
+  c.set_attention_path(AttentionPath::kFast);
+  EXPECT_TRUE(c.attend_expanded(0, layer, n_q, pos0, scale, up.view(), q.data(), out.data()));
+  return {out, ref};
+}
+
+}  // namespace
+
+TEST(PagedCache, ExpandedMlaEqualsAbsorbedEveryFormat) {
+  const UpProj up(512);
+  int checked = 0;
+  for (const auto& f : all_formats()) {
+    if (f.family == FormatFamily::kKV) continue;
+    for (bool protect : {false, true}) {
+      CacheOptions o;
+      o.format = f.name;
+      if (protect) o.protect = {3, 20, 0};
+      PagedCache c(mla(), o);
+      fill(c, 0, {70, 150}, 11);  // the second chunk spans two query tiles of 128
+      for (int layer = 0; layer < 2; ++layer) {
+        const auto [got, ref] = expanded_vs_absorbed(c, up, layer, 150, 70, 21 + static_cast<unsigned>(layer));
+        for (float x : got) ASSERT_TRUE(std::isfinite(x)) << f.name;
+        ASSERT_LT(nrel(got, ref), 1e-5) << f.name << " protect=" << protect << " layer " << layer;
+        ++checked;
+      }
+    }
+  }
+  EXPECT_GE(checked, 4 * 2 * 2);
+  // MHA/GQA caches have no expanded form.
+  CacheOptions o;
+  o.format = "tq-4bit";
+  PagedCache c(gqa(), o);
+  fill(c, 0, {10}, 3);
+  std::vector<float> q(10 * 4 * 128), out(10 * 4 * 64);
+  EXPECT_FALSE(c.attend_expanded(0, 0, 10, 0, 0.1f, up.view(), q.data(), out.data()));
+}
+
+// Real latent rows (tiny-mla layer 2), protection on, two chunks; the band rows of the second
+// chunk reach back into the first chunk's window (ring rows).
+TEST(PagedCache, ExpandedMlaRealFixtureRows) {
+  SafetensorsFile f(std::string(KVQ_SOURCE_DIR) + "/models/tiny-mla/reference.safetensors");
+  const auto lat = f.get("layer2.latent").to_float();
+  const auto rope = f.get("layer2.k_rope").to_float();
+  ASSERT_GE(lat.size(), static_cast<std::size_t>(300 * 512));
+  const UpProj up(512);
+  for (const char* fmt : {"c4r4", "c2r4", "mla-tq4", "bf16"}) {
+    CacheOptions o;
+    o.format = fmt;
+    o.protect = {4, 32, 0};
+    PagedCache c(mla(1), o);
+    c.append(0, 0, 200, lat.data(), rope.data());
+    c.append(0, 0, 100, lat.data() + 200 * 512, rope.data() + 200 * 64);
+    const auto [got, ref] = expanded_vs_absorbed(c, up, 0, 100, 200, 8);
+    EXPECT_LT(nrel(got, ref), 1e-5) << fmt;
+  }
+}

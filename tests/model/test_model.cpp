@@ -175,6 +175,7 @@ TEST_P(MlaModel, AbsorbedEqualsExpanded) {
   ASSERT_TRUE(m->config().mla);
   SafetensorsFile ref(src_path(std::string(GetParam()) + "/reference.safetensors"));
   const auto ids = ids_of(ref.get("input_ids"));
+  m->set_mla_prefill(MlaPrefill::kAbsorbed);
   const auto absorbed = run_all(*m, ids);
   m->set_mla_prefill(MlaPrefill::kExpanded);
   const auto expanded = run_all(*m, ids);
