@@ -382,12 +382,15 @@ __global__ void __launch_bounds__(kNT, 2) mla_decode_kernel(MlaDecodeParams p, W
 
   int id_next;
   {
-#pragma unroll 1
+    int ids[NS];  // the block-table entries of the first NS tiles, loaded independently
+#pragma unroll
+    for (int s = 0; s < NS; ++s) ids[s] = page_id(s);
+#pragma unroll
     for (int s = 0; s < NS - 1; ++s) {
-      issue(s, page_id(s), s);
+      issue(s, ids[s], s);
       cp_async_commit();
     }
-    id_next = page_id(NS - 1);
+    id_next = ids[NS - 1];
   }
   int rslot = 0, islot = NS - 1;
   if (tid < kHG) mrow[tid] = -INFINITY;
