@@ -5,16 +5,21 @@
 // a request with H heads runs H / 16 such CTAs per split, reading the same pages (L2). Tiles are
 // 32 tokens (affine) or 16 (bf16). Per tile:
 //  1. cp.async keeps NS - 1 tiles in flight (a ring of NS shared-memory stages holding the packed
-//     rows, RoPE rows and metadata, bank-padded);
+//     rows, RoPE rows and metadata, bank-padded); each thread's chunk offsets are fixed once;
 //  2. warp w takes content group w (64 dims) and RoPE dims 8 w .. 8 w + 7 of every token: each
-//     lane reads its codes from the stage and dequantizes them in registers, straight into mma
-//     B fragments (fp16 q - z by the exponent trick; bf16 rows as they are);
-//  3. QK on tensor cores (mma.sync m16n8k16 + m16n8k8 for the RoPE slice), scaled per token by
-//     the group / RoPE scale; the 8 per-group partial scores meet in shared memory;
-//  4. online softmax (two heads per warp);
+//     lane reads its codes from the stage and dequantizes them in registers straight into mma
+//     B fragments as fp16 s (q - z) (exact q - z by LOP3 + one HADD2 / HFMA2 per pair, one HMUL2
+//     by the token's scale; the per-token (scale, zero) pairs are prepared once per tile in shared
+//     memory); bf16 rows are used as they are;
+//  3. QK on tensor cores (mma.sync m16n8k16 + m16n8k8 for the RoPE slice), the query pre-scaled by
+//     scale * log2(e); the 8 per-group partial scores meet in shared memory;
+//  4. online softmax without per-tile reductions: a lane holds two tokens of one head; the head's
+//     reference maximum moves (a warp vote, then a shuffle reduction) only when a score exceeds it
+//     by more than kSlack, each lane keeps its own running sum (reduced once at the end), and P is
+//     written to shared memory as ready mma A fragments;
 //  5. PV on tensor cores from the same registers: movmatrix transposes each 8x8 block of the QK
-//     fragments into PV fragments, so every packed tile is read and dequantized once; A = P scaled
-//     per token by the group scale; each lane accumulates its own dims.
+//     fragments into PV fragments, so every packed tile is read and dequantized once; the output
+//     is rescaled only when a reference maximum moved.
 // Protected positions (sinks, recent window) of an affine cache are read from their bf16 rows as
 // leading tiles of the first split, in the same online softmax; the combine kernel merges the
 // splits' (max, sum, output). A bf16 cache needs no protection: its rows are bf16 already.
@@ -70,33 +75,6 @@ using detail::split2;
 constexpr int kDc = 512, kD = 576, kPT = 64, kHG = 16, kNW = 8, kNT = 32 * kNW;
 constexpr int kSmemMax = 115712;  // two CTAs per SM: (228 KB - 2 x 1 KB reserved) / 2
 constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
-
-// Per-format constants. A tile is TI tokens (32 for the affine formats; 16 for bf16, whose rows
-// are 1152 bytes). A stage holds one tile: content rows (stride CS), RoPE rows (stride RS) and,
-// for affine formats, 32-byte metadata rows (stride MS); the strides are padded so that the
-// per-lane fragment loads below are free of bank conflicts.
-template <int CB, int RB>
-struct Cfg {
-  static constexpr bool kAff = CB != 16;
-  static constexpr int TI = kAff ? 32 : 16;
-  static constexpr int NJ = TI / 8;  // QK n-tiles (8 tokens) per warp
-  static constexpr int CBY = kAff ? 8 * CB * 8 : 1024;  // content bytes per token
-  static constexpr int RBY = kAff ? 8 * RB : 128;       // RoPE bytes per token
-  static constexpr int MBY = kAff ? 32 : 0;
-  static constexpr int CS = CB == 16 ? 1088 : CB == 8 ? 576 : CB == 4 ? 288 : CB == 3 ? 208 : 144;
-  static constexpr int RS = RB == 16 ? 144 : RB == 8 ? 80 : 48;
-  static constexpr int MS = kAff ? 48 : 0;
-  static constexpr int kStage = TI * (CS + RS + MS);
-  static constexpr int SST = TI + 8;  // floats per partial-score / P row
-  // Affine: per-tile scales [2 buffers][9][TI] (8 content groups, then RoPE), 0 outside the
-  // sequence, and the per-group maximum [2][8].
-  static constexpr int kScl = kAff ? 2 * (9 * TI + 8) : 0;
-  static constexpr int kTail = (8 * kHG * SST + kHG * SST + 3 * kHG + kScl) * 4;
-  static constexpr int NS0 = (kSmemMax - kTail) / kStage;
-  static constexpr int NS = NS0 > 8 ? 8 : NS0;
-  static constexpr int kSmem = NS * kStage + kTail;
-  static_assert(NS >= 4, "at least four stages");
-};
 
 // Lane (g, t) holds sixteen content dims of its group; word k of its fragment (k = 0..7) holds
 // two of them, e = 0 (low half) and e = 1: the order the cheapest dequantization produces. The
@@ -155,39 +133,6 @@ __device__ __forceinline__ std::uint32_t code_pair(std::uint32_t v, int k) {
 }
 // Sixteen consecutive codes (dims 16 t .. 16 t + 15 of one group) at `p` as eight fp16x2 pairs
 // q - z, word k holding codes widx(k, 0) and widx(k, 1).
-template <int B>
-__device__ __forceinline__ void dequant16(std::uint32_t (&w)[8], const std::uint8_t* p, int z) {
-  const std::uint32_t z2 = 0x64006400u + static_cast<std::uint32_t>(z) * 0x10001u;
-  if constexpr (B == 8) {
-    const uint4 v = *reinterpret_cast<const uint4*>(p);
-    const std::uint32_t u[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      w[2 * i] = sub_zero(__byte_perm(u[i], 0x64646464u, 0x5150), z2);
-      w[2 * i + 1] = sub_zero(__byte_perm(u[i], 0x64646464u, 0x5352), z2);
-    }
-  } else if constexpr (B == 4) {  // word k: codes (k, k + 4), (8 + k, 12 + k)
-    const uint2 v = *reinterpret_cast<const uint2*>(p);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      w[k] = sub_zero(((v.x >> (4 * k)) & 0x000f000fu) | 0x64006400u, z2);
-      w[4 + k] = sub_zero(((v.y >> (4 * k)) & 0x000f000fu) | 0x64006400u, z2);
-    }
-  } else if constexpr (B == 2) {  // word k: codes (k, k + 8)
-    const std::uint32_t v = *reinterpret_cast<const std::uint32_t*>(p);
-#pragma unroll
-    for (int k = 0; k < 8; ++k) w[k] = sub_zero(((v >> (2 * k)) & 0x00030003u) | 0x64006400u, z2);
-  } else {  // B == 3: 48 bits at a 2-byte aligned address
-    const std::uint16_t* h = reinterpret_cast<const std::uint16_t*>(p);
-    const std::uint32_t a = h[0], bb = h[1], c = h[2];
-    const std::uint32_t v0 = a | ((bb & 0xffu) << 16), v1 = (bb >> 8) | (c << 8);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      w[k] = sub_zero(code_pair<3>(v0, k), z2);
-      w[4 + k] = sub_zero(code_pair<3>(v1, k), z2);
-    }
-  }
-}
 __device__ __forceinline__ std::uint32_t bf2_to_h2(std::uint32_t x) {
   const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&x));
   return detail::pack2<false>(f.x, f.y);
@@ -214,35 +159,136 @@ __device__ __forceinline__ void prot_words(std::uint32_t (&wc)[8], const std::ui
   }
 }
 
-// One CTA (8 warps; two CTAs per SM) = one sequence x 16 heads x a contiguous range of tiles (a
-// split). Warp w owns content group gq = w (dims 64 gq .. 64 gq + 63) and RoPE dims 8 gq .. + 7 of
-// every token of the tile. Lane (g, t) = (lane / 4, lane % 4) loads, for tokens 8 j + g, sixteen
-// content dims and RoPE dims 8 gq + 2 t, + 1 straight into mma B fragments (QK: B[k = dim][n =
-// token]; the dims may come in any order as long as the query uses the same, see widx),
-// dequantized in registers. PV needs B[k = token][n = dim]: movmatrix transposes each 8x8 block
-// of the same registers, so a packed tile is read from shared memory and dequantized once for
-// both products, and lane (g, t) accumulates the output of heads g, g + 8 at exactly its own dims.
-// The per-group partial scores meet in shared memory; each warp runs the online softmax of two
-// heads; affine scales multiply the QK result per token and P (A of PV) per token.
-// Virtual tiles: [0, nprt) are the protected bf16 rows (affine caches with protection; loaded
-// straight from global memory), then the packed tiles of positions [pb, pe), which go through a
-// ring of NS cp.async stages. Operands: affine in fp16 (codes q - z exact, query and P rounded
-// once; P scaled by a running per-warp maximum of the group scales so it stays <= 1); bf16 cache
-// in bf16 with the query as hi + lo pairs and P rounded once to bf16.
+// (x & mask) | c in one LOP3 (the compiler otherwise splits the two immediates into two).
+template <std::uint32_t kMask>
+__device__ __forceinline__ std::uint32_t andor(std::uint32_t x, std::uint32_t c) {
+  std::uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;\n" : "=r"(d) : "r"(x), "n"(kMask), "r"(c));
+  return d;
+}
+__device__ __forceinline__ std::uint32_t hmul2u(std::uint32_t a, std::uint32_t b) {
+  const __half2 r = __hmul2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
+  return *reinterpret_cast<const std::uint32_t*>(&r);
+}
+__device__ __forceinline__ std::uint32_t hfma2u(std::uint32_t a, std::uint32_t b, std::uint32_t c) {
+  const __half2 r = __hfma2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b),
+                            *reinterpret_cast<const __half2*>(&c));
+  return *reinterpret_cast<const std::uint32_t*>(&r);
+}
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+// Sixteen codes of one group (at p) as eight fp16x2 pairs s (q - z), word k holding codes
+// widx(k, 0) and widx(k, 1), from z2 = (1024 + z) x 2 and s2 = (s, s). The low field of each byte
+// or half becomes the fp16 1024 + code by one LOP3; a field 2^k higher becomes 1024 + 2^k code and
+// is brought to code - z by one HFMA2 with 2^-k (Marlin's trick; exact, as is the HADD2 of the low
+// field); the product with s is rounded once. z <= 2^B - 1 keeps every constant exact.
+template <int B>
+__device__ __forceinline__ void dequant16s(std::uint32_t (&w)[8], const std::uint8_t* p, std::uint32_t z2, std::uint32_t s2) {
+  constexpr std::uint32_t kM = 0x64006400u;
+  const std::uint32_t magic = kM;
+  if constexpr (B == 4) {  // word k: codes (k, k + 4), (8 + k, 12 + k)
+    const uint2 v = *reinterpret_cast<const uint2*>(p);
+    const std::uint32_t zh = z2 * 16u + (0xd400d400u - kM * 16u);  // -(64 + z) x 2
+    const std::uint32_t r16 = 0x2c002c00u;                          // 1/16 x 2
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const std::uint32_t x = h ? v.y : v.x;
+#pragma unroll
+      for (int sh = 0; sh < 2; ++sh) {
+        const std::uint32_t y = sh ? x >> 8 : x;
+        w[4 * h + 2 * sh] = hmul2u(sub_zero(andor<0x000f000fu>(y, magic), z2), s2);
+        w[4 * h + 2 * sh + 1] = hmul2u(hfma2u(andor<0x00f000f0u>(y, magic), r16, zh), s2);
+      }
+    }
+  } else if constexpr (B == 2) {  // word k: codes (k, k + 8)
+    const std::uint32_t v = *reinterpret_cast<const std::uint32_t*>(p);
+    const std::uint32_t c1 = z2 * 4u + (0xdc00dc00u - kM * 4u), c2 = z2 * 16u + (0xd400d400u - kM * 16u),
+                        c3 = z2 * 64u + (0xcc00cc00u - kM * 64u);  // -(256 + z), -(64 + z), -(16 + z)
+#pragma unroll
+    for (int sh = 0; sh < 2; ++sh) {
+      const std::uint32_t y = sh ? v >> 8 : v;
+      w[4 * sh] = hmul2u(sub_zero(andor<0x00030003u>(y, magic), z2), s2);
+      w[4 * sh + 1] = hmul2u(hfma2u(andor<0x000c000cu>(y, magic), 0x34003400u, c1), s2);  // 1/4
+      w[4 * sh + 2] = hmul2u(hfma2u(andor<0x00300030u>(y, magic), 0x2c002c00u, c2), s2);  // 1/16
+      w[4 * sh + 3] = hmul2u(hfma2u(andor<0x00c000c0u>(y, magic), 0x24002400u, c3), s2);  // 1/64
+    }
+  } else if constexpr (B == 8) {
+    const uint4 v = *reinterpret_cast<const uint4*>(p);
+    const std::uint32_t u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      w[2 * i] = hmul2u(sub_zero(__byte_perm(u[i], 0x64646464u, 0x5150), z2), s2);
+      w[2 * i + 1] = hmul2u(sub_zero(__byte_perm(u[i], 0x64646464u, 0x5352), z2), s2);
+    }
+  } else {  // B == 3
+    const std::uint16_t* h = reinterpret_cast<const std::uint16_t*>(p);
+    const std::uint32_t a = h[0], bb = h[1], c = h[2];
+    const std::uint32_t v0 = a | ((bb & 0xffu) << 16), v1 = (bb >> 8) | (c << 8);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      w[k] = hmul2u(sub_zero(code_pair<3>(v0, k), z2), s2);
+      w[4 + k] = hmul2u(sub_zero(code_pair<3>(v1, k), z2), s2);
+    }
+  }
+}
+
+// Per-format constants. A tile is TI tokens (32 for the affine formats; 16 for bf16, whose rows
+// are 1152 bytes). A stage holds one tile: content rows (stride CS), RoPE rows (stride RS) and,
+// for affine formats, 32-byte metadata rows (stride MS); the strides are padded so that the
+// per-lane fragment loads are free of bank conflicts.
 template <int CB, int RB>
+struct Cfg {
+  static constexpr bool kAff = CB != 16;
+  static constexpr int TI = kAff ? 32 : 16;
+  static constexpr int NJ = TI / 8;
+  static constexpr int CBY = kAff ? 8 * CB * 8 : 1024;
+  static constexpr int RBY = kAff ? 8 * RB : 128;
+  static constexpr int MBY = kAff ? 32 : 0;
+  static constexpr int CS = CB == 16 ? 1088 : CB == 8 ? 576 : CB == 4 ? 288 : CB == 3 ? 208 : 144;
+  static constexpr int RS = RB == 16 ? 144 : RB == 8 ? 80 : 48;
+  static constexpr int MS = kAff ? 48 : 0;
+  static constexpr int kStage = TI * (CS + RS + MS);
+  static constexpr int SST = TI + 8;
+  // Tail: partial scores [8][16][SST] f32, P fragments [TI / 16][32][4] words, m [16], and for
+  // affine formats the tile's operand records: (s2, z2) per group and token [8][TI], (rs2, rz2)
+  // per token [TI].
+  static constexpr int kRec = kAff ? 9 * TI * 2 : 0;
+  static constexpr int kTail = (8 * kHG * SST + (TI / 16) * 128 + kHG + kRec) * 4;
+  static constexpr int NS0 = (kSmemMax - kTail) / kStage;
+  static constexpr int NS = NS0 > 8 ? 8 : NS0;
+  static constexpr int kSmem = NS * kStage + kTail;
+  static_assert(NS >= 4, "at least four stages");
+};
+
+// One CTA (8 warps; two per SM) = one sequence x 16 heads x a contiguous range of tiles (a
+// split); the file comment gives the steps. Lane (g, t) = (lane / 4, lane % 4) of warp w loads,
+// for tokens 8 j + g, sixteen content dims of group w and RoPE dims 8 w + 2 t, + 1 straight into
+// mma B fragments (QK: B[k = dim][n = token]; the dims may come in any order as long as the query
+// uses the same, see widx); movmatrix turns them into PV fragments (B[k = token][n = dim]), and
+// lane (g, t) accumulates the output of heads g, g + 8 at exactly its own dims. Virtual tiles:
+// [0, nprt) are the protected bf16 rows (affine caches with protection; loaded straight from
+// global memory, unit scales), then the packed tiles of positions [pb, pe). Operands: affine in
+// fp16 (s (q - z) and the query rounded once, P <= 2^kSlack rounded once); bf16 cache in bf16
+// with the query as hi + lo pairs (kHiLo) and P rounded once.
+template <int CB, int RB, bool kHiLo>
 __global__ void __launch_bounds__(kNT, 2) mla_decode_kernel(MlaDecodeParams p, Work wk) {
   using C = Cfg<CB, RB>;
   constexpr bool kAff = C::kAff, kB = !kAff;
   constexpr int TI = C::TI, NJ = C::NJ, NS = C::NS, SST = C::SST;
+  constexpr int LPH = TI / 2, HPW = 32 / LPH;  // softmax: lanes per head, heads per warp
+  // The softmax reference of a head moves only when a score exceeds it by more than kSlack (log2
+  // units), so P <= 2^kSlack and the output is rescaled a few times per split, not per tile.
+  constexpr float kSlack = 8.0f;
   extern __shared__ __align__(16) std::uint8_t smem_raw[];
   std::uint8_t* stages = smem_raw;
   float* spart = reinterpret_cast<float*>(smem_raw + NS * C::kStage);  // [8][16][SST]
-  float* sP = spart + 8 * kHG * SST;                                   // [16][SST]
-  float* mrow = sP + kHG * SST;                                        // log2 units
-  float* lrow = mrow + kHG;
-  float* alpha = lrow + kHG;
-  float* scl = alpha + kHG;  // affine: [2][9][TI] then smax [2][8]
-  float* smx = scl + 2 * 9 * TI;
+  std::uint32_t* sP = reinterpret_cast<std::uint32_t*>(spart + 8 * kHG * SST);  // [TI / 16][32][4]
+  float* mrow = reinterpret_cast<float*>(sP + (TI / 16) * 128);                 // [16], log2 units
+  uint2* rec = reinterpret_cast<uint2*>(mrow + kHG);                            // [8][TI] (s2, z2)
+  uint2* rrec = rec + 8 * TI;                                                   // [TI] (rs2, rz2)
   const PageLayout L = p.fmt.page;
 
   const int split = blockIdx.x, hg = blockIdx.y, b = blockIdx.z;
@@ -259,10 +305,10 @@ __global__ void __launch_bounds__(kNT, 2) mla_decode_kernel(MlaDecodeParams p, W
   const int nv = nprt + npk;
   const int per = (nv + wk.nsplit - 1) / wk.nsplit;
   const int v0 = min(split * per, nv), v1 = min(v0 + per, nv);
-  const int kb = max(v0, nprt);     // first packed virtual tile of this split
-  const int nks = max(0, v1 - kb);  // packed tiles of this split
+  const int kb = max(v0, nprt);
+  const int nks = max(0, v1 - kb);
+  const int pk0 = first + kb - nprt;  // packed tile index of k = 0
   const std::int32_t* bt = p.block_tables + static_cast<std::size_t>(b) * p.max_pages;
-  // Valid rows [lo, hi) of virtual tile vt.
   auto range = [&](int vt, int& lo, int& hi) {
     if (vt < nprt) {
       lo = 0;
@@ -274,83 +320,82 @@ __global__ void __launch_bounds__(kNT, 2) mla_decode_kernel(MlaDecodeParams p, W
     }
   };
 
-  // ---- stage copies
-  auto page_id = [&](int k) -> int { return k < nks ? bt[(first + kb - nprt + k) * TI / kPT] : -1; };
-  auto issue = [&](int k, int id) {
+  // ---- stage copies: per-thread offsets fixed once (a tile's rows are contiguous in its page)
+  constexpr int nc = C::CBY / 16, nr = C::RBY / 16, nm = C::MBY / 16;
+  constexpr int NCC = TI * nc, CPT = (NCC + kNT - 1) / kNT;
+  constexpr bool kPow = kNT % nc == 0;
+  constexpr int NRC = TI * nr, NMC = TI * nm;
+  static_assert(NRC + NMC <= kNT, "one rope or meta chunk per thread");
+  const int cr0 = tid / nc, cc0 = tid % nc;
+  const int c_src = static_cast<int>(L.key_code_off) + 16 * tid, c_dst = cr0 * C::CS + 16 * cc0;
+  const bool x_rope = tid < NRC, x_any = tid < NRC + NMC;
+  const int x_row = x_rope ? tid / nr : (tid - NRC) / 2;
+  const int x_src = x_rope ? static_cast<int>(L.value_code_off) + 16 * tid : static_cast<int>(L.meta_off) + 16 * (tid - NRC);
+  const int x_dst = x_rope ? TI * C::CS + x_row * C::RS + 16 * (tid % nr) : TI * (C::CS + C::RS) + x_row * C::MS + 16 * ((tid - NRC) & 1);
+  const int x_tb = x_rope ? C::RBY : 32;
+  auto page_id = [&](int k) -> int { return k < nks ? bt[(static_cast<unsigned>(pk0 + k) * TI) / kPT] : -1; };
+  auto issue = [&](int k, int id, int slot) {
     if (id < 0) return;
-    const int pi = first + kb - nprt + k;
-    const int toff = (pi * TI) % kPT;
-    const int lo = max(0, pb - pi * TI), hi = min(TI, pe - pi * TI);
-    const std::uint8_t* pg = p.pool + static_cast<std::size_t>(id) * L.page_bytes;
-    std::uint8_t* st = stages + (k % NS) * C::kStage;
-    constexpr int nc = C::CBY / 16, nr = C::RBY / 16, nm = C::MBY / 16;
-    constexpr int total = TI * (nc + nr + nm);
-    for (int c = tid; c < total; c += kNT) {
-      int r, off;
-      const std::uint8_t* src;
-      std::uint8_t* dst;
-      if (c < TI * nc) {
-        r = c / nc;
-        off = 16 * (c % nc);
-        src = pg + L.key_code_off + static_cast<std::size_t>(toff + r) * C::CBY + off;
-        dst = st + r * C::CS + off;
-      } else if (c < TI * (nc + nr)) {
-        const int c2 = c - TI * nc;
-        r = c2 / nr;
-        off = 16 * (c2 % nr);
-        src = pg + L.value_code_off + static_cast<std::size_t>(toff + r) * C::RBY + off;
-        dst = st + TI * C::CS + r * C::RS + off;
-      } else {
-        const int c2 = c - TI * (nc + nr);
-        r = c2 >> 1;
-        off = 16 * (c2 & 1);
-        src = pg + L.meta_off + static_cast<std::size_t>(toff + r) * 32 + off;
-        dst = st + TI * (C::CS + C::RS) + r * C::MS + off;
-      }
-      if constexpr (kAff) {
-        cp_async16(dst, src);
-      } else {
-        const bool ok = r >= lo && r < hi;  // rows outside the sequence: zeros (pages may hold NaN)
-        cp_async16_zfill(dst, ok ? src : pg, ok);
+    const unsigned pi = static_cast<unsigned>(pk0 + k);
+    const int toff = static_cast<int>((pi * TI) % kPT);
+    const std::uint8_t* pg = p.pool + static_cast<std::size_t>(static_cast<unsigned>(id)) * L.page_bytes;
+    std::uint8_t* st = stages + slot * C::kStage;
+    const std::uint8_t* cs = pg + (c_src + toff * C::CBY);
+    const int hi = pe - static_cast<int>(pi) * TI;  // bf16: rows >= hi are outside the sequence (zero-filled)
+#pragma unroll
+    for (int i = 0; i < CPT; ++i) {
+      const int c = tid + i * kNT;
+      if (NCC % kNT == 0 || c < NCC) {
+        const int r = kPow ? cr0 + i * (kNT / nc) : c / nc;
+        std::uint8_t* dst = kPow ? st + c_dst + i * (kNT / nc) * C::CS : st + r * C::CS + 16 * (c % nc);
+        if constexpr (kAff) cp_async16(dst, cs + i * 16 * kNT);
+        else cp_async16_zfill(dst, r < hi ? cs + i * 16 * kNT : pg, r < hi);
       }
     }
+    if (x_any) {
+      const std::uint8_t* src = pg + (x_src + toff * x_tb);
+      if constexpr (kAff) cp_async16(st + x_dst, src);
+      else cp_async16_zfill(st + x_dst, x_row < hi ? src : pg, x_row < hi);
+    }
   };
-  // Affine: scales of virtual tile vt into buffer buf (warp w: group w; lane: token; warp 0 also
-  // the RoPE scales), 0 outside [lo, hi), 1 for protected rows; and each group's maximum.
-  auto prep_scales = [&](int vt, int buf) {
+  // Affine: operand records of packed virtual tile vt (stage slot): thread (w, lane) = (group,
+  // token); scales 0 outside the sequence.
+  auto prep = [&](int vt, int slot) {
     if constexpr (kAff) {
+      if (vt < nprt) return;
       int lo, hi;
       range(vt, lo, hi);
       const bool ok = lane >= lo && lane < hi;
-      float c = ok ? 1.0f : 0.0f, r = c;
-      if (vt >= nprt && ok) {
-        const std::uint8_t* me = stages + ((vt - kb) % NS) * C::kStage + TI * (C::CS + C::RS) + lane * C::MS;
-        c = detail::bf16_bits_to_float(reinterpret_cast<const std::uint16_t*>(me)[gq]);
-        r = *reinterpret_cast<const float*>(me + 24);
+      const std::uint8_t* me = stages + slot * C::kStage + TI * (C::CS + C::RS) + lane * C::MS;
+      const float s = ok ? detail::bf16_bits_to_float(reinterpret_cast<const std::uint16_t*>(me)[gq]) : 0.0f;
+      // Rows outside the sequence: scale 0 and zero point 0 (their codes are whatever the page
+      // holds, so every dequantized value stays finite and becomes 0).
+      const std::uint32_t z = ok ? me[16 + gq] : 0u;
+      rec[gq * TI + lane] = make_uint2(detail::pack2<false>(s, s), 0x64006400u + z * 0x10001u);
+      if (gq == 0) {
+        const float rs = ok ? *reinterpret_cast<const float*>(me + 24) : 0.0f;
+        const std::uint32_t rz = ok ? me[28] : 0u;
+        rrec[lane] = make_uint2(detail::pack2<false>(rs, rs), 0x64006400u + rz * 0x10001u);
       }
-      float* sb = scl + buf * 9 * TI;
-      sb[gq * TI + lane] = c;
-      if (gq == 0) sb[8 * TI + lane] = r;
-#pragma unroll
-      for (int off = 16; off >= 1; off >>= 1) c = fmaxf(c, __shfl_xor_sync(0xffffffffu, c, off));
-      if (lane == 0) smx[buf * 8 + gq] = c;
     }
   };
-  // Prologue: the first NS - 1 packed tiles in flight while the query fragments load.
+
   int id_next;
   {
-#pragma unroll 1
+    int ids[NS];  // the block-table entries of the first NS tiles, loaded independently
+#pragma unroll
+    for (int s = 0; s < NS; ++s) ids[s] = page_id(s);
+#pragma unroll
     for (int s = 0; s < NS - 1; ++s) {
-      issue(s, page_id(s));
+      issue(s, ids[s], s);
       cp_async_commit();
     }
-    id_next = page_id(NS - 1);
+    id_next = ids[NS - 1];
   }
-  if (tid < kHG) {
-    mrow[tid] = -INFINITY;
-    lrow[tid] = 0.0f;
-  }
-  // ---- query fragments: A[row = head][k]; k-step s = words 2 s, 2 s + 1 of the lane's dims.
+  int rslot = 0, islot = NS - 1;
+  if (tid < kHG) mrow[tid] = -INFINITY;
+  // ---- query fragments, pre-scaled by scale * log2(e) (scores in log2 units)
+  const float sl2 = p.scale * kLog2e;
   std::uint32_t qa[4][4], qb[4][4], qra[2], qrb[2];
   {
     const float* q0 = p.q + (static_cast<std::size_t>(b) * p.heads + hg * kHG + g) * kD;
@@ -361,14 +406,14 @@ __global__ void __launch_bounds__(kNT, 2) mla_decode_kernel(MlaDecodeParams p, W
       const int d = 64 * gq + (kAff ? 16 * t + 4 * i : (i < 2 ? 8 * t + 4 * i : 24 + 8 * t + 4 * i));
       const float4 a = *reinterpret_cast<const float4*>(q0 + d);
       const float4 c = *reinterpret_cast<const float4*>(q1 + d);
-      x0[4 * i] = a.x;
-      x0[4 * i + 1] = a.y;
-      x0[4 * i + 2] = a.z;
-      x0[4 * i + 3] = a.w;
-      x1[4 * i] = c.x;
-      x1[4 * i + 1] = c.y;
-      x1[4 * i + 2] = c.z;
-      x1[4 * i + 3] = c.w;
+      x0[4 * i] = a.x * sl2;
+      x0[4 * i + 1] = a.y * sl2;
+      x0[4 * i + 2] = a.z * sl2;
+      x0[4 * i + 3] = a.w * sl2;
+      x1[4 * i] = c.x * sl2;
+      x1[4 * i + 1] = c.y * sl2;
+      x1[4 * i + 2] = c.z * sl2;
+      x1[4 * i + 3] = c.w * sl2;
     }
 #pragma unroll
     for (int s = 0; s < 4; ++s)
@@ -376,44 +421,47 @@ __global__ void __launch_bounds__(kNT, 2) mla_decode_kernel(MlaDecodeParams p, W
       for (int h = 0; h < 2; ++h) {
         const int k = 2 * s + h;
         const int i0 = widx<CB>(k, 0), i1 = widx<CB>(k, 1);
-        if constexpr (kAff) {
-          qa[s][2 * h] = detail::pack2<false>(x0[i0], x0[i1]);
-          qa[s][2 * h + 1] = detail::pack2<false>(x1[i0], x1[i1]);
-        } else {
+        if constexpr (kHiLo) {
           split2<true>(x0[i0], x0[i1], qa[s][2 * h], qb[s][2 * h]);
           split2<true>(x1[i0], x1[i1], qa[s][2 * h + 1], qb[s][2 * h + 1]);
+        } else {
+          qa[s][2 * h] = detail::pack2<kB>(x0[i0], x0[i1]);
+          qa[s][2 * h + 1] = detail::pack2<kB>(x1[i0], x1[i1]);
         }
       }
     const int dr = kDc + 8 * gq + 2 * t;
-    if constexpr (kAff) {
-      qra[0] = detail::pack2<false>(q0[dr], q0[dr + 1]);
-      qra[1] = detail::pack2<false>(q1[dr], q1[dr + 1]);
+    if constexpr (kHiLo) {
+      split2<true>(q0[dr] * sl2, q0[dr + 1] * sl2, qra[0], qrb[0]);
+      split2<true>(q1[dr] * sl2, q1[dr + 1] * sl2, qra[1], qrb[1]);
     } else {
-      split2<true>(q0[dr], q0[dr + 1], qra[0], qrb[0]);
-      split2<true>(q1[dr], q1[dr + 1], qra[1], qrb[1]);
+      qra[0] = detail::pack2<kB>(q0[dr] * sl2, q0[dr + 1] * sl2);
+      qra[1] = detail::pack2<kB>(q1[dr] * sl2, q1[dr + 1] * sl2);
     }
   }
   float o[8][4];
 #pragma unroll
   for (int n = 0; n < 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
-  float sref = 0.0f;  // affine: running maximum of this warp's group scales (P is scaled by 1 / sref)
-  const float sl2 = p.scale * kLog2e;
+  float mp0 = -INFINITY, mp1 = -INFINITY;  // PV: maxima of heads g, g + 8 the output is relative to
+  float sm = -INFINITY, sl = 0.0f;         // softmax role: running maximum and this lane's sum
+  const int sh_h = w * HPW + lane / LPH, sub = lane % LPH;  // softmax role: head, token pair
+  // Where this lane's token pair (2 sub, 2 sub + 1) of head sh_h goes in the P fragments.
+  const int sp_off = (((sub >> 3) * 32 + (sh_h & 7) * 4 + (sub & 3)) << 2) + (sh_h >> 3) + 2 * ((sub >> 2) & 1);
+  // Lane-constant parts of the stage addresses.
+  const int ld_c = kAff ? g * C::CS + 8 * CB * gq + 2 * CB * t : g * C::CS + 128 * gq + 16 * t;
+  const int ld_r = kAff ? TI * C::CS + g * C::RS + (RB == 8 ? 8 * gq + 2 * t : 4 * gq + t) : TI * C::CS + g * C::RS + 16 * gq + 4 * t;
 
   cp_async_wait<NS - 2>();
   __syncthreads();
-  if (v0 < v1) prep_scales(v0, 0);
+  if (v0 < v1) prep(v0, 0);
   __syncthreads();
 
 #pragma unroll 1
   for (int vt = v0; vt < v1; ++vt) {
     const bool is_prot = kAff && vt < nprt;
-    const int k = vt - kb, buf = (vt - v0) & 1;
     int lo, hi;
     range(vt, lo, hi);
     std::uint32_t wc[NJ][8], wr[NJ];
-    if (is_prot) {  // never for bf16 caches (kAff false)
-      // Protected rows: bf16 rows from global memory, converted to fp16 (finite bf16 latents are
-      // far inside fp16's range; values below 2^-14 become fp16 subnormals).
+    if (is_prot) {  // bf16 rows from global memory, unit scales (never for bf16 caches)
 #pragma unroll
       for (int j = 0; j < NJ; ++j) {
         const int r = 8 * j + g;
@@ -433,24 +481,22 @@ __global__ void __launch_bounds__(kNT, 2) mla_decode_kernel(MlaDecodeParams p, W
         }
       }
     } else {
-      const std::uint8_t* st = stages + (k % NS) * C::kStage;
-      const std::uint8_t* rope = st + TI * C::CS;
-      const std::uint8_t* meta = rope + TI * C::RS;
+      const std::uint8_t* st = stages + rslot * C::kStage;
 #pragma unroll
       for (int j = 0; j < NJ; ++j) {
-        const int r = 8 * j + g;
-        const std::uint8_t* crow = st + r * C::CS;
+        const std::uint8_t* cp = st + ld_c + 8 * j * C::CS;
+        const std::uint8_t* rp = st + ld_r + 8 * j * C::RS;
         if constexpr (kAff) {
-          const std::uint8_t* m = meta + r * C::MS;
-          dequant16<CB>(wc[j], crow + 8 * CB * gq + 2 * CB * t, m[16 + gq]);
-          const std::uint8_t* rr = rope + r * C::RS;
-          std::uint32_t v;
-          if constexpr (RB == 8) v = *reinterpret_cast<const std::uint16_t*>(rr + 8 * gq + 2 * t);
-          else v = rr[4 * gq + t];
-          wr[j] = sub_zero(code_pair<RB>(v, 0), 0x64006400u + static_cast<std::uint32_t>(m[28]) * 0x10001u);
+          const uint2 rc = rec[gq * TI + 8 * j + g];
+          const uint2 rr = rrec[8 * j + g];
+          dequant16s<CB>(wc[j], cp, rc.y, rc.x);
+          std::uint32_t v;  // the lane's two RoPE codes as (1024 + code) x 2
+          if constexpr (RB == 8) v = __byte_perm(*reinterpret_cast<const std::uint16_t*>(rp), 0x64646464u, 0x5150);
+          else v = andor<0x000f000fu>(static_cast<std::uint32_t>(*rp) * 0x1001u, 0x64006400u);
+          wr[j] = hmul2u(sub_zero(v, rr.y), rr.x);
         } else {
-          const uint4 a = *reinterpret_cast<const uint4*>(crow + 128 * gq + 16 * t);
-          const uint4 c = *reinterpret_cast<const uint4*>(crow + 128 * gq + 64 + 16 * t);
+          const uint4 a = *reinterpret_cast<const uint4*>(cp);
+          const uint4 c = *reinterpret_cast<const uint4*>(cp + 64);
           wc[j][0] = a.x;
           wc[j][1] = a.y;
           wc[j][2] = a.z;
@@ -459,12 +505,11 @@ __global__ void __launch_bounds__(kNT, 2) mla_decode_kernel(MlaDecodeParams p, W
           wc[j][5] = c.y;
           wc[j][6] = c.z;
           wc[j][7] = c.w;
-          wr[j] = *reinterpret_cast<const std::uint32_t*>(rope + r * C::RS + 16 * gq + 4 * t);
+          wr[j] = *reinterpret_cast<const std::uint32_t*>(rp);
         }
       }
     }
-    const float* sb = scl + buf * 9 * TI;
-    // ---- QK: partial scores of the 16 heads x TI tokens over this warp's dims
+    // ---- QK: partial scores (log2 units) of the 16 heads x TI tokens over this warp's dims
     {
       float sp[NJ][4];
 #pragma unroll
@@ -474,131 +519,87 @@ __global__ void __launch_bounds__(kNT, 2) mla_decode_kernel(MlaDecodeParams p, W
 #pragma unroll
         for (int j = 0; j < NJ; ++j) {
           mma16816<kB>(sp[j], qa[s], wc[j][2 * s], wc[j][2 * s + 1]);
-          if constexpr (kB) mma16816<kB>(sp[j], qb[s], wc[j][2 * s], wc[j][2 * s + 1]);
+          if constexpr (kHiLo) mma16816<kB>(sp[j], qb[s], wc[j][2 * s], wc[j][2 * s + 1]);
         }
+      float* dst = spart + gq * kHG * SST + g * SST + 2 * t;
 #pragma unroll
       for (int j = 0; j < NJ; ++j) {
-        float ar[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        mma1688<kB>(ar, qra[0], qra[1], wr[j]);
-        if constexpr (kB) mma1688<kB>(ar, qrb[0], qrb[1], wr[j]);
-        const int tok = 8 * j + 2 * t;
-        float2 c = make_float2(1.0f, 1.0f), r = c;
-        if constexpr (kAff) {
-          c = *reinterpret_cast<const float2*>(sb + gq * TI + tok);
-          r = *reinterpret_cast<const float2*>(sb + 8 * TI + tok);
-        }
-        float* dst = spart + gq * kHG * SST + tok;
-        *reinterpret_cast<float2*>(dst + g * SST) = make_float2(sp[j][0] * c.x + ar[0] * r.x, sp[j][1] * c.y + ar[1] * r.y);
-        *reinterpret_cast<float2*>(dst + (g + 8) * SST) =
-            make_float2(sp[j][2] * c.x + ar[2] * r.x, sp[j][3] * c.y + ar[3] * r.y);
+        mma1688<kB>(sp[j], qra[0], qra[1], wr[j]);
+        if constexpr (kHiLo) mma1688<kB>(sp[j], qrb[0], qrb[1], wr[j]);
+        *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(sp[j][0], sp[j][1]);
+        *reinterpret_cast<float2*>(dst + 8 * SST + 8 * j) = make_float2(sp[j][2], sp[j][3]);
       }
     }
-    cp_async_wait<NS - 3>();  // the next packed tile has landed (this thread's copies)
+    cp_async_wait<NS - 3>();
     __syncthreads();
+    int nslot = rslot;
     if (!is_prot) {
-      // Refill the ring with tile k + NS - 1: its slot (k - 1) % NS was last read before the
-      // barrier above.
-      issue(k + NS - 1, id_next);
+      issue(vt - kb + NS - 1, id_next, islot);
       cp_async_commit();
-      id_next = page_id(k + NS);
+      id_next = page_id(vt - kb + NS);
+      islot = islot + 1 == NS ? 0 : islot + 1;
+      nslot = rslot = rslot + 1 == NS ? 0 : rslot + 1;
     }
-    // ---- online softmax (log2 units): warp w runs heads 2 w, 2 w + 1 (16 lanes each)
-    {
-      constexpr int TPT = TI / 16;
-      const int h = 2 * w + (lane >> 4), sub = lane & 15;
-      float s[TPT], mx = -INFINITY;
-#pragma unroll
-      for (int e = 0; e < TPT; ++e) s[e] = 0.0f;
+    // ---- online softmax: lane = (head sh_h, tokens 2 sub, 2 sub + 1)
+    if (w < kHG / HPW) {
+      float s0 = 0.0f, s1 = 0.0f;
+      const float* row = spart + sh_h * SST + 2 * sub;
 #pragma unroll
       for (int ww = 0; ww < 8; ++ww) {
-        const float* row = spart + (ww * kHG + h) * SST + TPT * sub;
-        if constexpr (TPT == 2) {
-          const float2 v = *reinterpret_cast<const float2*>(row);
-          s[0] += v.x;
-          s[1] += v.y;
-        } else {
-          s[0] += row[0];
-        }
+        const float2 v = *reinterpret_cast<const float2*>(row + ww * kHG * SST);
+        s0 += v.x;
+        s1 += v.y;
       }
-#pragma unroll
-      for (int e = 0; e < TPT; ++e) {
-        const int tok = TPT * sub + e;
-        s[e] = (tok >= lo && tok < hi) ? s[e] * sl2 : -INFINITY;
-        mx = fmaxf(mx, s[e]);
+      const bool full = lo == 0 && hi == TI;
+      if (!full) {
+        s0 = 2 * sub >= lo && 2 * sub < hi ? s0 : -INFINITY;
+        s1 = 2 * sub + 1 >= lo && 2 * sub + 1 < hi ? s1 : -INFINITY;
       }
+      if (__any_sync(0xffffffffu, s0 > sm + kSlack || s1 > sm + kSlack)) {
+        float mx = fmaxf(s0, s1);
 #pragma unroll
-      for (int off = 8; off >= 1; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-      const float m_old = mrow[h];
-      const float m_new = fmaxf(m_old, mx);
-      float sum = 0.0f;
-#pragma unroll
-      for (int e = 0; e < TPT; ++e) {
-        const float pv = s[e] == -INFINITY ? 0.0f : exp2f(s[e] - m_new);
-        sum += pv;
-        sP[h * SST + TPT * sub + e] = pv;
+        for (int off = LPH / 2; off >= 1; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+        const float mn = fmaxf(sm, mx);
+        sl *= mn == sm ? 1.0f : ex2(sm - mn);  // sm = -inf: ex2(-inf) = 0
+        sm = mn;
+        if (sub == 0) mrow[sh_h] = mn;
       }
-#pragma unroll
-      for (int off = 8; off >= 1; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-      __syncwarp();
-      if (sub == 0) {
-        const float a = m_new == -INFINITY ? 1.0f : (m_old == -INFINITY ? 0.0f : exp2f(m_old - m_new));
-        lrow[h] = lrow[h] * a + sum;
-        mrow[h] = m_new;
-        alpha[h] = a;
+      float p0 = ex2(s0 - sm), p1 = ex2(s1 - sm);
+      if (!full) {  // masked tokens, and heads with no valid score yet (sm = -inf)
+        p0 = s0 == -INFINITY ? 0.0f : p0;
+        p1 = s1 == -INFINITY ? 0.0f : p1;
       }
+      sl += p0 + p1;
+      sP[sp_off] = detail::pack2<kB>(p0, p1);
     }
-    if (vt + 1 < v1) prep_scales(vt + 1, buf ^ 1);
+    if (vt + 1 < v1) prep(vt + 1, nslot);
     __syncthreads();
-    // ---- PV: o[heads g, g + 8][this lane's dims] += P' x V
+    // ---- PV: o[heads g, g + 8][this lane's dims] += P x V
     {
-      float a0 = alpha[g], a1 = alpha[g + 8];
-      float inv = 1.0f;
-      if constexpr (kAff) {
-        const float snew = fmaxf(sref, smx[buf * 8 + gq]);
-        const float r = snew > 0.0f ? sref / snew : 1.0f;
-        inv = snew > 0.0f ? 1.0f / snew : 0.0f;
-        sref = snew;
-        a0 *= r;
-        a1 *= r;
-      }
+      const float m0 = mrow[g], m1 = mrow[g + 8];
+      if (__any_sync(0xffffffffu, m0 != mp0 || m1 != mp1)) {  // rare at long context
+        const float a0 = m0 == mp0 ? 1.0f : ex2(mp0 - m0), a1 = m1 == mp1 ? 1.0f : ex2(mp1 - m1);
+        mp0 = m0;
+        mp1 = m1;
 #pragma unroll
-      for (int n = 0; n < 8; ++n) {
-        o[n][0] *= a0;
-        o[n][1] *= a0;
-        o[n][2] *= a1;
-        o[n][3] *= a1;
+        for (int n = 0; n < 8; ++n) {
+          o[n][0] *= a0;
+          o[n][1] *= a0;
+          o[n][2] *= a1;
+          o[n][3] *= a1;
+        }
       }
 #pragma unroll
       for (int kk = 0; kk < NJ / 2; ++kk) {
-        const int tk = 16 * kk + 2 * t;
-        const float2 p00 = *reinterpret_cast<const float2*>(sP + g * SST + tk);
-        const float2 p10 = *reinterpret_cast<const float2*>(sP + (g + 8) * SST + tk);
-        const float2 p01 = *reinterpret_cast<const float2*>(sP + g * SST + tk + 8);
-        const float2 p11 = *reinterpret_cast<const float2*>(sP + (g + 8) * SST + tk + 8);
-        std::uint32_t pa[4];
-        if constexpr (kAff) {
-          const float2 c0 = *reinterpret_cast<const float2*>(sb + gq * TI + tk);
-          const float2 c8 = *reinterpret_cast<const float2*>(sb + gq * TI + tk + 8);
-          const float s0 = c0.x * inv, s1 = c0.y * inv, s8 = c8.x * inv, s9 = c8.y * inv;
-          pa[0] = detail::pack2<false>(p00.x * s0, p00.y * s1);
-          pa[1] = detail::pack2<false>(p10.x * s0, p10.y * s1);
-          pa[2] = detail::pack2<false>(p01.x * s8, p01.y * s9);
-          pa[3] = detail::pack2<false>(p11.x * s8, p11.y * s9);
-        } else {
-          pa[0] = detail::pack2<true>(p00.x, p00.y);
-          pa[1] = detail::pack2<true>(p10.x, p10.y);
-          pa[2] = detail::pack2<true>(p01.x, p01.y);
-          pa[3] = detail::pack2<true>(p11.x, p11.y);
-        }
+        const uint4 pv = reinterpret_cast<const uint4*>(sP)[kk * 32 + lane];
+        const std::uint32_t pa[4] = {pv.x, pv.y, pv.z, pv.w};
 #pragma unroll
         for (int n = 0; n < 8; ++n) mma16816<kB>(o[n], pa, movt(wc[2 * kk][n]), movt(wc[2 * kk + 1][n]));
       }
     }
   }
   cp_async_wait<0>();
-  __syncthreads();
-  // Partial state of this split: unnormalized output (times the scale reference), max, sum.
-  const float fin = kAff ? sref : 1.0f;
+  // Partial state of this split: unnormalized output, max (natural log units), sum.
   const std::size_t r0 = (static_cast<std::size_t>(b) * p.heads + hg * kHG + g) * wk.nsplit + split;
   const std::size_t r1 = r0 + 8 * static_cast<std::size_t>(wk.nsplit);
   float* out0 = wk.opart + r0 * kDc + 64 * gq;
@@ -606,37 +607,44 @@ __global__ void __launch_bounds__(kNT, 2) mla_decode_kernel(MlaDecodeParams p, W
 #pragma unroll
   for (int n = 0; n < 8; ++n) {
     const int d0 = wdim<CB>(t, n, 0), d1 = wdim<CB>(t, n, 1);
-    out0[d0] = o[n][0] * fin;
-    out0[d1] = o[n][1] * fin;
-    out1[d0] = o[n][2] * fin;
-    out1[d1] = o[n][3] * fin;
+    out0[d0] = o[n][0];
+    out0[d1] = o[n][1];
+    out1[d0] = o[n][2];
+    out1[d1] = o[n][3];
   }
-  if (tid < kHG) {
-    const std::size_t r = (static_cast<std::size_t>(b) * p.heads + hg * kHG + tid) * wk.nsplit + split;
-    wk.ml[2 * r] = mrow[tid] * kLn2;
-    wk.ml[2 * r + 1] = lrow[tid];
+  if (w < kHG / HPW) {
+#pragma unroll
+    for (int off = LPH / 2; off >= 1; off >>= 1) sl += __shfl_xor_sync(0xffffffffu, sl, off);
+    if (sub == 0) {
+      const std::size_t r = (static_cast<std::size_t>(b) * p.heads + hg * kHG + sh_h) * wk.nsplit + split;
+      wk.ml[2 * r] = sm * kLn2;
+      wk.ml[2 * r + 1] = sl;
+    }
   }
 }
 
-// out[b][h] = sum_s e^(m_s - M) O_s / sum_s e^(m_s - M) l_s over the splits s.
+// out[b][h] = sum_s e^(m_s - M) O_s / sum_s e^(m_s - M) l_s over the splits s. With few CTAs the
+// combine is latency-bound: the loops are unrolled so that several splits' loads are in flight.
 __global__ void __launch_bounds__(128) mla_combine_kernel(const float* __restrict__ opart, const float* __restrict__ ml,
                                                           int nsl, float* __restrict__ out) {
   const std::size_t bh = static_cast<std::size_t>(blockIdx.y) * gridDim.x + blockIdx.x;
-  const float* m = ml + bh * nsl * 2;
+  const float2* m = reinterpret_cast<const float2*>(ml + bh * nsl * 2);
+  const float4* v = reinterpret_cast<const float4*>(opart + bh * nsl * kDc) + threadIdx.x;
   float M = -INFINITY;
-  for (int s = 0; s < nsl; ++s) M = fmaxf(M, m[2 * s]);
+#pragma unroll 8
+  for (int s = 0; s < nsl; ++s) M = fmaxf(M, m[s].x);
   float4 acc = make_float4(0, 0, 0, 0);
   float den = 0.0f;
+#pragma unroll 8
   for (int s = 0; s < nsl; ++s) {
-    const float ms = m[2 * s];
-    if (ms == -INFINITY) continue;
-    const float e = expf(ms - M);
-    den += e * m[2 * s + 1];
-    const float4 v = reinterpret_cast<const float4*>(opart + (bh * nsl + s) * kDc)[threadIdx.x];
-    acc.x += e * v.x;
-    acc.y += e * v.y;
-    acc.z += e * v.z;
-    acc.w += e * v.w;
+    const float2 ms = m[s];
+    const float e = ms.x == -INFINITY ? 0.0f : expf(ms.x - M);  // empty splits hold zeros
+    const float4 x = v[static_cast<std::size_t>(s) * (kDc / 4)];
+    den += e * ms.y;
+    acc.x += e * x.x;
+    acc.y += e * x.y;
+    acc.z += e * x.z;
+    acc.w += e * x.w;
   }
   const float inv = den > 0.0f ? 1.0f / den : 0.0f;
   reinterpret_cast<float4*>(out + bh * kDc)[threadIdx.x] = make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
@@ -654,7 +662,8 @@ bool uses_protect(const MlaDecodeParams& p) { return p.fmt.content_bits != 16 &&
 template <int CB, int RB>
 cudaError_t launch_decode(const MlaDecodeParams& p, cudaStream_t st) {
   using C = Cfg<CB, RB>;
-  cudaError_t e = cudaFuncSetAttribute(mla_decode_kernel<CB, RB>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
+  constexpr bool kHiLo = CB == 16;  // bf16 cache: query as bf16 hi + lo pairs
+  cudaError_t e = cudaFuncSetAttribute(mla_decode_kernel<CB, RB, kHiLo>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
   if (e != cudaSuccess) return e;
   Work wk;
   wk.nsplit = mla_decode_splits(p);
@@ -662,7 +671,7 @@ cudaError_t launch_decode(const MlaDecodeParams& p, cudaStream_t st) {
   wk.opart = static_cast<float*>(p.workspace);
   wk.ml = wk.opart + rows * kDc;
   const dim3 grid(wk.nsplit, p.heads / kHG, p.batch);
-  mla_decode_kernel<CB, RB><<<grid, kNT, C::kSmem, st>>>(p, wk);
+  mla_decode_kernel<CB, RB, kHiLo><<<grid, kNT, C::kSmem, st>>>(p, wk);
   if ((e = cudaGetLastError()) != cudaSuccess) return e;
   mla_combine_kernel<<<dim3(p.heads, p.batch), 128, 0, st>>>(wk.opart, wk.ml, wk.nsplit, p.out);
   return cudaGetLastError();

@@ -9,7 +9,8 @@
 // in double over the decoded rows of the same packed cache (protected positions from their bf16
 // rows): output NMSE <= 1e-5, NaN never passes. Inputs: Gaussian rows with outlier channels and
 // constant groups, and the tiny-mla fixture's latent / k_rope rows; mixed lengths, 16 to 128
-// heads, forced split counts, protection on and off. `--small` runs a reduced set (for
+// heads, forced split counts, protection on and off, rows scaled up along the sequence (the
+// running maximum keeps moving). `--small` runs a reduced set (for
 // compute-sanitizer).
 #include <algorithm>
 #include <cmath>
@@ -245,6 +246,7 @@ struct Case {
   int sinks = 0, window = 0;
   int splits = 0;
   unsigned seed = 1;
+  bool ramp = false;  // rows scaled up along the sequence: the running maximum keeps moving
 };
 
 void test_decode(const Case& c) {
@@ -263,6 +265,13 @@ void test_decode(const Case& c) {
     row0[static_cast<std::size_t>(b)] = r;
     r += c.lens[static_cast<std::size_t>(b)];
   }
+  if (c.ramp)
+    for (int b = 0; b < B; ++b)
+      for (int i = 0; i < c.lens[static_cast<std::size_t>(b)]; ++i) {
+        std::uint16_t* row = rows.data() + static_cast<std::size_t>(row0[static_cast<std::size_t>(b)] + i) * kD;
+        const float f = 0.25f + 4.0f * static_cast<float>(i) / static_cast<float>(c.lens[static_cast<std::size_t>(b)]);
+        for (int d = 0; d < kD; ++d) row[d] = float_to_bf16(bf16_to_float(row[d]) * f);
+      }
   const int pages = B * max_pages;
   std::vector<int> perm(static_cast<std::size_t>(pages));
   for (int i = 0; i < pages; ++i) perm[static_cast<std::size_t>(i)] = i;
@@ -357,7 +366,7 @@ void test_decode(const Case& c) {
     const double nmse = den > 0 ? num / den : num;
     std::string lens;
     for (int l : c.lens) lens += std::to_string(l) + ",";
-    const std::string what = c.fmt + " H=" + std::to_string(H) + " lens=" + lens + (c.fixture ? " fixture" : " random") +
+    const std::string what = c.fmt + " H=" + std::to_string(H) + " lens=" + lens + (c.fixture ? " fixture" : c.ramp ? " ramp" : " random") +
                              " S=" + std::to_string(c.sinks) + " W=" + std::to_string(c.window) + " splits=" +
                              std::to_string(cuda::mla_decode_splits(p)) + " warps=" + std::to_string(warps);
     std::printf("  %-52s nmse %.3g\n", what.c_str(), nmse);
@@ -395,5 +404,6 @@ int main(int argc, char** argv) {
   test_decode({"c2r4", 128, {2049}, false, 4, 128, 3, 5});
   test_decode({"bf16", 128, {1500, 17}, true, 0, 0, 0, 6});
   test_decode({"c4r4", 64, {0, 300}, false, 0, 0, 0, 7});
+  for (const auto& f : {"bf16", "c4r4", "c2r4"}) test_decode({f, 16, {3000, 777}, false, 4, 16, 2, 8, true});  // moving maximum
   return cudatest::finish();
 }
