@@ -4,7 +4,7 @@ outputs and the calibrated models' kvq_calibration.json files.
 
 usage: calib_table.py EVAL_DIR CALIB_DIR
 EVAL_DIR holds rtn.json (the original model: bf16, cXrY, cXrY@paper), METHOD-CACHE.json (the
-calibrated model with --baseline-model = the original) and needle-CACHE.json (needle runs);
+calibrated model with --baseline-model = the original) and needle200-CACHE.json or needle-CACHE.json (needle runs, cXrY and cXrY@paper);
 CALIB_DIR holds METHOD-CACHE/kvq_calibration.json. Prints markdown.
 """
 import json
@@ -64,25 +64,31 @@ def main():
                         co = ro = float("nan")
                 print(f"| {c} | {prot or 'none'} | {label} | {r['bytes_per_token']:.0f} | {r['ppl']:.4f} | "
                       f"{r['delta_ppl_pct']:+.3f}% | {r['kl']:.5f} | {100 * r['top1']:.2f}% | {co:.5f} | {ro:.5f} |")
-    # needle
+    # needle: needle200-CACHE.json (200 samples, both protections) where present, else needle-CACHE.json
     for c in CACHES:
-        nd = rows_of(os.path.join(ev, f"needle-{c}.json"))
+        nd = rows_of(os.path.join(ev, f"needle200-{c}.json")) or rows_of(os.path.join(ev, f"needle-{c}.json"))
         if not nd:
             continue
         m0 = next(iter(nd.values()))[0]
         lens = sorted(int(k) for k in m0["bf16_needle_accuracy"])
-        print(f"\nNeedle, {c}, no protection, {m0['needle_samples']} paired samples per length (bf16: "
-              + ", ".join(f"{m0['bf16_needle_accuracy'][str(n)]:.3f} at {n}" for n in lens) + ")\n")
-        print("| method | " + " | ".join(f"acc {n} (diff vs bf16)" for n in lens) + " |")
-        print("|:--|" + "--:|" * len(lens))
-        for key, label in METHODS:
-            name = "tiny-mla" if key == "rtn" else f"{key}-{c}"
-            hit = nd.get((name, c))
-            if not hit:
+        for prot in ["", "@paper"]:
+            if not any(cc == c + prot for (_, cc) in nd):
                 continue
-            r = hit[1]
-            print(f"| {label} | " + " | ".join(
-                f"{r['needle_accuracy'][str(n)]:.3f} ({r['needle_disagreements_vs_bf16'][str(n)]})" for n in lens) + " |")
+            print(f"\nNeedle, {c}, protection {'paper' if prot else 'none'}, {m0['needle_samples']} paired samples per "
+                  "length (bf16 of the original model: "
+                  + ", ".join(f"{m0['bf16_needle_accuracy'][str(n)]:.3f} at {n}" for n in lens) + ")\n")
+            print("| method | " + " | ".join(f"acc {n} (diff vs bf16)" for n in lens) + " | mean acc | total diff |")
+            print("|:--|" + "--:|" * (len(lens) + 2))
+            for key, label in METHODS:
+                name = "tiny-mla" if key == "rtn" else f"{key}-{c}"
+                hit = nd.get((name, c + prot))
+                if not hit:
+                    continue
+                r = hit[1]
+                acc = [r["needle_accuracy"][str(n)] for n in lens]
+                dif = [r["needle_disagreements_vs_bf16"][str(n)] for n in lens]
+                print(f"| {label} | " + " | ".join(f"{a:.3f} ({d})" for a, d in zip(acc, dif))
+                      + f" | {sum(acc) / len(acc):.3f} | {sum(dif)} |")
     # per-layer objectives
     print("\nHeld-out path objectives per layer (RTN -> after the method):\n")
     print("| cache | method | layer | content RTN | content | RoPE RTN | RoPE | alpha (content, RoPE) |")

@@ -172,6 +172,8 @@ struct CalibOptions {
   std::string model_dir, text_file, out_dir;
   std::string cache = "c4r4";
   CalibMethod method = CalibMethod::kQuantMla;
+  // Which paths get their transform (ablations): the other path keeps the identity (RTN).
+  bool content_path = true, rope_path = true;
   int steps = 300;
   int train_seqs = 128;
   int heldout_seqs = 32;

@@ -307,6 +307,7 @@ CalibResult calibrate(const CalibOptions& o) {
   require(o.steps >= 0 && o.train_seqs > 0 && o.heldout_seqs > 0 && o.seq_len >= 8 && o.batch > 0 && o.eval_every > 0,
           "kvq calibrate: steps >= 0, train/held-out sequences > 0, seq-len >= 8, batch > 0 and eval-every > 0 required");
   if (o.out_dir.empty()) fail("kvq calibrate: --out is required");
+  if (!o.content_path && !o.rope_path) fail("kvq calibrate: --paths selects no path (content, rope or both)");
   const fs::path out(o.out_dir);
   const fs::path tmp = out.string() + ".tmp";
   const fs::path tmp32 = out.string() + ".f32check.tmp";
@@ -394,7 +395,7 @@ CalibResult calibrate(const CalibOptions& o) {
   const std::vector<double> alphas_sq = {0.125, 0.25, 0.5, 0.75, 1.0};
   std::vector<LayerTransform> transforms(static_cast<std::size_t>(NL));
   res.layers.resize(static_cast<std::size_t>(NL));
-  const bool hadamard_rope = o.method == CalibMethod::kQuaRot;
+  const bool hadamard_rope = o.method == CalibMethod::kQuaRot && o.rope_path;
   for (int l = 0; l < NL; ++l) {
     auto& L = layers[static_cast<std::size_t>(l)];
     auto& R = res.layers[static_cast<std::size_t>(l)];
@@ -420,7 +421,9 @@ CalibResult calibrate(const CalibOptions& o) {
     const std::vector<double> a_r = percentile_abs({&pair_mag}, dr / 2, 0.999);
     // ---- content
     std::vector<double> rot = I, s(static_cast<std::size_t>(dc), 1.0);
-    if (o.method == CalibMethod::kQuaRot) {
+    if (!o.content_path) {
+      R.content.init = R.content.best = R.content.rtn;
+    } else if (o.method == CalibMethod::kQuaRot) {
       for (int i = 0; i < dc; ++i) {
         std::vector<double> e(static_cast<std::size_t>(dc), 0.0);
         e[static_cast<std::size_t>(i)] = 1.0;
@@ -440,7 +443,9 @@ CalibResult calibrate(const CalibOptions& o) {
     }
     // ---- RoPE
     std::vector<double> ang = zero_a, rs = one_r;
-    if (o.method == CalibMethod::kQuaRot) {
+    if (!o.rope_path) {
+      R.rope.init = R.rope.best = R.rope.rtn;
+    } else if (o.method == CalibMethod::kQuaRot) {
       R.rope.init = R.rope.best = rope_heldout(L, pairs, ang, rs, true, &opr);
     } else {
       const auto& alphas = o.method == CalibMethod::kQuantMla ? alphas_qm : alphas_sq;
@@ -458,7 +463,7 @@ CalibResult calibrate(const CalibOptions& o) {
                std::to_string(R.rope.rtn) + " init " + std::to_string(R.rope.init) + " (alpha " + std::to_string(R.rope.alpha) + ")");
     if (o.method == CalibMethod::kQuantMla && o.steps > 0) {
       // Content: A skew (Cayley), l = log s.
-      {
+      if (o.content_path) {
         std::vector<double> A(static_cast<std::size_t>(dc) * dc, 0.0), lg(static_cast<std::size_t>(dc));
         for (int j = 0; j < dc; ++j) lg[static_cast<std::size_t>(j)] = std::log(s[static_cast<std::size_t>(j)]);
         std::vector<double> bestA = A, bestL = lg;
@@ -489,7 +494,7 @@ CalibResult calibrate(const CalibOptions& o) {
         s = exp_scales(bestL);
       }
       // RoPE: angles and pair log-scales.
-      {
+      if (o.rope_path) {
         std::vector<double> lg(static_cast<std::size_t>(dr / 2));
         for (std::size_t i = 0; i < lg.size(); ++i) lg[i] = std::log(rs[i]);
         std::vector<double> bestAng = ang, bestL = lg;
@@ -535,6 +540,7 @@ CalibResult calibrate(const CalibOptions& o) {
   j["version"] = 1;
   j["method"] = calib_method_name(o.method);
   j["cache"] = f.name;
+  j["paths"] = o.content_path && o.rope_path ? "both" : o.content_path ? "content" : "rope";
   j["quantizer"] = {{"content", qc->name()}, {"rope", qr->name()},
                     {"rule", "s = round_T((max - min) / (2^b - 1)), z = clamp(rint(-min / s)), q = clamp(rint(x / s) + z), ties to even"},
                     {"gradient", "straight-through rounding, scale gradient to the group max/min"}};

@@ -562,6 +562,29 @@ TEST(Calibrate, WritesALoadableFusedModelWithItsRecord) {
   fs::remove_all(base);
 }
 
+// --paths ablation: one path transformed, the other left at RTN (identity transform, objective unchanged).
+TEST(Calibrate, OnePathAloneLeavesTheOtherAtRtn) {
+  const fs::path base = temp_dir("paths");
+  for (bool content : {true, false}) {
+    CalibOptions o = small_options(base / (content ? "content" : "rope"), CalibMethod::kQuantMla);
+    o.content_path = content;
+    o.rope_path = !content;
+    const CalibResult r = calibrate(o);
+    for (const auto& L : r.layers) {
+      const PathResult& off = content ? L.rope : L.content;
+      const PathResult& on = content ? L.content : L.rope;
+      EXPECT_EQ(off.best, off.rtn);
+      EXPECT_EQ(off.best_step, 0);
+      EXPECT_LT(on.best, on.rtn);
+    }
+    EXPECT_NE(r.json.find(content ? "\"paths\": \"content\"" : "\"paths\": \"rope\""), std::string::npos);
+  }
+  CalibOptions none = small_options(base / "none", CalibMethod::kQuantMla);
+  none.content_path = none.rope_path = false;
+  EXPECT_THROW(calibrate(none), kvq::Error);
+  fs::remove_all(base);
+}
+
 TEST(Calibrate, SeededRunsAreReproducible) {
   // Same options twice: the same checkpoint bytes, whatever the OpenMP schedule did.
   const fs::path base = temp_dir("repro");

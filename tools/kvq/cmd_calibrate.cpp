@@ -11,7 +11,8 @@
 namespace {
 
 struct Args {
-  std::string model, text = "data/validation-tech.txt", out, method = "quantmla", cache = "c4r4", dtype = "source";
+  std::string model, text = "data/validation-tech.txt", out, method = "quantmla", cache = "c4r4", dtype = "source",
+              paths = "both";
   int steps = 300, train = 128, held = 32, seq_len = 256, batch = 4, eval_every = 25, check_seqs = 4;
   std::uint64_t seed = 0;
   double lr_rot = 2e-3, lr_scale = 1e-2, lr_angle = 1e-2;
@@ -25,6 +26,9 @@ void run(const Args& a) {
   o.out_dir = a.out;
   o.method = kvq::parse_calib_method(a.method);
   o.cache = a.cache;
+  if (a.paths != "both" && a.paths != "content" && a.paths != "rope") kvq::fail("--paths must be both, content or rope");
+  o.content_path = a.paths != "rope";
+  o.rope_path = a.paths != "content";
   o.steps = a.steps;
   o.train_seqs = a.train;
   o.heldout_seqs = a.held;
@@ -65,6 +69,7 @@ void register_cmd(CLI::App& app) {
   cmd->add_option("--method", a->method, "quantmla | smoothquant | quarot (default quantmla)");
   cmd->add_option("--cache", a->cache, "cXrY cache format calibrated for (default c4r4)");
   cmd->add_option("--text", a->text, "calibration text (default data/validation-tech.txt; never the evaluation text)");
+  cmd->add_option("--paths", a->paths, "both (default), or content / rope alone: the other path keeps RTN (ablation)");
   cmd->add_option("--steps", a->steps, "Adam steps per path and layer (quantmla; default 300)");
   cmd->add_option("--train-seqs", a->train, "training sequences (default 128)");
   cmd->add_option("--heldout-seqs", a->held, "held-out sequences for alpha and checkpoint selection (default 32)");
