@@ -285,11 +285,12 @@ __global__ void __launch_bounds__(kStoreWarps * 32) store_generic_kernel(const S
 // the sums of squares, the bucketization and the packing (4 * bits bytes per lane) need no shared
 // memory. Buckets come from a table of bins over y: bin(y) = floor(sat(y a + b) n) (a saturating
 // FMA and a round-down FMA with 1.5 * 2^23), with n large enough that no bin holds two midpoints;
-// bin k stores the number of midpoints in bins below k and the midpoint inside k (or +inf), and
-// the bucket is base + (mid < y) -- the count of midpoints strictly below y, exactly
-// kvq::bucketize, because the bin is a monotone function computed the same way for y and for
-// the midpoints. The norm-correction sum adds the squared centroids of two codes per lookup
-// (a table of csq[a] + csq[b], in double). Uniform values divide without a division per
+// bin k stores the number `base` of midpoints in bins below k, and the bucket is
+// base + (mid[base] < y): mid[base] is the midpoint inside the bin if there is one, else the next
+// one above (> y), or +inf -- the count of midpoints strictly below y, exactly kvq::bucketize,
+// because the bin is a monotone function computed the same way for y and for the midpoints.
+// Both lookups and the squared centroid of the norm correction hit tables of at most 16 words or
+// doubles, so random codes never conflict on a bank. Uniform values divide without a division per
 // element: q = RN((x - lo) / s) by Markstein's two remainder corrections from RN(1/s), which is
 // the correctly rounded quotient. Same operations otherwise as the generic kernel above.
 constexpr int kFastThreads = 256;
@@ -299,10 +300,10 @@ constexpr float kFloorMagic = 12582912.0f;  // 1.5 * 2^23: fl_down(t + magic) = 
 constexpr std::uint32_t kMagicBits = 0x4B400000u;
 
 struct StoreTables {
-  float2 bins[4][kMaxBins];  // [key seg 0, key seg 1, value seg 0, value seg 1]: {midpoint or +inf, base (int bits)}
-  double csq2[4][256];       // csq[a] + csq[b] at a | b << bits (squared centroids, for the norm correction)
-  float edges[4][16];
-  float ba[4], bb[4], bn[4];  // bin(y) = floor(sat(y * ba + bb) * bn)
+  std::uint8_t base[4][kMaxBins];  // [key seg 0, key seg 1, value seg 0, value seg 1]: midpoints in lower bins
+  float edges[4][16];              // midpoints, +inf after the last
+  double csq[4][16];               // squared centroids (norm correction); 16 doubles: any 16 lanes, no bank conflict
+  float ba[4], bb[4], bn[4];       // bin(y) = floor(sat(y * ba + bb) * bn)
   int ok[4];
 };
 
@@ -319,11 +320,10 @@ __device__ __forceinline__ int bin_of(float y, float a, float b, float n) {
 __device__ void build_store_table(StoreTables& T, int t, const float* __restrict__ edges_g,
                                   const float* __restrict__ cent_g, int bits, int lane) {
   const int ne = (1 << bits) - 1, nc = 1 << bits;
-  for (int i = lane; i < ne; i += 32) T.edges[t][i] = edges_g[i];
-  for (int i = lane; i < 256; i += 32) {  // index a | b << 4 for codes a, b (any bits <= 4)
-    const int a = i & 15, b = i >> 4;
-    const double ca = a < nc ? cent_g[a] : 0.0, cb = b < nc ? cent_g[b] : 0.0;
-    T.csq2[t][i] = ca * ca + cb * cb;
+  for (int i = lane; i < 16; i += 32) {
+    T.edges[t][i] = i < ne ? edges_g[i] : INFINITY;
+    const double c = i < nc ? cent_g[i] : 0.0;
+    T.csq[t][i] = c * c;
   }
   __syncwarp();
   float gap = INFINITY, emax = 0.0f;
@@ -357,13 +357,9 @@ __device__ void build_store_table(StoreTables& T, int t, const float* __restrict
   if (ok) {
     for (int k = lane; k <= static_cast<int>(n); k += 32) {
       int base = 0;
-      float e = INFINITY;
-      for (int i = 0; i < ne; ++i) {
-        const int bi = bin_of(T.edges[t][i], a, b, n);
-        if (bi < k) ++base;
-        if (bi == k) e = T.edges[t][i];
-      }
-      T.bins[t][k] = make_float2(e, __int_as_float(base));
+      for (int i = 0; i < ne; ++i)
+        if (bin_of(T.edges[t][i], a, b, n) < k) ++base;
+      T.base[t][k] = static_cast<std::uint8_t>(base);
     }
   }
   if (lane == 0) {
@@ -526,22 +522,38 @@ __device__ __forceinline__ void apply_signs32(const uint4* sm, bool use_masks, i
 }
 
 // Outlier split: the lane's 32 segment-order elements x[k] = row[perm[k]], gathered from the
-// warp's rows staged in shared memory (row of vector g at [g * D], D = 32 P).
-__device__ __forceinline__ void gather32(const Raw32& r, const std::int32_t* __restrict__ perm, std::uint16_t* buf,
-                                         int lane, int P, float (&x)[kLaneElems]) {
+// warp's rows staged in shared memory (row of vector g at [g * D], D = 32 P). The channel order
+// comes from a shared-memory copy (u16 channels, `sperm`: [side][head][D], 64 bytes per lane) when
+// the launcher gave the space, else from global memory.
+__device__ __forceinline__ void gather32(const Raw32& r, const std::int32_t* __restrict__ perm, const std::uint16_t* sperm,
+                                         std::uint16_t* buf, int lane, int P, float (&x)[kLaneElems]) {
   __syncwarp();
 #pragma unroll
   for (int i = 0; i < 4; ++i) reinterpret_cast<uint4*>(buf)[4 * lane + i] = r.q[i];
   __syncwarp();
   const std::uint16_t* row = buf + (lane / P) * (kLaneElems * P);
-  const int4* pp = reinterpret_cast<const int4*>(perm);
+  if (sperm) {
+    const uint4* pp = reinterpret_cast<const uint4*>(sperm);
 #pragma unroll
-  for (int j = 0; j < kLaneElems / 4; ++j) {
-    const int4 q4 = __ldg(pp + j);
-    x[4 * j] = bf16_bits_to_float(row[q4.x]);
-    x[4 * j + 1] = bf16_bits_to_float(row[q4.y]);
-    x[4 * j + 2] = bf16_bits_to_float(row[q4.z]);
-    x[4 * j + 3] = bf16_bits_to_float(row[q4.w]);
+    for (int j = 0; j < kLaneElems / 8; ++j) {
+      const uint4 q = pp[j];
+      const std::uint32_t wv[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        x[8 * j + 2 * i] = bf16_bits_to_float(row[wv[i] & 0xffffu]);
+        x[8 * j + 2 * i + 1] = bf16_bits_to_float(row[wv[i] >> 16]);
+      }
+    }
+  } else {
+    const int4* pp = reinterpret_cast<const int4*>(perm);
+#pragma unroll
+    for (int j = 0; j < kLaneElems / 4; ++j) {
+      const int4 q4 = __ldg(pp + j);
+      x[4 * j] = bf16_bits_to_float(row[q4.x]);
+      x[4 * j + 1] = bf16_bits_to_float(row[q4.y]);
+      x[4 * j + 2] = bf16_bits_to_float(row[q4.z]);
+      x[4 * j + 3] = bf16_bits_to_float(row[q4.w]);
+    }
   }
 }
 
@@ -606,12 +618,13 @@ __device__ __forceinline__ void tq_encode32(const StoreTables& T, int t, int sg,
   std::uint32_t c[kLaneElems];
   if (T.ok[t]) {
     const float ba = T.ba[t], bb = T.bb[t], bn = T.bn[t];
-    const float2* bins = T.bins[t];
+    const std::uint8_t* bins = T.base[t];
+    const float* mids = T.edges[t];
 #pragma unroll
     for (int k = 0; k < kLaneElems; ++k) {
       const float y = v[k] * sc;
-      const float2 e = bins[bin_of(y, ba, bb, bn)];
-      c[k] = static_cast<std::uint32_t>(__float_as_int(e.y) + (e.x < y ? 1 : 0));
+      const int b = bins[bin_of(y, ba, bb, bn)];
+      c[k] = static_cast<std::uint32_t>(b + (mids[b] < y ? 1 : 0));
     }
   } else {
     const int ne = (1 << (sg ? B1 : B0)) - 1;
@@ -633,9 +646,9 @@ __device__ __forceinline__ void tq_encode32(const StoreTables& T, int t, int sg,
   }
   double c4[4] = {0, 0, 0, 0};
   {
-    const double* cs = T.csq2[t];
+    const double* cs = T.csq[t];
 #pragma unroll
-    for (int k = 0; k < kLaneElems; k += 2) c4[(k >> 1) & 3] += cs[c[k] | c[k + 1] << 4];
+    for (int k = 0; k < kLaneElems; ++k) c4[k & 3] += cs[c[k]];
   }
   double c2 = (c4[0] + c4[1]) + (c4[2] + c4[3]);
 #pragma unroll
@@ -666,6 +679,12 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
   }
   const int H = f.kv_heads;
   constexpr int D8 = D / 8;
+  std::uint16_t* sperm = nullptr;  // split formats: channel order [side][head][D] after the masks
+  if (NSEG == 2 && use_masks) {
+    sperm = reinterpret_cast<std::uint16_t*>(smask) + 2 * H * D;
+    for (int i = threadIdx.x; i < 2 * H * D; i += kFastThreads)
+      sperm[i] = static_cast<std::uint16_t>((i < H * D ? f.key_perm : f.value_perm)[i < H * D ? i : i - H * D]);
+  }
   if (use_masks) {
     std::uint32_t* mw = reinterpret_cast<std::uint32_t*>(smask);
     for (int i = threadIdx.x; i < 2 * H * (D / 2); i += kFastThreads) {
@@ -723,7 +742,7 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
       if constexpr (NSEG == 1) {
         unpack_signed32(kr, smask, use_masks, 0, vh, H, D8, l, f.key_signs + hd, x);
       } else {
-        gather32(kr, f.key_perm + hd, rows[w], lane, P, x);
+        gather32(kr, f.key_perm + hd, sperm ? sperm + hd : nullptr, rows[w], lane, P, x);
         apply_signs32(smask, use_masks, 0, vh, H, D8, l, f.key_signs + hd, x);
       }
       tq_encode32<PS, F::KB0, F::KB1>(T, sg, sg, x, kc + kdst_off, write, ls, knorm, kc2);
@@ -749,7 +768,7 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
       if constexpr (NSEG == 1) {
         unpack_signed32(vr, smask, use_masks, 1, vh, H, D8, l, f.value_signs + hd, x);
       } else {
-        gather32(vr, f.value_perm + hd, rows[w], lane, P, x);
+        gather32(vr, f.value_perm + hd, sperm ? sperm + H * D + hd : nullptr, rows[w], lane, P, x);
         apply_signs32(smask, use_masks, 1, vh, H, D8, l, f.value_signs + hd, x);
       }
       tq_encode32<PS, F::VB0, F::VB1>(T, 2 + sg, sg, x, vc + vdst_off, write, ls, vnorm, vc2);
@@ -896,7 +915,7 @@ cudaError_t grid_for(K kernel, int threads, long want, unsigned& blocks, std::si
   return cudaSuccess;
 }
 
-constexpr int kMaskBytes = 16 << 10;  // sign masks: 4 H D bytes, up to H D = 4096
+constexpr int kMaskBytes = 32 << 10;  // sign masks (4 H D bytes) and, split formats, channel order (4 H D), H D <= 4096
 
 template <int D, class F>
 cudaError_t launch_store_fast(const StoreParams& p, cudaStream_t stream) {
@@ -906,8 +925,8 @@ cudaError_t launch_store_fast(const StoreParams& p, cudaStream_t stream) {
     if (e == cudaSuccess) e = grid_for(store_fast_kernel<D, F>, kFastThreads, 1L << 30, max_blocks, kMaskBytes);
     if (e != cudaSuccess) return e;
   }
-  const std::size_t mask_bytes = 4u * static_cast<std::size_t>(p.fmt.kv_heads) * D;
-  const bool use_masks = mask_bytes <= static_cast<std::size_t>(kMaskBytes);
+  const std::size_t mask_bytes = (F::NSEG == 2 ? 8u : 4u) * static_cast<std::size_t>(p.fmt.kv_heads) * D;
+  const bool use_masks = p.fmt.kv_heads * D <= 4096;
   constexpr int V = 32 / (D / kLaneElems);
   const long nvec = static_cast<long>(p.n_tokens) * p.fmt.kv_heads;
   const long nwarps = (nvec + V - 1) / V;

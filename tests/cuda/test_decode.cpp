@@ -518,6 +518,7 @@ int main(int argc, char** argv) {
       test_store_edges(fm, 128, 8, 777, 21);
       test_store_edges(fm, 64, 3, 301, 22);
       test_store_edges(fm, 256, 2, 150, 23);
+      test_store_edges(fm, 128, 40, 37, 24);  // 40 heads: sign masks and channel order from global memory
     }
   }
   return kvq::cudatest::finish();
