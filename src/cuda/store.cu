@@ -6,9 +6,10 @@
 // operation; this file is compiled with --fmad=false so that no product is contracted into an
 // FMA, and codes match the CPU bit for bit except where a double-precision sum of squares added
 // in another order rounds differently (tests/cuda/test_decode.cpp counts those records).
-// Two kernels: the fast one (head_dim 64/128/256, one segment or two equal halves; 16 elements
-// per lane, several vectors per warp) and the generic one (one warp per (token, KV head), any
-// supported shape).
+// Three kernels: a coalesced copy for the bf16 cache; the fast one (head_dim 64/128/256, the core
+// grid's formats, instantiated per format; 32 elements per lane, several vectors per warp; the
+// exact shortcuts it takes are explained where they are used) and the generic one (one warp per
+// (token, KV head), any supported shape).
 #include <algorithm>
 #include <cfloat>
 #include <cstdint>
