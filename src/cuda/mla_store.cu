@@ -4,6 +4,18 @@
 // a scale that is not a positive normal -> FLT_MIN; compiled with --fmad=false), packs the codes
 // LSB-first as kvq::pack_bits, writes codes and the 32-byte metadata record into the token's
 // page slot, and copies protected positions' bf16 rows into their MlaProtectLayout slots.
+//
+// Content codes without a division per element: both x and the scale s are bf16 values (8-bit
+// significands), so x / s is either exactly a half-integer or at least 2^-10 away from one; the
+// quotient q1 = q0 + (x - s q0) / s with q0 = x * RN(1/s) (one FMA correction) lands on the same
+// side of every half-integer as RN(x / s) (and on it exactly when x / s is one), so rint(q1) =
+// rint(RN(x / s)) (docs/kernels-mla.md gives the argument). The clamp to [0, m] is applied to the
+// quotient (clamp(rint(q) + z, 0, m) = rint(clamp(q, -z, m - z)) + z for integer z), rint is the
+// round-to-nearest-even add of 1.5 * 2^23, and codes are packed with one multiply-add each. Groups
+// whose scale or range could under/overflow that arithmetic (constant groups: s = FLT_MIN) take
+// the per-element division. The RoPE key's fp32 scale has no such gap: it keeps the division.
+#include <cuda_bf16.h>
+
 #include <cfloat>
 
 #include "kvq/numeric.hpp"
@@ -13,11 +25,51 @@ namespace kvq::cuda {
 namespace {
 
 constexpr int kDc = 512, kDr = 64;
+constexpr float kRintMagic = 12582912.0f;  // 1.5 * 2^23: RN(q + magic) = magic + rint(q) for |q| < 2^22
+constexpr std::uint32_t kRintMagicBits = 0x4B400000u;
 
 __device__ __forceinline__ float clampf_ref(float v, float lo, float hi) { return v < lo ? lo : (v > hi ? hi : v); }
 
+// Elementwise min of two bf16 pairs (exact: bf16 order is the order of the values).
+__device__ __forceinline__ std::uint32_t bmin2(std::uint32_t a, std::uint32_t b) {
+  std::uint32_t r;
+  asm("min.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+__device__ __forceinline__ std::uint32_t bmax2(std::uint32_t a, std::uint32_t b) {
+  std::uint32_t r;
+  asm("max.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+__device__ __forceinline__ float bf16_lo(std::uint32_t w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_hi(std::uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
+
+// Sum of 2^(pos & 31) over the codes k whose bit position CB*k starts in word i: the multiplier
+// that turns one per-lane constant into the constant part of every packed field of that word.
+__host__ __device__ constexpr std::uint32_t word_mult(int cb, int i) {
+  std::uint32_t m = 0;
+  for (int k = 0; k < 16; ++k)
+    if ((cb * k) >> 5 == i) m += 1u << ((cb * k) & 31);
+  return m;
+}
+
+// Packs 16 codes given as t[k] with code = t[k] + zc (mod 2^32), code in [0, 2^CB), LSB first.
+template <int CB>
+__device__ __forceinline__ void pack16(const std::uint32_t (&t)[16], std::uint32_t zc, std::uint32_t (&w)[(16 * CB + 31) / 32]) {
+  constexpr int NW = (16 * CB + 31) / 32;
+#pragma unroll
+  for (int i = 0; i < NW; ++i) w[i] = zc * word_mult(CB, i);
+#pragma unroll
+  for (int k = 0; k < 16; ++k) {
+    constexpr int b = CB;
+    const int pos = b * k, i = pos >> 5, o = pos & 31;
+    w[i] += t[k] << o;  // bits above the field wrap out of the word (mod 2^32) or cancel with the constant
+    if (o + b > 32) w[i + 1] += (t[k] + zc) >> (32 - o);
+  }
+}
+
 template <int CB, int RB>
-__global__ void __launch_bounds__(256) mla_store_kernel(MlaStoreParams p) {
+__global__ void __launch_bounds__(256) mla_store_kernel(MlaStoreParams p, int tok_shift) {
   const int lane = threadIdx.x & 31;
   const int t = blockIdx.x * 8 + (threadIdx.x >> 5);
   if (t >= p.n_tokens) return;
@@ -42,8 +94,9 @@ __global__ void __launch_bounds__(256) mla_store_kernel(MlaStoreParams p) {
   }
   if (slot < 0) return;
   const PageLayout& pg = p.fmt.page;
-  std::uint8_t* page = p.pool + static_cast<std::uint64_t>(slot / pg.tokens) * pg.page_bytes;
-  const int off = static_cast<int>(slot % pg.tokens);
+  const std::uint64_t pid = tok_shift >= 0 ? static_cast<std::uint64_t>(slot >> tok_shift) : static_cast<std::uint64_t>(slot / pg.tokens);
+  const int off = tok_shift >= 0 ? static_cast<int>(slot & ((1 << tok_shift) - 1)) : static_cast<int>(slot % pg.tokens);
+  std::uint8_t* page = p.pool + pid * pg.page_bytes;
   std::uint8_t* kc = page + pg.key_code(0, off);
   std::uint8_t* vc = page + pg.value_code(0, off);
 
@@ -54,73 +107,65 @@ __global__ void __launch_bounds__(256) mla_store_kernel(MlaStoreParams p) {
   } else {
     std::uint8_t* meta = page + pg.key_meta(0, off);
     // Content: lane holds dims [16 lane, 16 lane + 16); lanes 4g..4g+3 form group g.
-    float x[16];
     const std::uint32_t w[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+    std::uint32_t mn = bmin2(w[0], w[1]), mx = bmax2(w[0], w[1]);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      x[2 * i] = bf16_to_float(static_cast<std::uint16_t>(w[i] & 0xffffu));
-      x[2 * i + 1] = bf16_to_float(static_cast<std::uint16_t>(w[i] >> 16));
+    for (int i = 2; i < 8; ++i) {
+      mn = bmin2(mn, w[i]);
+      mx = bmax2(mx, w[i]);
     }
-    float lo = x[0], hi = x[0];
+    // (min, -max) of the lane in one bf16 pair, then over the group's 4 lanes.
+    std::uint32_t mm = bmin2(__byte_perm(mn, mx ^ 0x80008000u, 0x5410), __byte_perm(mn, mx ^ 0x80008000u, 0x7632));
 #pragma unroll
-    for (int i = 1; i < 16; ++i) {
-      lo = fminf(lo, x[i]);
-      hi = fmaxf(hi, x[i]);
-    }
-#pragma unroll
-    for (int o = 1; o <= 2; o <<= 1) {
-      lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, o));
-      hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, o));
-    }
+    for (int o = 1; o <= 2; o <<= 1) mm = bmin2(mm, __shfl_xor_sync(0xffffffffu, mm, o));
+    const float lo = bf16_lo(mm), hi = -bf16_hi(mm);
     constexpr float mf = static_cast<float>((1 << CB) - 1);
     float s = round_bf16(__fdiv_rn(hi - lo, mf));
     if (!(s >= FLT_MIN)) s = FLT_MIN;
     const float z = clampf_ref(rintf(__fdiv_rn(-lo, s)), 0.0f, mf);
-    std::uint32_t q[16];
+    const std::uint32_t zi = static_cast<std::uint32_t>(z);
+    const float y = __frcp_rn(s);
+    const bool fast = s >= 0x1p-80f && __fmul_rn(fmaxf(fabsf(lo), fabsf(hi)), y) < 0x1p60f;
+    std::uint32_t tq[16];
+    std::uint32_t zc;
+    if (fast) {
+      const float nz = -z, mz = mf - z;
 #pragma unroll
-    for (int i = 0; i < 16; ++i) q[i] = static_cast<std::uint32_t>(clampf_ref(rintf(__fdiv_rn(x[i], s)) + z, 0.0f, mf));
-    if constexpr (CB == 8) {
-      uint4 v;
-      v.x = q[0] | q[1] << 8 | q[2] << 16 | q[3] << 24;
-      v.y = q[4] | q[5] << 8 | q[6] << 16 | q[7] << 24;
-      v.z = q[8] | q[9] << 8 | q[10] << 16 | q[11] << 24;
-      v.w = q[12] | q[13] << 8 | q[14] << 16 | q[15] << 24;
-      reinterpret_cast<uint4*>(kc)[lane] = v;
-    } else if constexpr (CB == 4) {
-      uint2 v{0, 0};
+      for (int i = 0; i < 16; ++i) {
+        const float x = (i & 1) ? bf16_hi(w[i >> 1]) : bf16_lo(w[i >> 1]);
+        const float q0 = __fmul_rn(x, y);
+        const float q1 = __fmaf_rn(__fmaf_rn(-q0, s, x), y, q0);
+        tq[i] = __float_as_uint(__fadd_rn(fminf(fmaxf(q1, nz), mz), kRintMagic));
+      }
+      zc = zi - kRintMagicBits;
+    } else {
 #pragma unroll
-      for (int i = 0; i < 8; ++i) v.x |= q[i] << (4 * i);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) v.y |= q[8 + i] << (4 * i);
-      reinterpret_cast<uint2*>(kc)[lane] = v;
-    } else if constexpr (CB == 2) {
-      std::uint32_t v = 0;
-#pragma unroll
-      for (int i = 0; i < 16; ++i) v |= q[i] << (2 * i);
-      reinterpret_cast<std::uint32_t*>(kc)[lane] = v;
-    } else {  // 3 bits: 16 codes = 6 bytes at byte 6 lane
-      std::uint64_t v = 0;
-#pragma unroll
-      for (int i = 0; i < 16; ++i) v |= static_cast<std::uint64_t>(q[i]) << (3 * i);
-      std::uint16_t* d = reinterpret_cast<std::uint16_t*>(kc + 6 * lane);
-      d[0] = static_cast<std::uint16_t>(v);
-      d[1] = static_cast<std::uint16_t>(v >> 16);
-      d[2] = static_cast<std::uint16_t>(v >> 32);
+      for (int i = 0; i < 16; ++i) {
+        const float x = (i & 1) ? bf16_hi(w[i >> 1]) : bf16_lo(w[i >> 1]);
+        tq[i] = static_cast<std::uint32_t>(clampf_ref(rintf(__fdiv_rn(x, s)) + z, 0.0f, mf));
+      }
+      zc = 0;
     }
-    if ((lane & 3) == 0) {
-      const int g = lane >> 2;
-      reinterpret_cast<std::uint16_t*>(meta)[g] = float_to_bf16(s);
-      meta[16 + g] = static_cast<std::uint8_t>(z);
+    std::uint32_t pk[(16 * CB + 31) / 32];
+    pack16<CB>(tq, zc, pk);
+    if constexpr (CB == 8) {
+      reinterpret_cast<uint4*>(kc)[lane] = make_uint4(pk[0], pk[1], pk[2], pk[3]);
+    } else if constexpr (CB == 4) {
+      reinterpret_cast<uint2*>(kc)[lane] = make_uint2(pk[0], pk[1]);
+    } else if constexpr (CB == 2) {
+      reinterpret_cast<std::uint32_t*>(kc)[lane] = pk[0];
+    } else {  // 3 bits: 16 codes = 6 bytes at byte 6 lane
+      std::uint16_t* d = reinterpret_cast<std::uint16_t*>(kc + 6 * lane);
+      d[0] = static_cast<std::uint16_t>(pk[0]);
+      d[1] = static_cast<std::uint16_t>(pk[0] >> 16);
+      d[2] = static_cast<std::uint16_t>(pk[1]);
     }
     // RoPE key: lane holds dims 2 lane, 2 lane + 1; one group of 64, fp32 scale.
-    const float y0 = bf16_to_float(static_cast<std::uint16_t>(r01 & 0xffffu));
-    const float y1 = bf16_to_float(static_cast<std::uint16_t>(r01 >> 16));
-    float rlo = fminf(y0, y1), rhi = fmaxf(y0, y1);
+    std::uint32_t rm2 = bmin2(__byte_perm(r01, r01 ^ 0x80008000u, 0x7610), __byte_perm(r01, r01 ^ 0x80008000u, 0x5432));
 #pragma unroll
-    for (int o = 1; o <= 16; o <<= 1) {
-      rlo = fminf(rlo, __shfl_xor_sync(0xffffffffu, rlo, o));
-      rhi = fmaxf(rhi, __shfl_xor_sync(0xffffffffu, rhi, o));
-    }
+    for (int o = 1; o <= 16; o <<= 1) rm2 = bmin2(rm2, __shfl_xor_sync(0xffffffffu, rm2, o));
+    const float rlo = bf16_lo(rm2), rhi = -bf16_hi(rm2);
+    const float y0 = bf16_lo(r01), y1 = bf16_hi(r01);
     constexpr float rm = static_cast<float>((1 << RB) - 1);
     float rs = __fdiv_rn(rhi - rlo, rm);
     if (!(rs >= FLT_MIN)) rs = FLT_MIN;
@@ -129,17 +174,43 @@ __global__ void __launch_bounds__(256) mla_store_kernel(MlaStoreParams p) {
     const std::uint32_t q1 = static_cast<std::uint32_t>(clampf_ref(rintf(__fdiv_rn(y1, rs)) + rz, 0.0f, rm));
     if constexpr (RB == 8) reinterpret_cast<std::uint16_t*>(vc)[lane] = static_cast<std::uint16_t>(q0 | q1 << 8);
     else vc[lane] = static_cast<std::uint8_t>(q0 | q1 << 4);
-    if (lane == 0) {
-      *reinterpret_cast<float*>(meta + 24) = rs;
-      meta[28] = static_cast<std::uint8_t>(rz);
-      meta[29] = meta[30] = meta[31] = 0;
+    // Metadata record, one 32-bit word from each of 8 lanes (one store instruction):
+    // words 0-3 bf16 scales of groups (2i, 2i+1) from lanes 0, 8, 16, 24; words 4, 5 zero points
+    // of groups 0-3 / 4-7 from lanes 4, 20; word 6 the RoPE scale (lane 12), word 7 the RoPE zero
+    // point and three zero bytes (lane 28).
+    const std::uint32_t sb = float_to_bf16(s);
+    const std::uint32_t sb_next = __shfl_down_sync(0xffffffffu, sb, 4);
+    const int zb = lane & 16;
+    const std::uint32_t zw = __shfl_sync(0xffffffffu, zi, zb) | __shfl_sync(0xffffffffu, zi, zb + 4) << 8 |
+                             __shfl_sync(0xffffffffu, zi, zb + 8) << 16 | __shfl_sync(0xffffffffu, zi, zb + 12) << 24;
+    if ((lane & 3) == 0) {
+      const int idx = lane >> 2;
+      int word;
+      std::uint32_t v;
+      if ((idx & 1) == 0) {
+        word = idx >> 1;
+        v = sb | sb_next << 16;
+      } else if (idx == 1 || idx == 5) {
+        word = 4 + (idx >> 2);
+        v = zw;
+      } else if (idx == 3) {
+        word = 6;
+        v = __float_as_uint(rs);
+      } else {
+        word = 7;
+        v = static_cast<std::uint32_t>(rz);
+      }
+      reinterpret_cast<std::uint32_t*>(meta)[word] = v;
     }
   }
 }
 
 template <int CB, int RB>
 cudaError_t launch_store(const MlaStoreParams& p, cudaStream_t st) {
-  mla_store_kernel<CB, RB><<<(p.n_tokens + 7) / 8, 256, 0, st>>>(p);
+  int shift = -1;  // page.tokens as a shift when it is a power of two (64)
+  for (int s = 0; s < 31; ++s)
+    if (p.fmt.page.tokens == (1 << s)) shift = s;
+  mla_store_kernel<CB, RB><<<(p.n_tokens + 7) / 8, 256, 0, st>>>(p, shift);
   return cudaGetLastError();
 }
 

@@ -6,9 +6,10 @@
 // operation; this file is compiled with --fmad=false so that no product is contracted into an
 // FMA, and codes match the CPU bit for bit except where a double-precision sum of squares added
 // in another order rounds differently (tests/cuda/test_decode.cpp counts those records).
-// Two kernels: the fast one (head_dim 64/128/256, one segment or two equal halves; 16 elements
-// per lane, several vectors per warp) and the generic one (one warp per (token, KV head), any
-// supported shape).
+// Three kernels: a coalesced copy for the bf16 cache; the fast one (head_dim 64/128/256, the core
+// grid's formats, instantiated per format; 32 elements per lane, several vectors per warp; the
+// exact shortcuts it takes are explained where they are used) and the generic one (one warp per
+// (token, KV head), any supported shape).
 #include <algorithm>
 #include <cfloat>
 #include <cstdint>
@@ -278,41 +279,51 @@ __global__ void __launch_bounds__(kStoreWarps * 32) store_generic_kernel(const S
 
 
 // ---- fast path ---------------------------------------------------------------------------
-// head_dim 64 / 128 / 256, one segment or two equal power-of-two segments. A vector (one side
-// of one (token, KV head)) is held by P = head_dim / 16 lanes, 16 consecutive elements each
-// (segment-order position 16 l + k), so a warp works on 32 / P vectors at once: the FWHT
-// stages h = 1..8 run inside a lane and only h >= 16 cross lanes; the sums of squares, the
-// bucketization and the packing (2 * bits bytes per lane) need no shared memory. Buckets come
-// from a table of bins over y * s (s = 1.25 / smallest gap of the midpoints, so no bin holds
-// two midpoints): bin k stores the number of midpoints in bins below k and the midpoint inside
-// k (or +inf), and the bucket is base + (mid < y) — the count of midpoints strictly below y,
-// exactly kvq::bucketize, because the bin index is a monotone function of y computed the same
-// way for y and for the midpoints. Same operations otherwise as the generic kernel above.
+// head_dim 64 / 128 / 256, one segment or two equal power-of-two segments, TurboQuant codes of
+// at most 4 bits. A vector (one side of one (token, KV head)) is held by P = head_dim / 32 lanes,
+// 32 consecutive segment-order elements each (position 32 l + k), so a warp works on 32 / P
+// vectors at once: the FWHT stages h = 1..16 run inside a lane and only h >= 32 cross lanes;
+// the sums of squares, the bucketization and the packing (4 * bits bytes per lane) need no shared
+// memory. Buckets come from a table of bins over y: bin(y) = floor(sat(y a + b) n) (a saturating
+// FMA and a round-down FMA with 1.5 * 2^23), with n large enough that no bin holds two midpoints;
+// bin k stores the number `base` of midpoints in bins below k, and the bucket is
+// base + (mid[base] < y): mid[base] is the midpoint inside the bin if there is one, else the next
+// one above (> y), or +inf -- the count of midpoints strictly below y, exactly kvq::bucketize,
+// because the bin is a monotone function computed the same way for y and for the midpoints.
+// Both lookups and the squared centroid of the norm correction hit tables of at most 16 words or
+// doubles, so random codes never conflict on a bank. Uniform values divide without a division per
+// element: q = RN((x - lo) / s) by Markstein's two remainder corrections from RN(1/s), which is
+// the correctly rounded quotient. Same operations otherwise as the generic kernel above.
 constexpr int kFastThreads = 256;
-constexpr int kMaxBins = 512;
-constexpr float kFloorMagic = 12582912.0f;  // 1.5 * 2^23: fl_down(t + magic) holds floor(t) in its low bits
+constexpr int kLaneElems = 32;
+constexpr int kMaxBins = 256;
+constexpr float kFloorMagic = 12582912.0f;  // 1.5 * 2^23: fl_down(t + magic) = magic + floor(t), 0 <= t < 2^22
+constexpr std::uint32_t kMagicBits = 0x4B400000u;
 
 struct StoreTables {
-  float2 bins[4][kMaxBins];  // [key seg 0, key seg 1, value seg 0, value seg 1]: {midpoint or +inf, base (int bits)}
-  double csq[4][kMaxCodebook];  // squared centroids, for the norm correction
-  float edges[4][kMaxCodebook];
-  float scale[4];
-  int half[4];
+  std::uint8_t base[4][kMaxBins];  // [key seg 0, key seg 1, value seg 0, value seg 1]: midpoints in lower bins
+  float edges[4][16];              // midpoints, +inf after the last
+  double csq[4][16];               // squared centroids (norm correction); 16 doubles: any 16 lanes, no bank conflict
+  float ba[4], bb[4], bn[4];       // bin(y) = floor(sat(y * ba + bb) * bn)
   int ok[4];
 };
 
-__device__ __forceinline__ int bin_of(float y, float s, int half) {
-  const float t = fminf(fmaxf(y * s, -static_cast<float>(half)), static_cast<float>(half - 1));
-  return __float_as_int(__fadd_rd(t, kFloorMagic)) - 0x4B400000 + half;
+__device__ __forceinline__ float fma_sat(float a, float b, float c) {
+  float r;
+  asm("fma.rn.sat.f32 %0, %1, %2, %3;" : "=f"(r) : "f"(a), "f"(b), "f"(c));
+  return r;
+}
+__device__ __forceinline__ int bin_of(float y, float a, float b, float n) {
+  return __float_as_int(__fmaf_rd(fma_sat(y, a, b), n, kFloorMagic)) - static_cast<int>(kMagicBits);
 }
 
-// Warp-wide: table t from a codebook with `bits` bits.
+// Warp-wide: table t from a codebook with `bits` (1..4) bits.
 __device__ void build_store_table(StoreTables& T, int t, const float* __restrict__ edges_g,
                                   const float* __restrict__ cent_g, int bits, int lane) {
   const int ne = (1 << bits) - 1, nc = 1 << bits;
-  for (int i = lane; i < ne; i += 32) T.edges[t][i] = edges_g[i];
-  for (int i = lane; i < nc; i += 32) {
-    const double c = cent_g[i];
+  for (int i = lane; i < 16; i += 32) {
+    T.edges[t][i] = i < ne ? edges_g[i] : INFINITY;
+    const double c = i < nc ? cent_g[i] : 0.0;
     T.csq[t][i] = c * c;
   }
   __syncwarp();
@@ -325,32 +336,37 @@ __device__ void build_store_table(StoreTables& T, int t, const float* __restrict
     gap = fminf(gap, __shfl_xor_sync(0xffffffffu, gap, o));
     emax = fmaxf(emax, __shfl_xor_sync(0xffffffffu, emax, o));
   }
-  if (ne == 1) gap = 1.0f;
-  const float s = 1.25f / gap;
-  const float hf = ceilf(emax * s) + 2.0f;
-  bool ok = gap > 0.0f && emax < INFINITY && hf <= static_cast<float>(kMaxBins / 2);
-  const int half = ok ? static_cast<int>(hf) : 1;
-  bool bad = false;
+  const float R = emax * 1.0625f + 1e-30f;
+  if (ne == 1) gap = R;
+  bool ok = gap > 0.0f && R < 1e30f;
+  float n = ok ? fmaxf(2.0f, ceilf(2.0f * R / gap * 1.25f)) : 0.0f;
+  const float a = 0.5f / R, b = 0.5f;
+  for (int attempt = 0; ok; ++attempt) {
+    if (!(n <= static_cast<float>(kMaxBins - 1)) || attempt > 8) {
+      ok = false;
+      break;
+    }
+    bool bad = false;
+    for (int i = lane; i < ne; i += 32) {
+      const int bi = bin_of(T.edges[t][i], a, b, n);
+      for (int j = 0; j < ne; ++j)
+        if (j != i && bin_of(T.edges[t][j], a, b, n) == bi) bad = true;
+    }
+    if (!__any_sync(0xffffffffu, bad)) break;
+    n = ceilf(n * 1.5f);
+  }
   if (ok) {
-    for (int k = lane; k < 2 * half; k += 32) {
-      int base = 0, inside = 0;
-      float e = INFINITY;
-      for (int i = 0; i < ne; ++i) {
-        const int bi = bin_of(T.edges[t][i], s, half);
-        if (bi < k) ++base;
-        if (bi == k) {
-          ++inside;
-          e = T.edges[t][i];
-        }
-      }
-      bad |= inside > 1;
-      T.bins[t][k] = make_float2(e, __int_as_float(base));
+    for (int k = lane; k <= static_cast<int>(n); k += 32) {
+      int base = 0;
+      for (int i = 0; i < ne; ++i)
+        if (bin_of(T.edges[t][i], a, b, n) < k) ++base;
+      T.base[t][k] = static_cast<std::uint8_t>(base);
     }
   }
-  ok = ok && !__any_sync(0xffffffffu, bad);
   if (lane == 0) {
-    T.scale[t] = s;
-    T.half[t] = half;
+    T.ba[t] = a;
+    T.bb[t] = b;
+    T.bn[t] = n;
     T.ok[t] = ok ? 1 : 0;
   }
 }
@@ -361,116 +377,226 @@ __device__ __forceinline__ std::uint16_t fp16_bits(float v) {
   return v != v ? float_to_fp16(v) : __half_as_ushort(__float2half_rn(v));
 }
 
+__host__ __device__ constexpr std::uint32_t word_mult(int b, int i) {
+  std::uint32_t m = 0;
+  for (int k = 0; k < kLaneElems; ++k)
+    if ((b * k) >> 5 == i) m += 1u << ((b * k) & 31);
+  return m;
+}
+
+// Packs 32 codes of B bits, code k = t[k] + zc (mod 2^32), LSB first into B words, and stores
+// them (4 B bytes, 4-byte aligned destination).
 template <int B>
-__device__ __forceinline__ void pack_store16(const int (&c)[16], std::uint8_t* dst) {
-  std::uint32_t w[4] = {0, 0, 0, 0};
+__device__ __forceinline__ void pack_store32(const std::uint32_t (&t)[kLaneElems], std::uint32_t zc, std::uint8_t* dst,
+                                             bool write) {
+  std::uint32_t w[B];
 #pragma unroll
-  for (int k = 0; k < 16; ++k) {
-    constexpr int b = B;
-    const int pos = k * b, i = pos >> 5, o = pos & 31;
-    w[i] |= static_cast<std::uint32_t>(c[k]) << o;
-    if (o + b > 32) w[i + 1] |= static_cast<std::uint32_t>(c[k]) >> (32 - o);
+  for (int i = 0; i < B; ++i) w[i] = zc * word_mult(B, i);
+#pragma unroll
+  for (int k = 0; k < kLaneElems; ++k) {
+    const int pos = B * k, i = pos >> 5, o = pos & 31;
+    w[i] += t[k] << o;  // bits above the field wrap out of the word or cancel with the constant
+    if (o + B > 32) w[i + 1] += (t[k] + zc) >> (32 - o);
   }
+  if (!write) return;
   const std::uintptr_t a = reinterpret_cast<std::uintptr_t>(dst);
-  if constexpr (B == 2) {
-    if ((a & 3) == 0) {
-      *reinterpret_cast<std::uint32_t*>(dst) = w[0];
-      return;
-    }
-  } else if constexpr (B == 4) {
-    if ((a & 7) == 0) {
-      *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
-      return;
-    }
-  } else if constexpr (B == 8) {
+  if constexpr (B % 4 == 0) {
     if ((a & 15) == 0) {
-      *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+#pragma unroll
+      for (int i = 0; i < B; i += 4) reinterpret_cast<uint4*>(dst)[i / 4] = make_uint4(w[i], w[i + 1], w[i + 2], w[i + 3]);
+      return;
+    }
+  } else if constexpr (B % 2 == 0) {
+    if ((a & 7) == 0) {
+#pragma unroll
+      for (int i = 0; i < B; i += 2) reinterpret_cast<uint2*>(dst)[i / 2] = make_uint2(w[i], w[i + 1]);
       return;
     }
   }
 #pragma unroll
-  for (int j = 0; j < B; ++j)
-    reinterpret_cast<std::uint16_t*>(dst)[j] = static_cast<std::uint16_t>(w[j >> 1] >> (16 * (j & 1)));
+  for (int i = 0; i < B; ++i) reinterpret_cast<std::uint32_t*>(dst)[i] = w[i];
 }
 
-__device__ __forceinline__ void pack_store16_bits(int bits, const int (&c)[16], std::uint8_t* dst) {
-  switch (bits) {
-    case 1: pack_store16<1>(c, dst); break;
-    case 2: pack_store16<2>(c, dst); break;
-    case 3: pack_store16<3>(c, dst); break;
-    case 4: pack_store16<4>(c, dst); break;
-    case 5: pack_store16<5>(c, dst); break;
-    case 6: pack_store16<6>(c, dst); break;
-    case 7: pack_store16<7>(c, dst); break;
-    default: pack_store16<8>(c, dst); break;
-  }
-}
-
-// 16 bf16 elements (32 bytes) as 8 words.
-struct Raw16 {
-  uint4 a, b;
+// 32 bf16 elements (64 bytes) as 16 words.
+struct Raw32 {
+  uint4 q[4];
 };
-__device__ __forceinline__ Raw16 load_raw16(const std::uint16_t* p) {
-  const uint4* q = reinterpret_cast<const uint4*>(p);
-  return Raw16{__ldg(q), __ldg(q + 1)};
+__device__ __forceinline__ Raw32 load_raw32(const std::uint16_t* p) {
+  const uint4* s = reinterpret_cast<const uint4*>(p);
+  return Raw32{{__ldg(s), __ldg(s + 1), __ldg(s + 2), __ldg(s + 3)}};
 }
-__device__ __forceinline__ void unpack_raw16(const Raw16& r, float (&x)[16]) {
-  const std::uint32_t w[8] = {r.a.x, r.a.y, r.a.z, r.a.w, r.b.x, r.b.y, r.b.z, r.b.w};
+__device__ __forceinline__ std::uint32_t raw_word(const Raw32& r, int j) {
+  const uint4& q = r.q[j >> 2];
+  return (j & 3) == 0 ? q.x : (j & 3) == 1 ? q.y : (j & 3) == 2 ? q.z : q.w;
+}
+__device__ __forceinline__ void unpack_raw32(const Raw32& r, float (&x)[kLaneElems]) {
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    x[2 * j] = __uint_as_float(w[j] << 16);
-    x[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
+  for (int j = 0; j < kLaneElems / 2; ++j) {
+    const std::uint32_t w = raw_word(r, j);
+    x[2 * j] = __uint_as_float(w << 16);
+    x[2 * j + 1] = __uint_as_float(w & 0xffff0000u);
+  }
+}
+__device__ __forceinline__ void store_raw32(const Raw32& r, std::uint8_t* dst) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) reinterpret_cast<uint4*>(dst)[i] = r.q[i];
+}
+
+// Elementwise min / max of bf16 pairs (exact: the order of bf16 values).
+__device__ __forceinline__ std::uint32_t bmin2(std::uint32_t a, std::uint32_t b) {
+  std::uint32_t r;
+  asm("min.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+__device__ __forceinline__ std::uint32_t bmax2(std::uint32_t a, std::uint32_t b) {
+  std::uint32_t r;
+  asm("max.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+
+// Sign diagonals as XOR masks in shared memory: word (side, head, pair j) has bit 15 set when
+// element 2 j is negated and bit 31 for element 2 j + 1 (one XOR per bf16 pair); 16-byte units
+// u = (side H + head) D / 8 + j / 4, stored at u ^ ((u >> 3) & 7) so that the 8 lanes of an
+// LDS.128 phase hit 8 different bank groups. Negating x before the product is exact: RN(-x / n) =
+// -RN(x / n).
+__device__ __forceinline__ int mask_unit(int side, int head, int H, int D8, int unit) {
+  const int u = (side * H + head) * D8 + unit;
+  return u ^ ((u >> 3) & 7);
+}
+__device__ __forceinline__ void load_masks(const uint4* __restrict__ sm, int side, int head, int H, int D8, int l,
+                                           std::uint32_t (&m)[kLaneElems / 2]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint4 q = sm[mask_unit(side, head, H, D8, 4 * l + i)];
+    m[4 * i] = q.x;
+    m[4 * i + 1] = q.y;
+    m[4 * i + 2] = q.z;
+    m[4 * i + 3] = q.w;
+  }
+}
+// The lane's 32 elements with their signs: from the masks, or (no mask table) by the float signs.
+__device__ __forceinline__ void unpack_signed32(const Raw32& r, const uint4* sm, bool use_masks, int side, int head, int H,
+                                                int D8, int l, const float* __restrict__ signs, float (&x)[kLaneElems]) {
+  if (use_masks) {
+    std::uint32_t m[kLaneElems / 2];
+    load_masks(sm, side, head, H, D8, l, m);
+#pragma unroll
+    for (int j = 0; j < kLaneElems / 2; ++j) {
+      const std::uint32_t w = raw_word(r, j) ^ m[j];
+      x[2 * j] = __uint_as_float(w << 16);
+      x[2 * j + 1] = __uint_as_float(w & 0xffff0000u);
+    }
+  } else {
+    unpack_raw32(r, x);
+    const float4* sp = reinterpret_cast<const float4*>(signs);
+#pragma unroll
+    for (int j = 0; j < kLaneElems / 4; ++j) {
+      const float4 s4 = __ldg(sp + j);
+      x[4 * j] *= s4.x;
+      x[4 * j + 1] *= s4.y;
+      x[4 * j + 2] *= s4.z;
+      x[4 * j + 3] *= s4.w;
+    }
+  }
+}
+__device__ __forceinline__ void apply_signs32(const uint4* sm, bool use_masks, int side, int head, int H, int D8, int l,
+                                              const float* __restrict__ signs, float (&x)[kLaneElems]) {
+  if (use_masks) {
+    std::uint32_t m[kLaneElems / 2];
+    load_masks(sm, side, head, H, D8, l, m);
+#pragma unroll
+    for (int j = 0; j < kLaneElems / 2; ++j) {
+      x[2 * j] = __uint_as_float(__float_as_uint(x[2 * j]) ^ ((m[j] << 16) & 0x80000000u));
+      x[2 * j + 1] = __uint_as_float(__float_as_uint(x[2 * j + 1]) ^ (m[j] & 0x80000000u));
+    }
+  } else {
+    const float4* sp = reinterpret_cast<const float4*>(signs);
+#pragma unroll
+    for (int j = 0; j < kLaneElems / 4; ++j) {
+      const float4 s4 = __ldg(sp + j);
+      x[4 * j] *= s4.x;
+      x[4 * j + 1] *= s4.y;
+      x[4 * j + 2] *= s4.z;
+      x[4 * j + 3] *= s4.w;
+    }
   }
 }
 
-// Outlier split: the lane's 16 segment-order elements x[k] = row[perm[k]], gathered from the
-// warp's rows staged in shared memory (row of vector g at [g * D], D = 16 P).
-__device__ __forceinline__ void gather16(const Raw16& r, const std::int32_t* __restrict__ perm, std::uint16_t* buf,
-                                         int lane, int P, float (&x)[16]) {
+// Outlier split: the lane's 32 segment-order elements x[k] = row[perm[k]], gathered from the
+// warp's rows staged in shared memory (row of vector g at [g * D], D = 32 P). The channel order
+// comes from a shared-memory copy (u16 channels, `sperm`: [side][head][D], 64 bytes per lane) when
+// the launcher gave the space, else from global memory.
+__device__ __forceinline__ void gather32(const Raw32& r, const std::int32_t* __restrict__ perm, const std::uint16_t* sperm,
+                                         std::uint16_t* buf, int lane, int P, float (&x)[kLaneElems]) {
   __syncwarp();
-  reinterpret_cast<uint4*>(buf)[2 * lane] = r.a;
-  reinterpret_cast<uint4*>(buf)[2 * lane + 1] = r.b;
-  __syncwarp();
-  const std::uint16_t* row = buf + (lane / P) * (16 * P);
-  const int4* pp = reinterpret_cast<const int4*>(perm);
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int4 q4 = __ldg(pp + j);
-    x[4 * j] = bf16_bits_to_float(row[q4.x]);
-    x[4 * j + 1] = bf16_bits_to_float(row[q4.y]);
-    x[4 * j + 2] = bf16_bits_to_float(row[q4.z]);
-    x[4 * j + 3] = bf16_bits_to_float(row[q4.w]);
+  for (int i = 0; i < 4; ++i) reinterpret_cast<uint4*>(buf)[4 * lane + i] = r.q[i];
+  __syncwarp();
+  const std::uint16_t* row = buf + (lane / P) * (kLaneElems * P);
+  if (sperm) {
+    const uint4* pp = reinterpret_cast<const uint4*>(sperm);
+#pragma unroll
+    for (int j = 0; j < kLaneElems / 8; ++j) {
+      const uint4 q = pp[j];
+      const std::uint32_t wv[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        x[8 * j + 2 * i] = bf16_bits_to_float(row[wv[i] & 0xffffu]);
+        x[8 * j + 2 * i + 1] = bf16_bits_to_float(row[wv[i] >> 16]);
+      }
+    }
+  } else {
+    const int4* pp = reinterpret_cast<const int4*>(perm);
+#pragma unroll
+    for (int j = 0; j < kLaneElems / 4; ++j) {
+      const int4 q4 = __ldg(pp + j);
+      x[4 * j] = bf16_bits_to_float(row[q4.x]);
+      x[4 * j + 1] = bf16_bits_to_float(row[q4.y]);
+      x[4 * j + 2] = bf16_bits_to_float(row[q4.z]);
+      x[4 * j + 3] = bf16_bits_to_float(row[q4.w]);
+    }
   }
 }
 
-// TurboQuant of one side of P-lane vectors (lane l of its vector, segment size S = 16 PS).
-// Returns the fp16 bits of the stored norm of this lane's segment.
-template <int PS>
-__device__ __forceinline__ std::uint16_t tq_encode16(const StoreTables& T, int t, float (&v)[16],
-                                                     const float* __restrict__ signs, int bits, std::uint8_t* dst,
-                                                     bool write, int l) {
-  double ss = 0;
+// TurboQuant of one side of P-lane vectors (lane ls of its segment of PS lanes, segment size
+// 32 PS). Packs and stores this lane's codes; returns the segment's norm and the norm-correction
+// sum of squared centroids (both the same in every lane of the segment).
+// Format of the fast kernel, fixed at compile time (the launcher dispatches on the FormatDesc):
+// key / value kinds, segments and bits per segment. No branch in the kernel depends on the format,
+// so every shuffle runs in straight-line code.
+template <KeyCode KK_, ValueCode VK_, int NSEG_, int KB0_, int KB1_, int VB0_, int VB1_>
+struct FastFmt {
+  static constexpr KeyCode KK = KK_;
+  static constexpr ValueCode VK = VK_;
+  static constexpr int NSEG = NSEG_, KB0 = KB0_, KB1 = KB1_, VB0 = VB0_, VB1 = VB1_;
+  static constexpr int KMU = KK == KeyCode::kTq ? NSEG : 0;  // 16-bit metadata units
+  static constexpr int VMU = VK == ValueCode::kTq ? NSEG : (VK == ValueCode::kUniform ? 2 : 0);
+};
+
+// TurboQuant of one side of P-lane vectors (lane ls of its segment of PS lanes, segment size
+// 32 PS; bits B0 for segment 0, B1 for segment 1), the sign diagonal already applied to v. Packs this lane's codes (store predicated on
+// `write`); returns the segment's norm and the norm-correction sum of squared centroids (the
+// same in every lane of the segment).
+template <int PS, int B0, int B1>
+__device__ __forceinline__ void tq_encode32(const StoreTables& T, int t, int sg, float (&v)[kLaneElems], std::uint8_t* dst,
+                                            bool write, int ls, float& norm_out, double& c2_out) {
+  double s4[4] = {0, 0, 0, 0};
 #pragma unroll
-  for (int k = 0; k < 16; ++k) ss += static_cast<double>(v[k]) * static_cast<double>(v[k]);
+  for (int k = 0; k < kLaneElems; ++k) {
+    const double d = v[k];
+    s4[k & 3] = __fma_rn(d, d, s4[k & 3]);  // d * d is exact: the same rounding as s + d * d
+  }
+  double ss = (s4[0] + s4[1]) + (s4[2] + s4[3]);
 #pragma unroll
   for (int o = 1; o < PS; o <<= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
   const float norm = static_cast<float>(sqrt(ss));
   const float inv = norm > 0 ? 1.0f / norm : 0.0f;
-  {
-    const float4* sp = reinterpret_cast<const float4*>(signs);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float4 s4 = __ldg(sp + j);
-      v[4 * j] = (v[4 * j] * inv) * s4.x;
-      v[4 * j + 1] = (v[4 * j + 1] * inv) * s4.y;
-      v[4 * j + 2] = (v[4 * j + 2] * inv) * s4.z;
-      v[4 * j + 3] = (v[4 * j + 3] * inv) * s4.w;
-    }
-  }
+  for (int k = 0; k < kLaneElems; ++k) v[k] = v[k] * inv;  // signs already applied: RN(s x inv) = s RN(x inv)
 #pragma unroll
-  for (int h = 1; h < 16; h <<= 1) {
+  for (int h = 1; h < kLaneElems; h <<= 1) {
 #pragma unroll
-    for (int k = 0; k < 16; ++k) {
+    for (int k = 0; k < kLaneElems; ++k) {
       if ((k & h) == 0) {
         const float a = v[k], b = v[k + h];
         v[k] = a + b;
@@ -482,31 +608,31 @@ __device__ __forceinline__ std::uint16_t tq_encode16(const StoreTables& T, int t
   // so this is the same single rounding as the sum or difference.
 #pragma unroll
   for (int m = 1; m < PS; m <<= 1) {
-    const float sgn = (l & m) == 0 ? 1.0f : -1.0f;
+    const float sgn = (ls & m) == 0 ? 1.0f : -1.0f;
 #pragma unroll
-    for (int k = 0; k < 16; ++k) {
+    for (int k = 0; k < kLaneElems; ++k) {
       const float o = __shfl_xor_sync(0xffffffffu, v[k], m);
       v[k] = __fmaf_rn(v[k], sgn, o);
     }
   }
-  const float sc = static_cast<float>(1.0 / sqrt(static_cast<double>(16 * PS)));
-  int c[16];
-  double c2 = 0;
+  const float sc = static_cast<float>(1.0 / sqrt(static_cast<double>(kLaneElems * PS)));
+  std::uint32_t c[kLaneElems];
   if (T.ok[t]) {
-    const float s = T.scale[t];
-    const int half = T.half[t];
+    const float ba = T.ba[t], bb = T.bb[t], bn = T.bn[t];
+    const std::uint8_t* bins = T.base[t];
+    const float* mids = T.edges[t];
 #pragma unroll
-    for (int k = 0; k < 16; ++k) {
+    for (int k = 0; k < kLaneElems; ++k) {
       const float y = v[k] * sc;
-      const float2 bn = T.bins[t][bin_of(y, s, half)];
-      c[k] = __float_as_int(bn.y) + (bn.x < y ? 1 : 0);
-      c2 += T.csq[t][c[k]];
+      const int b = bins[bin_of(y, ba, bb, bn)];
+      c[k] = static_cast<std::uint32_t>(b + (mids[b] < y ? 1 : 0));
     }
   } else {
+    const int ne = (1 << (sg ? B1 : B0)) - 1;
 #pragma unroll
-    for (int k = 0; k < 16; ++k) {
+    for (int k = 0; k < kLaneElems; ++k) {
       const float y = v[k] * sc;
-      int lo = 0, n = (1 << bits) - 1;
+      int lo = 0, n = ne;
       while (n > 0) {
         const int hf = n >> 1;
         if (T.edges[t][lo + hf] < y) {
@@ -516,213 +642,365 @@ __device__ __forceinline__ std::uint16_t tq_encode16(const StoreTables& T, int t
           n = hf;
         }
       }
-      c[k] = lo;
+      c[k] = static_cast<std::uint32_t>(lo);
     }
-#pragma unroll
-    for (int k = 0; k < 16; ++k) c2 += T.csq[t][c[k]];
   }
+  double c4[4] = {0, 0, 0, 0};
+  {
+    const double* cs = T.csq[t];
+#pragma unroll
+    for (int k = 0; k < kLaneElems; ++k) c4[k & 3] += cs[c[k]];
+  }
+  double c2 = (c4[0] + c4[1]) + (c4[2] + c4[3]);
 #pragma unroll
   for (int o = 1; o < PS; o <<= 1) c2 += __shfl_xor_sync(0xffffffffu, c2, o);
-  if (write) pack_store16_bits(bits, c, dst);
-  const float stored = norm > 0 ? static_cast<float>(static_cast<double>(norm) / sqrt(c2)) : norm;
-  return fp16_bits(stored);
+  if (B0 == B1 || sg == 0) pack_store32<B0>(c, 0u, dst, write);
+  else pack_store32<B1>(c, 0u, dst, write);
+  norm_out = norm;
+  c2_out = c2;
 }
 
-template <int D>
-__global__ void __launch_bounds__(kFastThreads) store_fast_kernel(const StoreParams p, long nwarps) {
+template <int D, class F>
+__global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const StoreParams p, int tok_shift, bool use_masks) {
   __shared__ StoreTables T;
-  __shared__ __align__(16) std::uint16_t rows[kFastThreads / 32][32 * 16];  // split formats: staged rows
-  constexpr int P = D / 16, V = 32 / P;
+  __shared__ __align__(16) std::uint16_t rows[F::NSEG == 2 ? kFastThreads / 32 : 1][32 * kLaneElems];  // split: staged rows
+  extern __shared__ uint4 smask[];  // sign masks (4 H D bytes), when the launcher gives the space
+  constexpr int P = D / kLaneElems, V = 32 / P, NSEG = F::NSEG, PS = NSEG == 2 ? P / 2 : P;
+  constexpr bool KTQ = F::KK == KeyCode::kTq, VTQ = F::VK == ValueCode::kTq;
   const FormatDesc& f = p.fmt;
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int l = lane & (P - 1), gbase = lane & ~(P - 1);
-  const int nseg = f.segments;
   if (w < 4) {
     const int side = w >> 1, seg = w & 1;
-    const bool tq = side == 0 ? f.key == KeyCode::kTq : f.value == ValueCode::kTq;
-    if (tq && seg < nseg)
+    const bool tq = side == 0 ? KTQ : VTQ;
+    if (tq && seg < NSEG)
       build_store_table(T, w, (side ? f.value_edges : f.key_edges) + seg * kMaxCodebook,
                         (side ? f.value_centroids : f.key_centroids) + seg * kMaxCodebook,
-                        side ? f.value_bits[seg] : f.key_bits[seg], lane);
+                        side ? (seg ? F::VB1 : F::VB0) : (seg ? F::KB1 : F::KB0), lane);
+  }
+  const int H = f.kv_heads;
+  constexpr int D8 = D / 8;
+  std::uint16_t* sperm = nullptr;  // split formats: channel order [side][head][D] after the masks
+  if (NSEG == 2 && use_masks) {
+    sperm = reinterpret_cast<std::uint16_t*>(smask) + 2 * H * D;
+    for (int i = threadIdx.x; i < 2 * H * D; i += kFastThreads)
+      sperm[i] = static_cast<std::uint16_t>((i < H * D ? f.key_perm : f.value_perm)[i < H * D ? i : i - H * D]);
+  }
+  if (use_masks) {
+    std::uint32_t* mw = reinterpret_cast<std::uint32_t*>(smask);
+    for (int i = threadIdx.x; i < 2 * H * (D / 2); i += kFastThreads) {
+      const int side = i / (H * (D / 2)), rem = i % (H * (D / 2)), head = rem / (D / 2), j = rem % (D / 2);
+      if (side == 0 ? !KTQ : !VTQ) continue;
+      const float* sg2 = (side ? f.value_signs : f.key_signs) + static_cast<std::size_t>(head) * D + 2 * j;
+      mw[4 * mask_unit(side, head, H, D8, j >> 2) + (j & 3)] =
+          ((__float_as_uint(sg2[0]) >> 16) & 0x8000u) | (__float_as_uint(sg2[1]) & 0x80000000u);
+    }
   }
   __syncthreads();
-  const int H = f.kv_heads;
   const PageLayout& pg = f.page;
-  const long nvec = static_cast<long>(p.n_tokens) * H;
   const std::int64_t ks = p.key_token_stride ? p.key_token_stride : static_cast<std::int64_t>(H) * D;
   const std::int64_t vs = p.value_token_stride ? p.value_token_stride : static_cast<std::int64_t>(H) * D;
-  // Segment of this lane (two segments: D / 2 each).
-  const int PSv = nseg == 2 ? P / 2 : P;
-  const int sg = l / PSv, ls = l % PSv;
-  const int kmu = static_cast<int>(pg.key_meta_bytes / 2), vmu = static_cast<int>(pg.value_meta_bytes / 2);
+  const int sg = l / PS, ls = l % PS;  // segment of this lane (two segments: D / 2 each)
   const int mu = static_cast<int>(pg.meta_bytes / 2);
   const bool protect = p.protect_rows && p.positions && p.seq_ids;
+  constexpr std::uint32_t kseg1 = (D / 2) * F::KB0 / 8, vseg1 = (D / 2) * F::VB0 / 8;
+  const std::uint32_t kdst_off = (sg ? kseg1 : 0u) + 4u * static_cast<std::uint32_t>(sg ? F::KB1 : F::KB0) * ls;
+  const std::uint32_t vdst_off = (sg ? vseg1 : 0u) + 4u * static_cast<std::uint32_t>(sg ? F::VB1 : F::VB0) * ls;
 
-  for (long wg = static_cast<long>(blockIdx.x) * (kFastThreads / 32) + w; wg < nwarps;
-       wg += static_cast<long>(gridDim.x) * (kFastThreads / 32)) {
-    const long gv = wg * V + lane / P;
-    const bool valid = gv < nvec;
-    const int tok = valid ? static_cast<int>(gv / H) : 0, head = valid ? static_cast<int>(gv % H) : 0;
-    const std::int64_t slot = valid ? p.slot_mapping[tok] : -1;
+  // Vector gv = token * H + head, advanced by the whole grid's V * warps each iteration.
+  const long stride = static_cast<long>(gridDim.x) * (kFastThreads / 32) * V;
+  const int dtok = static_cast<int>(stride / H), dhead = static_cast<int>(stride % H);
+  const long wbase0 = (static_cast<long>(blockIdx.x) * (kFastThreads / 32) + w) * V;
+  const long gv0 = wbase0 + lane / P;
+  int tok = static_cast<int>(gv0 / H), head = static_cast<int>(gv0 % H);
+  const long nvec = static_cast<long>(p.n_tokens) * H;
+  for (long wb = wbase0; wb < nvec; wb += stride) {  // warp-uniform: every lane takes part in the shuffles
+    const bool valid = tok < p.n_tokens;
+    const int vt = valid ? tok : 0, vh = valid ? head : 0;
+    const std::int64_t slot = valid ? p.slot_mapping[vt] : -1;
     const bool write = slot >= 0;
-    const std::uint16_t* krow = p.key + tok * ks + static_cast<std::int64_t>(head) * D;
-    const std::uint16_t* vrow = p.value + tok * vs + static_cast<std::int64_t>(head) * D;
-    std::uint8_t* base = p.pool + (write ? static_cast<std::size_t>(slot / pg.tokens) * pg.page_bytes : 0);
-    const int off = write ? static_cast<int>(slot % pg.tokens) : 0;
-    std::uint8_t* kc = base + pg.key_code(head, off);
-    std::uint8_t* vc = base + pg.value_code(head, off);
-    std::uint8_t* meta = base + pg.key_meta(head, off);
-    const std::size_t hd = static_cast<std::size_t>(head) * D + 16 * l;
+    const std::uint16_t* krow = p.key + vt * ks + static_cast<std::int64_t>(vh) * D;
+    const std::uint16_t* vrow = p.value + vt * vs + static_cast<std::int64_t>(vh) * D;
+    const std::int64_t sl = write ? slot : 0;
+    const std::size_t page = tok_shift >= 0 ? static_cast<std::size_t>(sl >> tok_shift) : static_cast<std::size_t>(sl / pg.tokens);
+    const int off = tok_shift >= 0 ? static_cast<int>(sl & ((1 << tok_shift) - 1)) : static_cast<int>(sl % pg.tokens);
+    std::uint8_t* base = p.pool + page * pg.page_bytes;
+    std::uint8_t* kc = base + pg.key_code(vh, off);
+    std::uint8_t* vc = base + pg.value_code(vh, off);
+    std::uint8_t* meta = base + pg.key_meta(vh, off);
+    const std::size_t hd = static_cast<std::size_t>(vh) * D + kLaneElems * l;
 
-    Raw16 kr{}, vr{};
-    if (valid) kr = load_raw16(krow + 16 * l);
-    std::uint16_t ku[2] = {0, 0}, vu[2] = {0, 0};
+    Raw32 kr{}, vr{};
+    if (valid) {
+      kr = load_raw32(krow + kLaneElems * l);
+      vr = load_raw32(vrow + kLaneElems * l);
+    }
+    float knorm = 0, vnorm = 0, vs_scale = 0, vs_lo = 0;
+    double kc2 = 0, vc2 = 0;
     // ---- keys ----
-    if (f.key == KeyCode::kTq) {
-      float x[16];
-      if (nseg == 1) unpack_raw16(kr, x);
-      else gather16(kr, f.key_perm + hd, rows[w], lane, P, x);
-      const int bits = f.key_bits[sg];
-      std::uint8_t* dst = kc + (sg ? f.seg_dims[0] * f.key_bits[0] / 8 : 0) + 2 * bits * ls;
-      const std::uint16_t h = nseg == 2 ? tq_encode16<P / 2>(T, sg, x, f.key_signs + hd, bits, dst, write, l)
-                                        : tq_encode16<P>(T, 0, x, f.key_signs + hd, bits, dst, write, l);
-      ku[0] = static_cast<std::uint16_t>(__shfl_sync(0xffffffffu, h, gbase));
-      ku[1] = static_cast<std::uint16_t>(__shfl_sync(0xffffffffu, h, gbase + PSv));
-    } else if (f.key == KeyCode::kFp8) {
-      float x[16];
-      unpack_raw16(kr, x);
-      std::uint32_t o[4];
+    if constexpr (KTQ) {
+      float x[kLaneElems];
+      if constexpr (NSEG == 1) {
+        unpack_signed32(kr, smask, use_masks, 0, vh, H, D8, l, f.key_signs + hd, x);
+      } else {
+        gather32(kr, f.key_perm + hd, sperm ? sperm + hd : nullptr, rows[w], lane, P, x);
+        apply_signs32(smask, use_masks, 0, vh, H, D8, l, f.key_signs + hd, x);
+      }
+      tq_encode32<PS, F::KB0, F::KB1>(T, sg, sg, x, kc + kdst_off, write, ls, knorm, kc2);
+    } else {  // fp8 e4m3, saturating
+      std::uint32_t o[8];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const std::uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(x[4 * j], x[4 * j + 1]), __NV_SATFINITE, __NV_E4M3);
-        const std::uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(x[4 * j + 2], x[4 * j + 3]), __NV_SATFINITE, __NV_E4M3);
+      for (int j = 0; j < 8; ++j) {
+        const std::uint32_t w0 = raw_word(kr, 2 * j), w1 = raw_word(kr, 2 * j + 1);
+        const std::uint32_t lo =
+            __nv_cvt_float2_to_fp8x2(make_float2(__uint_as_float(w0 << 16), __uint_as_float(w0 & 0xffff0000u)), __NV_SATFINITE, __NV_E4M3);
+        const std::uint32_t hi =
+            __nv_cvt_float2_to_fp8x2(make_float2(__uint_as_float(w1 << 16), __uint_as_float(w1 & 0xffff0000u)), __NV_SATFINITE, __NV_E4M3);
         o[j] = (lo & 0xffffu) | (hi << 16);
       }
-      if (write) *reinterpret_cast<uint4*>(kc + 16 * l) = make_uint4(o[0], o[1], o[2], o[3]);
-    } else {
       if (write) {
-        reinterpret_cast<uint4*>(kc + 32 * l)[0] = kr.a;
-        reinterpret_cast<uint4*>(kc + 32 * l)[1] = kr.b;
+        reinterpret_cast<uint4*>(kc + 32 * l)[0] = make_uint4(o[0], o[1], o[2], o[3]);
+        reinterpret_cast<uint4*>(kc + 32 * l)[1] = make_uint4(o[4], o[5], o[6], o[7]);
       }
     }
     // ---- values ----
-    if (valid) vr = load_raw16(vrow + 16 * l);
-    if (f.value == ValueCode::kTq) {
-      float x[16];
-      if (nseg == 1) unpack_raw16(vr, x);
-      else gather16(vr, f.value_perm + hd, rows[w], lane, P, x);
-      const int bits = f.value_bits[sg];
-      std::uint8_t* dst = vc + (sg ? f.seg_dims[0] * f.value_bits[0] / 8 : 0) + 2 * bits * ls;
-      const std::uint16_t h = nseg == 2 ? tq_encode16<P / 2>(T, 2 + sg, x, f.value_signs + hd, bits, dst, write, l)
-                                        : tq_encode16<P>(T, 2, x, f.value_signs + hd, bits, dst, write, l);
-      vu[0] = static_cast<std::uint16_t>(__shfl_sync(0xffffffffu, h, gbase));
-      vu[1] = static_cast<std::uint16_t>(__shfl_sync(0xffffffffu, h, gbase + PSv));
-    } else if (f.value == ValueCode::kUniform) {
-      float x[16];
-      unpack_raw16(vr, x);
-      float lo = INFINITY, hi = -INFINITY;
-#pragma unroll
-      for (int k = 0; k < 16; ++k) {
-        lo = fminf(lo, x[k]);
-        hi = fmaxf(hi, x[k]);
+    if constexpr (VTQ) {
+      float x[kLaneElems];
+      if constexpr (NSEG == 1) {
+        unpack_signed32(vr, smask, use_masks, 1, vh, H, D8, l, f.value_signs + hd, x);
+      } else {
+        gather32(vr, f.value_perm + hd, sperm ? sperm + H * D + hd : nullptr, rows[w], lane, P, x);
+        apply_signs32(smask, use_masks, 1, vh, H, D8, l, f.value_signs + hd, x);
       }
+      tq_encode32<PS, F::VB0, F::VB1>(T, 2 + sg, sg, x, vc + vdst_off, write, ls, vnorm, vc2);
+    } else {  // uniform
+      constexpr int B = F::VB0, m = (1 << B) - 1;
+      // (min, -max) of the lane as one bf16 pair, then over the vector's P lanes.
+      std::uint32_t mn = bmin2(raw_word(vr, 0), raw_word(vr, 1)), mx = bmax2(raw_word(vr, 0), raw_word(vr, 1));
 #pragma unroll
-      for (int o = 1; o < P; o <<= 1) {
-        lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, o));
-        hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, o));
+      for (int j = 2; j < kLaneElems / 2; ++j) {
+        mn = bmin2(mn, raw_word(vr, j));
+        mx = bmax2(mx, raw_word(vr, j));
       }
-      const int bits = f.value_bits[0];
-      const int m = (1 << bits) - 1;
+      std::uint32_t mm = bmin2(__byte_perm(mn, mx ^ 0x80008000u, 0x5410), __byte_perm(mn, mx ^ 0x80008000u, 0x7632));
+#pragma unroll
+      for (int o = 1; o < P; o <<= 1) mm = bmin2(mm, __shfl_xor_sync(0xffffffffu, mm, o));
+      const float lo = __uint_as_float(mm << 16), hi = -__uint_as_float(mm & 0xffff0000u);
       float s = (hi - lo) / static_cast<float>(m);
       if (!(s > 1e-8f)) s = 1e-8f;
-      int c[16];
-      // clamp(floor(t), 0, m) = floor(clamp(t, 0, m)) for integer m; the floor through the
-      // round-down add of 1.5 * 2^23 (exact for 0 <= t <= 255).
+      const float y = __frcp_rn(s);
+      constexpr float top = static_cast<float>(m) + 0.5f;
+      std::uint32_t t[kLaneElems];
+      // floor((x - lo) / s + 1/2) with the quotient correctly rounded (two remainder corrections
+      // from RN(1/s), Markstein); x >= lo and s >= (hi - lo) / m keep it in 0..m: the clamp is
+      // only the upper bound, before the floor; the floor is the round-down add of 1.5 * 2^23.
 #pragma unroll
-      for (int k = 0; k < 16; ++k) {
-        const float t = fminf(fmaxf((x[k] - lo) / s + 0.5f, 0.0f), static_cast<float>(m));
-        c[k] = __float_as_int(__fadd_rd(t, kFloorMagic)) - 0x4B400000;
+      for (int j = 0; j < kLaneElems / 2; ++j) {
+        const std::uint32_t wv = raw_word(vr, j);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float xv = __uint_as_float(h ? (wv & 0xffff0000u) : (wv << 16));
+          const float d = xv - lo;
+          const float q0 = __fmul_rn(d, y);
+          const float q1 = __fmaf_rn(__fmaf_rn(-q0, s, d), y, q0);
+          const float q = __fmaf_rn(__fmaf_rn(-q1, s, d), y, q1);
+          t[2 * j + h] = __float_as_uint(__fadd_rd(fminf(q + 0.5f, top), kFloorMagic));
+        }
       }
-      if (write) pack_store16_bits(bits, c, vc + 2 * bits * l);
-      vu[0] = fp16_bits(s);
-      vu[1] = fp16_bits(lo);
-    } else {
-      if (write) {
-        reinterpret_cast<uint4*>(vc + 32 * l)[0] = vr.a;
-        reinterpret_cast<uint4*>(vc + 32 * l)[1] = vr.b;
+      pack_store32<B>(t, 0u - kMagicBits, vc + 4 * B * l, write);
+      vs_scale = s;
+      vs_lo = lo;
+    }
+    // ---- metadata record: [key units][value units][zero pad], 16-bit units; the lane of a
+    // TurboQuant unit takes the norm and correction sum of that unit's segment from its lanes
+    // (one fp64 division per unit instead of one per lane and side) ----
+    constexpr int NU = F::KMU + F::VMU;
+#pragma unroll
+    for (int r = 0; r < NU; r += P) {
+      const int u = r + l;
+      std::uint16_t val = 0;
+      if constexpr (KTQ && VTQ) {
+        const bool isk = u < F::KMU;
+        const int src = gbase + ((isk ? u : u - F::KMU) & (NSEG - 1)) * PS;
+        const float nk = __shfl_sync(0xffffffffu, knorm, src), nv = __shfl_sync(0xffffffffu, vnorm, src);
+        const double ck = __shfl_sync(0xffffffffu, kc2, src), cv = __shfl_sync(0xffffffffu, vc2, src);
+        const float n = isk ? nk : nv;
+        const double cc = isk ? ck : cv;
+        val = fp16_bits(n > 0 ? static_cast<float>(static_cast<double>(n) / sqrt(cc)) : n);
+      } else if constexpr (KTQ) {  // one key segment, uniform values
+        val = fp16_bits(u == 0 ? (knorm > 0 ? static_cast<float>(static_cast<double>(knorm) / sqrt(kc2)) : knorm)
+                               : (u == 1 ? vs_scale : vs_lo));
+      } else {  // fp8 keys, uniform values
+        val = fp16_bits(u == 0 ? vs_scale : vs_lo);
       }
+      if (write && u < NU) reinterpret_cast<std::uint16_t*>(meta)[u] = val;
     }
-    // ---- metadata record: [key units][value units][zero pad], one 16-bit unit per lane ----
-    if (write && l < mu) {
-      std::uint16_t u = 0;
-      if (l < kmu) u = l == 0 ? ku[0] : ku[1];
-      else if (l < kmu + vmu) u = l == kmu ? vu[0] : vu[1];
-      reinterpret_cast<std::uint16_t*>(meta)[l] = u;
-    }
+    if (write)
+      for (int u = NU + l; u < mu; u += P) reinterpret_cast<std::uint16_t*>(meta)[u] = 0;
     // ---- protected bf16 rows ----
     if (protect && valid) {
+      const std::int32_t pos = p.positions[vt];
+      const std::int32_t psl = p.protect.slot(pos);
+      const bool keep = pos < p.protect.sinks || !p.protect_seq_lens ||
+                        pos >= p.protect_seq_lens[p.seq_ids[vt]] - p.protect.window;
+      if (psl >= 0 && keep) {
+        std::uint16_t* dst = p.protect_rows + p.protect.row(p.seq_ids[vt], vh, psl);
+        store_raw32(kr, reinterpret_cast<std::uint8_t*>(dst + kLaneElems * l));
+        store_raw32(vr, reinterpret_cast<std::uint8_t*>(dst + D + kLaneElems * l));
+      }
+    }
+    tok += dtok;
+    head += dhead;
+    if (head >= H) {
+      head -= H;
+      ++tok;
+    }
+  }
+}
+
+// bf16 cache: a copy. Thread i moves 16-byte chunk i % (D / 8) of key and value row i / (D / 8)
+// (consecutive threads, consecutive bytes of a row), and the protected rows.
+template <int D>
+__global__ void __launch_bounds__(256) store_bf16_kernel(const StoreParams p, int tok_shift) {
+  constexpr int C = D / 8;  // 16-byte chunks per row
+  const FormatDesc& f = p.fmt;
+  const int H = f.kv_heads;
+  const PageLayout& pg = f.page;
+  const std::int64_t ks = p.key_token_stride ? p.key_token_stride : static_cast<std::int64_t>(H) * D;
+  const std::int64_t vs = p.value_token_stride ? p.value_token_stride : static_cast<std::int64_t>(H) * D;
+  const long n = static_cast<long>(p.n_tokens) * H * C;
+  for (long i = static_cast<long>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += static_cast<long>(gridDim.x) * blockDim.x) {
+    const long row = i / C;
+    const int ch = static_cast<int>(i % C);
+    const int tok = static_cast<int>(row / H), head = static_cast<int>(row % H);
+    const uint4 kq = __ldg(reinterpret_cast<const uint4*>(p.key + tok * ks + static_cast<std::int64_t>(head) * D) + ch);
+    const uint4 vq = __ldg(reinterpret_cast<const uint4*>(p.value + tok * vs + static_cast<std::int64_t>(head) * D) + ch);
+    const std::int64_t slot = p.slot_mapping[tok];
+    if (slot >= 0) {
+      const std::size_t page = tok_shift >= 0 ? static_cast<std::size_t>(slot >> tok_shift) : static_cast<std::size_t>(slot / pg.tokens);
+      const int off = tok_shift >= 0 ? static_cast<int>(slot & ((1 << tok_shift) - 1)) : static_cast<int>(slot % pg.tokens);
+      std::uint8_t* base = p.pool + page * pg.page_bytes;
+      reinterpret_cast<uint4*>(base + pg.key_code(head, off))[ch] = kq;
+      reinterpret_cast<uint4*>(base + pg.value_code(head, off))[ch] = vq;
+      if (ch == 0)
+        for (std::uint32_t u = 0; u < pg.meta_bytes / 2; ++u) reinterpret_cast<std::uint16_t*>(base + pg.key_meta(head, off))[u] = 0;
+    }
+    if (p.protect_rows && p.positions && p.seq_ids) {
       const std::int32_t pos = p.positions[tok];
-      const std::int32_t sl = p.protect.slot(pos);
+      const std::int32_t psl = p.protect.slot(pos);
       const bool keep = pos < p.protect.sinks || !p.protect_seq_lens ||
                         pos >= p.protect_seq_lens[p.seq_ids[tok]] - p.protect.window;
-      if (sl >= 0 && keep) {
-        std::uint16_t* dst = p.protect_rows + p.protect.row(p.seq_ids[tok], head, sl);
-        for (int i = 16 * l; i < 16 * l + 16; ++i) {
-          dst[i] = krow[i];
-          dst[D + i] = vrow[i];
-        }
+      if (psl >= 0 && keep) {
+        std::uint16_t* dst = p.protect_rows + p.protect.row(p.seq_ids[tok], head, psl);
+        reinterpret_cast<uint4*>(dst)[ch] = kq;
+        reinterpret_cast<uint4*>(dst + D)[ch] = vq;
       }
     }
   }
 }
 
-template <int D>
+int page_shift(int tokens) {  // log2 of the page size when it is a power of two, else -1
+  for (int s = 0; s < 31; ++s)
+    if (tokens == (1 << s)) return s;
+  return -1;
+}
+
+template <class K>
+cudaError_t grid_for(K kernel, int threads, long want, unsigned& blocks, std::size_t dyn_smem = 0) {
+  int per_sm = 0, dev = 0, sms = 0;
+  cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, dyn_smem);
+  if (e == cudaSuccess) e = cudaGetDevice(&dev);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  if (e != cudaSuccess) return e;
+  blocks = static_cast<unsigned>(std::max<long>(1, std::min<long>(want, static_cast<long>(std::max(1, per_sm)) * std::max(1, sms))));
+  return cudaSuccess;
+}
+
+constexpr int kMaskBytes = 32 << 10;  // sign masks (4 H D bytes) and, split formats, channel order (4 H D), H D <= 4096
+
+template <int D, class F>
 cudaError_t launch_store_fast(const StoreParams& p, cudaStream_t stream) {
-  static int max_blocks = 0;
+  static unsigned max_blocks = 0;
   if (max_blocks == 0) {
-    int per_sm = 0, dev = 0, sms = 0;
-    cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, store_fast_kernel<D>, kFastThreads, 0);
-    if (e == cudaSuccess) e = cudaGetDevice(&dev);
-    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    cudaError_t e = cudaFuncSetAttribute(store_fast_kernel<D, F>, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaskBytes);
+    if (e == cudaSuccess) e = grid_for(store_fast_kernel<D, F>, kFastThreads, 1L << 30, max_blocks, kMaskBytes);
     if (e != cudaSuccess) return e;
-    max_blocks = std::max(1, per_sm) * std::max(1, sms);
   }
-  constexpr int V = 32 / (D / 16);
+  const std::size_t mask_bytes = (F::NSEG == 2 ? 8u : 4u) * static_cast<std::size_t>(p.fmt.kv_heads) * D;
+  const bool use_masks = p.fmt.kv_heads * D <= 4096;
+  constexpr int V = 32 / (D / kLaneElems);
   const long nvec = static_cast<long>(p.n_tokens) * p.fmt.kv_heads;
   const long nwarps = (nvec + V - 1) / V;
   const long want = (nwarps + kFastThreads / 32 - 1) / (kFastThreads / 32);
   const unsigned blocks = static_cast<unsigned>(std::min<long>(want, max_blocks));
-  store_fast_kernel<D><<<blocks, kFastThreads, 0, stream>>>(p, nwarps);
+  store_fast_kernel<D, F><<<blocks, kFastThreads, use_masks ? mask_bytes : 0, stream>>>(p, page_shift(p.fmt.page.tokens), use_masks);
   return cudaGetLastError();
 }
 
-// Whether the fast kernel serves this store.
-bool store_fast_applies(const StoreParams& p) {
-  const FormatDesc& f = p.fmt;
-  const int D = f.head_dim;
-  if (D != 64 && D != 128 && D != 256) return false;
-  const int nseg = f.segments;
-  if (nseg != 1 && !(nseg == 2 && f.seg_dims[0] == D / 2 && f.seg_dims[1] == D / 2)) return false;
-  const bool ktq = f.key == KeyCode::kTq, vtq = f.value == ValueCode::kTq;
-  for (int s = 0; s < nseg; ++s) {
-    if (ktq && (f.key_bits[s] < 1 || f.key_bits[s] > 8)) return false;
-    if (vtq && (f.value_bits[s] < 1 || f.value_bits[s] > 8)) return false;
+template <int D>
+cudaError_t launch_store_bf16(const StoreParams& p, cudaStream_t stream) {
+  static unsigned max_blocks = 0;
+  if (max_blocks == 0) {
+    const cudaError_t e = grid_for(store_bf16_kernel<D>, 256, 1L << 30, max_blocks);
+    if (e != cudaSuccess) return e;
   }
-  if (f.value == ValueCode::kUniform && (f.value_bits[0] < 1 || f.value_bits[0] > 8)) return false;
+  const long n = static_cast<long>(p.n_tokens) * p.fmt.kv_heads * (D / 8);
+  const unsigned blocks = static_cast<unsigned>(std::min<long>((n + 255) / 256, max_blocks));
+  store_bf16_kernel<D><<<blocks, 256, 0, stream>>>(p, page_shift(p.fmt.page.tokens));
+  return cudaGetLastError();
+}
+
+// Common checks of the fast kernels: alignment, metadata sizes.
+bool fast_layout_ok(const StoreParams& p, std::uint32_t kmb, std::uint32_t vmb) {
+  const FormatDesc& f = p.fmt;
   const PageLayout& pg = f.page;
-  const std::uint32_t kmb = ktq ? 2u * nseg : 0u;
-  const std::uint32_t vmb = vtq ? 2u * nseg : (f.value == ValueCode::kUniform ? 4u : 0u);
-  if (pg.key_meta_bytes != kmb || pg.value_meta_bytes != vmb || pg.meta_bytes % 2 != 0 ||
-      pg.meta_bytes / 2 > static_cast<std::uint32_t>(D / 16))
-    return false;
   auto a16 = [](const void* q) { return (reinterpret_cast<std::uintptr_t>(q) & 15) == 0; };
+  if (pg.key_meta_bytes != kmb || pg.value_meta_bytes != vmb || pg.meta_bytes % 2 != 0 || pg.meta_off % 2 != 0) return false;
   if (!a16(p.key) || !a16(p.value) || !a16(p.pool) || p.key_token_stride % 8 != 0 || p.value_token_stride % 8 != 0 ||
-      pg.page_bytes % 16 != 0 || pg.key_code_off % 16 != 0 || pg.value_code_off % 16 != 0)
+      pg.page_bytes % 16 != 0 || pg.key_code_off % 16 != 0 || pg.value_code_off % 16 != 0 || pg.key_code_bytes % 4 != 0 ||
+      pg.value_code_bytes % 4 != 0)
     return false;
-  if (f.key == KeyCode::kTq && (!f.key_signs || !f.key_edges || !f.key_centroids || (nseg == 2 && !f.key_perm))) return false;
-  if (f.value == ValueCode::kTq && (!f.value_signs || !f.value_edges || !f.value_centroids || (nseg == 2 && !f.value_perm)))
-    return false;
+  if (p.protect_rows && !a16(p.protect_rows)) return false;
   return true;
+}
+
+template <int D>
+cudaError_t dispatch_fast(const StoreParams& p, cudaStream_t stream, bool& done) {
+  const FormatDesc& f = p.fmt;
+  done = false;
+  const int ns = f.segments;
+  if (ns == 2 && !(f.seg_dims[0] == D / 2 && f.seg_dims[1] == D / 2)) return cudaSuccess;
+  if (ns != 1 && ns != 2) return cudaSuccess;
+  const int kb0 = f.key_bits[0], kb1 = ns == 2 ? f.key_bits[1] : 0, vb0 = f.value_bits[0], vb1 = ns == 2 ? f.value_bits[1] : 0;
+  using KC = KeyCode;
+  using VC = ValueCode;
+  auto go = [&](auto fmt_tag, std::uint32_t kmb, std::uint32_t vmb) -> cudaError_t {
+    if (!fast_layout_ok(p, kmb, vmb)) return cudaSuccess;
+    using Fm = decltype(fmt_tag);
+    if ((Fm::KK == KC::kTq && (!f.key_signs || !f.key_edges || !f.key_centroids || (Fm::NSEG == 2 && !f.key_perm))) ||
+        (Fm::VK == VC::kTq && (!f.value_signs || !f.value_edges || !f.value_centroids || (Fm::NSEG == 2 && !f.value_perm))))
+      return cudaSuccess;
+    done = true;
+    return launch_store_fast<D, Fm>(p, stream);
+  };
+  if (f.key == KC::kBf16 && f.value == VC::kBf16 && ns == 1) {
+    if (!fast_layout_ok(p, 0, 0)) return cudaSuccess;
+    done = true;
+    return launch_store_bf16<D>(p, stream);
+  }
+  if (f.key == KC::kFp8 && f.value == VC::kUniform && ns == 1 && vb0 == 4) return go(FastFmt<KC::kFp8, VC::kUniform, 1, 0, 0, 4, 4>{}, 0, 4);
+  if (f.key == KC::kTq && f.value == VC::kUniform && ns == 1) {
+    if (kb0 == 4 && vb0 == 4) return go(FastFmt<KC::kTq, VC::kUniform, 1, 4, 4, 4, 4>{}, 2, 4);
+    if (kb0 == 3 && vb0 == 4) return go(FastFmt<KC::kTq, VC::kUniform, 1, 3, 3, 4, 4>{}, 2, 4);
+    if (kb0 == 3 && vb0 == 3) return go(FastFmt<KC::kTq, VC::kUniform, 1, 3, 3, 3, 3>{}, 2, 4);
+  }
+  if (f.key == KC::kTq && f.value == VC::kTq) {
+    if (ns == 1 && kb0 == 4 && vb0 == 4) return go(FastFmt<KC::kTq, VC::kTq, 1, 4, 4, 4, 4>{}, 2, 2);
+    if (ns == 1 && kb0 == 3 && vb0 == 3) return go(FastFmt<KC::kTq, VC::kTq, 1, 3, 3, 3, 3>{}, 2, 2);
+    if (ns == 2 && kb0 == 4 && kb1 == 3 && vb0 == 4 && vb1 == 3) return go(FastFmt<KC::kTq, VC::kTq, 2, 4, 3, 4, 3>{}, 4, 4);
+    if (ns == 2 && kb0 == 3 && kb1 == 2 && vb0 == 3 && vb1 == 2) return go(FastFmt<KC::kTq, VC::kTq, 2, 3, 2, 3, 2>{}, 4, 4);
+  }
+  return cudaSuccess;
 }
 
 }  // namespace detail
@@ -733,14 +1011,15 @@ cudaError_t store(const StoreParams& p, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   if (p.n_tokens == 0) return cudaSuccess;
   if (!p.key || !p.value || !p.slot_mapping || !p.pool) return cudaErrorInvalidValue;
-  if (detail::store_fast_applies(p)) {
-    switch (f.head_dim) {
-      case 64: return detail::launch_store_fast<64>(p, stream);
-      case 128: return detail::launch_store_fast<128>(p, stream);
-      case 256: return detail::launch_store_fast<256>(p, stream);
-      default: break;
-    }
+  bool done = false;
+  cudaError_t e = cudaSuccess;
+  switch (f.head_dim) {
+    case 64: e = detail::dispatch_fast<64>(p, stream, done); break;
+    case 128: e = detail::dispatch_fast<128>(p, stream, done); break;
+    case 256: e = detail::dispatch_fast<256>(p, stream, done); break;
+    default: break;
   }
+  if (done || e != cudaSuccess) return e;
   const long warps = static_cast<long>(p.n_tokens) * f.kv_heads;
   const unsigned blocks = static_cast<unsigned>((warps + detail::kStoreWarps - 1) / detail::kStoreWarps);
   detail::store_generic_kernel<<<blocks, detail::kStoreWarps * 32, 0, stream>>>(p);

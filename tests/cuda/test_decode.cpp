@@ -323,6 +323,145 @@ double run_case(const Case& c) {
   return nmse;
 }
 
+// Store kernel on rows built for the edges of its arithmetic, compared with the CPU encoders
+// record by record (no decode): all-zero rows; one-hot keys and constant values (s = 1e-8);
+// rows spanning 2^-60 .. 2^8 (norm sums that need the double arithmetic); values on a quarter
+// grid with lo = -7.5 and hi = 7.5, so that the uniform quotients (x - lo) / s land exactly on
+// k + 1/2 (4-bit: s = 1); large (x 300) and tiny (x 1e-20) Gaussian rows; typical rows. Tokens
+// go to shuffled slots; a stride wider than the row and a token count that leaves the last
+// warp partly empty.
+void test_store_edges(const std::string& fmt, int D, int H, int n_tok, unsigned seed) {
+  const FormatSpec& f = find_format(fmt);
+  CacheGeometry g;
+  g.n_layers = 1;
+  g.n_kv_heads = H;
+  g.head_dim = D;
+  g.v_head_dim = D;
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::uniform_int_distribution<int> grid(-30, 30);
+  const int stride = H * D + 8;  // elements between tokens
+  std::vector<float> K(static_cast<std::size_t>(n_tok) * stride, 0.0f), Vv(K.size(), 0.0f);
+  for (int t = 0; t < n_tok; ++t)
+    for (int h = 0; h < H; ++h) {
+      float* k = &K[static_cast<std::size_t>(t) * stride + static_cast<std::size_t>(h) * D];
+      float* v = &Vv[static_cast<std::size_t>(t) * stride + static_cast<std::size_t>(h) * D];
+      const int kind = (t * H + h) % 7;
+      for (int d = 0; d < D; ++d) {
+        float a = nd(rng), b = nd(rng);
+        switch (kind) {
+          case 0: a = b = 0.0f; break;
+          case 1: a = d == (t % D) ? 1.5f : 0.0f; b = 0.75f; break;
+          case 2: {
+            const float e = std::ldexp(1.0f + 0.1f * std::fabs(a), -60 + (d * 68) / D);
+            a = (d % 3 ? e : -e);
+            b = std::ldexp(b, (d * 17) / D - 8);
+            break;
+          }
+          case 3: b = d == 0 ? -7.5f : (d == 1 ? 7.5f : 0.25f * static_cast<float>(grid(rng))); break;
+          case 4: a *= 300.0f; b *= 300.0f; break;
+          case 5: a *= 1e-20f; b *= 1e-20f; break;
+          default: break;
+        }
+        k[d] = round_bf16(a);
+        v[d] = round_bf16(b);
+      }
+    }
+  OutlierChannels oc;
+  if (f.kind == FormatKind::kTqSplit) {
+    const int cnt = split_outlier_count(f, D);
+    oc.key.resize(1);
+    oc.value.resize(1);
+    for (int h = 0; h < H; ++h) {
+      std::vector<int> ch;
+      for (int i = 0; i < cnt; ++i) ch.push_back((i * 7 + h) % D);
+      std::sort(ch.begin(), ch.end());
+      ch.erase(std::unique(ch.begin(), ch.end()), ch.end());
+      for (int i = 0; static_cast<int>(ch.size()) < cnt; ++i)
+        if (!std::binary_search(ch.begin(), ch.end(), i)) ch.insert(std::lower_bound(ch.begin(), ch.end(), i), i);
+      oc.key[0].push_back(ch);
+      oc.value[0].push_back(ch);
+    }
+  }
+  std::vector<QuantizerPair> qp;
+  for (int h = 0; h < H; ++h) qp.push_back(make_quantizers(f, g, 0, h, &oc));
+  const PageLayout pl = page_layout(f, g);
+  const int n_pages = (n_tok + 63) / 64 + 1;
+  std::vector<std::int64_t> slots(static_cast<std::size_t>(n_tok));
+  {
+    std::vector<std::int64_t> all(static_cast<std::size_t>(n_pages) * 64);
+    std::iota(all.begin(), all.end(), 0);
+    std::shuffle(all.begin(), all.end(), rng);
+    for (int t = 0; t < n_tok; ++t) slots[static_cast<std::size_t>(t)] = t % 11 == 5 ? -1 : all[static_cast<std::size_t>(t)];
+  }
+  std::vector<std::uint8_t> pool(static_cast<std::size_t>(n_pages) * pl.page_bytes, 0xff);
+  std::vector<std::uint16_t> kbf(K.size()), vbf(Vv.size());
+  for (std::size_t i = 0; i < K.size(); ++i) {
+    kbf[i] = float_to_bf16(K[i]);
+    vbf[i] = float_to_bf16(Vv[i]);
+  }
+  for (int t = 0; t < n_tok; ++t) {
+    const std::int64_t sl = slots[static_cast<std::size_t>(t)];
+    if (sl < 0) continue;
+    std::uint8_t* base = pool.data() + static_cast<std::size_t>(sl / 64) * pl.page_bytes;
+    const int off = static_cast<int>(sl % 64);
+    for (int h = 0; h < H; ++h) {
+      const std::size_t r = static_cast<std::size_t>(t) * stride + static_cast<std::size_t>(h) * D;
+      qp[static_cast<std::size_t>(h)].key->encode(&K[r], base + pl.key_code(h, off), base + pl.key_meta(h, off));
+      qp[static_cast<std::size_t>(h)].value->encode(&Vv[r], base + pl.value_code(h, off), base + pl.value_meta(h, off));
+      for (std::uint32_t i = pl.key_meta_bytes + pl.value_meta_bytes; i < pl.meta_bytes; ++i) base[pl.key_meta(h, off) + i] = 0;
+    }
+  }
+  cuda::LayerTables tabs(f, g, 0, &oc);
+  std::vector<std::uint8_t> pool2(pool.size(), 0xff);
+  std::uint8_t* dpool = upload(pool2);
+  std::uint16_t* dk = upload(kbf);
+  std::uint16_t* dv = upload(vbf);
+  std::int64_t* dslots = upload(slots);
+  cuda::StoreParams sp;
+  sp.fmt = tabs.desc();
+  sp.key = dk;
+  sp.value = dv;
+  sp.key_token_stride = stride;
+  sp.value_token_stride = stride;
+  sp.slot_mapping = dslots;
+  sp.n_tokens = n_tok;
+  sp.pool = dpool;
+  const cudaError_t se = cuda::store(sp);
+  const std::string name = fmt + " d" + std::to_string(D) + " H" + std::to_string(H) + " edge rows";
+  check(se == cudaSuccess, name + ": store launch: " + cudaGetErrorString(se));
+  KVQ_CUDA_OK(cudaDeviceSynchronize());
+  KVQ_CUDA_OK(cudaMemcpy(pool2.data(), dpool, pool2.size(), cudaMemcpyDeviceToHost));
+  std::size_t records = 0, differ = 0;
+  for (int t = 0; t < n_tok; ++t) {
+    const std::int64_t sl = slots[static_cast<std::size_t>(t)];
+    if (sl < 0) continue;
+    const std::size_t page = static_cast<std::size_t>(sl / 64);
+    const int off = static_cast<int>(sl % 64);
+    for (int h = 0; h < H; ++h) {
+      const std::uint8_t* a = pool.data() + page * pl.page_bytes;
+      const std::uint8_t* b = pool2.data() + page * pl.page_bytes;
+      const bool same = std::memcmp(a + pl.key_code(h, off), b + pl.key_code(h, off), pl.key_code_bytes) == 0 &&
+                        std::memcmp(a + pl.value_code(h, off), b + pl.value_code(h, off), pl.value_code_bytes) == 0 &&
+                        std::memcmp(a + pl.key_meta(h, off), b + pl.key_meta(h, off), pl.meta_bytes) == 0;
+      ++records;
+      if (!same) {
+        if (differ < 3) std::printf("  %s: token %d head %d (row kind %d) differs\n", name.c_str(), t, h, (t * H + h) % 7);
+        ++differ;
+      }
+    }
+  }
+  // Untouched bytes (skipped tokens, unused slots) must still hold the poison.
+  check(differ * 1000 <= records, name + ": " + std::to_string(differ) + " of " + std::to_string(records) +
+                                      " records differ from the CPU reference");
+  check(pool2 == pool || differ > 0, name + ": bytes outside the written records changed");
+  std::printf("  %-58s store: %zu / %zu records differ\n", name.c_str(), differ, records);
+  cudaFree(dpool);
+  cudaFree(dk);
+  cudaFree(dv);
+  cudaFree(dslots);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -372,5 +511,15 @@ int main(int argc, char** argv) {
     }
   }
   for (const auto& c : cases) run_case(c);
+  if (small) {
+    test_store_edges("tq-3.5bit", 128, 2, 45, 3);
+  } else {
+    for (const auto& fm : formats) {
+      test_store_edges(fm, 128, 8, 777, 21);
+      test_store_edges(fm, 64, 3, 301, 22);
+      test_store_edges(fm, 256, 2, 150, 23);
+      test_store_edges(fm, 128, 40, 37, 24);  // 40 heads: sign masks and channel order from global memory
+    }
+  }
   return kvq::cudatest::finish();
 }

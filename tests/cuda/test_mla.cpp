@@ -84,6 +84,43 @@ std::vector<std::uint16_t> make_rows(int n, bool fixture, unsigned seed) {
   return r;
 }
 
+// Rows for the edges of the writer's arithmetic (content bits cb, RoPE bits rb): per group, a
+// half-step grid on [-m/2, m/2] (scale exactly 1: quotients exactly on k + 1/2, ties to even),
+// the same grid times 2^-3, values in [64, 72) and (-72, -64] (every code clamped high / low),
+// tiny values near FLT_MIN (subnormal bf16: the per-element division path) and values near
+// 1e37; the RoPE key alternates a half-step grid on [-(2^rb - 1)/2, (2^rb - 1)/2] and Gaussians.
+std::vector<std::uint16_t> make_edge_rows(int n, int cb, int rb, unsigned seed) {
+  std::vector<std::uint16_t> r(static_cast<std::size_t>(n) * kD);
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  const int m = (1 << cb) - 1, mr = (1 << rb) - 1;
+  for (int i = 0; i < n; ++i) {
+    std::uint16_t* row = r.data() + static_cast<std::size_t>(i) * kD;
+    for (int g = 0; g < kDc / 64; ++g) {
+      const int kind = (i + g) % 6;
+      for (int d = 0; d < 64; ++d) {
+        const int half = static_cast<int>(rng() % static_cast<unsigned>(m + 1)) * 2 - m;  // -m .. m, odd steps
+        float x;
+        switch (kind) {
+          case 0: x = d == 0 ? -0.5f * m : (d == 1 ? 0.5f * m : 0.5f * (d % 5 ? half : half + (half < 0 ? 1 : -1))); break;
+          case 1: x = 0.125f * (d == 0 ? -0.5f * m : (d == 1 ? 0.5f * m : 0.5f * half)); break;
+          case 2: x = 64.0f + 0.5f * static_cast<float>(rng() % 16); break;
+          case 3: x = -64.0f - 0.5f * static_cast<float>(rng() % 16); break;
+          case 4: x = nd(rng) * 2e-38f; break;
+          default: x = nd(rng) * 1e37f; break;
+        }
+        row[g * 64 + d] = float_to_bf16(x);
+      }
+    }
+    for (int d = 0; d < kDr; ++d) {
+      const float x = i % 2 ? 0.5f * static_cast<float>(static_cast<int>(rng() % static_cast<unsigned>(mr + 1)) - mr / 2)
+                            : nd(rng) * 3.0f;
+      row[kDc + d] = float_to_bf16(d == 0 && i % 2 ? -0.5f * mr : (d == 1 && i % 2 ? 0.5f * mr : x));
+    }
+  }
+  return r;
+}
+
 struct Cpu {
   FormatSpec f;
   cuda::MlaFormat mf;
@@ -126,7 +163,7 @@ struct Cpu {
 };
 
 // ---- writer ------------------------------------------------------------------------------
-void test_writer(const std::string& fmt, bool fixture, int sinks, int window) {
+void test_writer(const std::string& fmt, bool fixture, int sinks, int window, bool edge = false) {
   const Cpu cpu(fmt);
   const PageLayout& L = cpu.mf.page;
   const std::vector<int> lens = {1, 70, 300, 131};
@@ -136,7 +173,8 @@ void test_writer(const std::string& fmt, bool fixture, int sinks, int window) {
     total += l;
     pages += (l + 63) / 64;
   }
-  std::vector<std::uint16_t> rows = make_rows(total, fixture, 11);
+  std::vector<std::uint16_t> rows =
+      edge ? make_edge_rows(total, cpu.mf.content_bits, cpu.mf.rope_bits, 13) : make_rows(total, fixture, 11);
   // Block tables: a shuffled page order per sequence.
   std::vector<int> perm(static_cast<std::size_t>(pages));
   for (int i = 0; i < pages; ++i) perm[static_cast<std::size_t>(i)] = i;
@@ -230,7 +268,7 @@ void test_writer(const std::string& fmt, bool fixture, int sinks, int window) {
     cudaFree(const_cast<std::int32_t*>(sp.seq_ids));
     cudaFree(const_cast<std::int32_t*>(sp.protect_seq_lens));
   }
-  const std::string what = fmt + (fixture ? " fixture" : " random") + " S=" + std::to_string(sinks) + " W=" + std::to_string(window);
+  const std::string what = fmt + (edge ? " edge" : fixture ? " fixture" : " random") + " S=" + std::to_string(sinks) + " W=" + std::to_string(window);
   check(ok_pool, "writer bytes identical to the CPU reference: " + what);
   if (prot.enabled()) check(ok_prot, "writer protection ring identical: " + what);
   cudaFree(dpool);
@@ -385,6 +423,7 @@ int main(int argc, char** argv) {
   const bool small = argc > 1 && std::string(argv[1]) == "--small";
   if (small) {
     test_writer("c4r4", false, 2, 8);
+    test_writer("c3r4", false, 0, 0, true);
     test_decode({"c4r4", 16, {5, 130}, false, 2, 8, 0, 3});
     test_decode({"bf16", 16, {70}, false, 0, 0, 0, 4});
     return cudatest::finish();
@@ -394,6 +433,7 @@ int main(int argc, char** argv) {
     test_writer(f, false, 0, 0);
     test_writer(f, false, 4, 32);
     test_writer(f, true, 4, 16);
+    if (f != "bf16") test_writer(f, false, 0, 0, true);
   }
   for (const auto& f : fmts) {
     test_decode({f, 16, {1, 64, 65, 700, 2500}, false, 0, 0, 0, 1});
