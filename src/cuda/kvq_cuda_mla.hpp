@@ -1,9 +1,11 @@
 // kvq_cuda_mla.hpp: launchers of the CUDA kernels for MLA caches (absorbed form), sm_90a.
 //
 // Formats: bf16 and the QuantMLA group-64 affine formats c8r8, c4r8, c4r4, c3r4, c2r4 (content
-// latent d_c = 512 with bf16 scales, RoPE key d_r = 64 with one fp32 scale). One layer per launch;
+// latent d_c = 512 with bf16 scales, RoPE key d_r = 64 with one fp32 scale); decode also reads
+// mla-tq4 / mla-tq3 (TurboQuant-MSE latent: b-bit sphere-codebook indices of Pi (c / |c|), Pi = H D
+// over 512 dims, fp16 stored norm with norm correction; bf16 RoPE key). One layer per launch;
 // pages are kvq::page_layout(find_format(name), geometry) with heads = 1 (64 tokens:
-// [content codes][rope codes][32-byte meta per token]). Protected rows follow
+// [content codes][rope codes][meta per token: 32 bytes, mla-tq 16]). Protected rows follow
 // kvq::MlaProtectLayout (include/kvq/cuda_protect.hpp). Launchers take raw device pointers and a
 // plain Params struct and return cudaError_t (cudaErrorInvalidValue for an unsupported shape).
 #pragma once
@@ -25,13 +27,20 @@ struct MlaFormat {
   std::int32_t d_latent = 512;
   std::int32_t d_rope = 64;
   PageLayout page;
+  // mla-tq4 / mla-tq3 (content_bits 4 / 3, rope_bits 16): the layer's rotation Pi = H D as its
+  // sign diagonal D (bit i of the 512-bit mask set: D_ii = -1) and the sphere codebook's 2^b
+  // centroids (float32), both read off the quantizer make_quantizers(f, g, layer, 0) builds.
+  bool tq = false;
+  std::uint32_t tq_signs[16] = {};
+  float tq_centroids[16] = {};
 };
-// kvq::Error when the format is not an MLA format with a kernel (bf16, c*r* affine).
-MlaFormat mla_format(const FormatSpec& f, int d_latent = 512, int d_rope = 64);
+// kvq::Error when the format is not an MLA format with a kernel (bf16, c*r* affine, mla-tq*).
+// `layer` selects the sign diagonal of mla-tq formats (ignored by the others).
+MlaFormat mla_format(const FormatSpec& f, int d_latent = 512, int d_rope = 64, int layer = 0);
 bool mla_supported(const MlaFormat& f);
 
 // ---- writer --------------------------------------------------------------------------------
-// Quantizes n_tokens new (latent, rope key) rows exactly as kvq::AffineGroup (bit-identical
+// bf16 and the affine formats (mla-tq formats: cudaErrorInvalidValue). Quantizes n_tokens new (latent, rope key) rows exactly as kvq::AffineGroup (bit-identical
 // codes and metadata) and writes them into their paged slots; with protection also copies the
 // bf16 row of every protected position into its slot.
 struct MlaStoreParams {
@@ -55,7 +64,10 @@ cudaError_t mla_store(const MlaStoreParams& p, cudaStream_t stream = nullptr);
 // One query token per sequence, absorbed MLA: for head h of sequence b,
 //   s_j = scale * (q[b][h][0:d_c] . c_j + q[b][h][d_c:] . r_j),  out[b][h] = sum_j softmax(s)_j c_j
 // over positions [0, seq_lens[b]); c_j, r_j from the packed pages, or from the bf16 rows at
-// protected positions. out is in latent space (d_c), fp32.
+// protected positions. out is in latent space (d_c), fp32. mla-tq formats are decoded in the
+// rotated domain: a pre-kernel rotates the query's latent part (Pi q) and the protected latent
+// rows (into the workspace), the main kernel scores norm_j (Pi q) . C[idx_j] and accumulates
+// P norm_j C[idx_j], and the combine kernel applies Pi^T to the merged output.
 struct MlaDecodeParams {
   MlaFormat fmt;
   const std::uint8_t* pool = nullptr;

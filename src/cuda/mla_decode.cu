@@ -1,5 +1,6 @@
-// mla_decode.cu: paged split-KV decode for absorbed MLA (d_c = 512, d_r = 64) over bf16 and
-// QuantMLA affine caches, and the combine kernel that merges the splits' partial softmax states.
+// mla_decode.cu: paged split-KV decode for absorbed MLA (d_c = 512, d_r = 64) over bf16, QuantMLA
+// affine and TurboQuant (mla-tq4 / mla-tq3) caches, and the combine kernel that merges the splits'
+// partial softmax states.
 //
 // One CTA (8 warps, two CTAs per SM) = one sequence x 16 query heads x a range of tiles (a split);
 // a request with H heads runs H / 16 such CTAs per split, reading the same pages (L2). Tiles are
@@ -24,17 +25,29 @@
 // leading tiles of the first split, in the same online softmax; the combine kernel merges the
 // splits' (max, sum, output). A bf16 cache needs no protection: its rows are bf16 already.
 // MlaDecodeParams::warps is accepted for compatibility (8 or 16) and does not change the kernel.
+//
+// mla-tq4 / mla-tq3 (TurboQuant latent c = n Pi^T C[idx], Pi = H D, bf16 RoPE key) are decoded in
+// the rotated domain with the same tiles, fragments and softmax: a pre-kernel rotates each query's
+// latent part once (Pi q, fp32) and the protected latent rows (Pi c, fp16) into the workspace; in
+// the tile loop a lane turns each byte (4-bit) or 6-bit field (3-bit) of its codes into the fp16
+// pair (C[lo], C[hi]) by one shared-memory load from a code-pair table replicated per lane (bank =
+// lane: no conflicts), times the token's stored norm (one HMUL2), so the B fragments hold
+// n C[idx] and serve QK and PV as for the affine formats; the RoPE slice stays bf16 (bf16 mma, query
+// as hi + lo). The combine kernel applies Pi^T = D H to the merged output.
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include <algorithm>
 #include <cmath>
 
 #include "device.cuh"
+#include "kvq/quantizers.hpp"
+#include "kvq/rotation.hpp"
 #include "kvq_cuda_mla.hpp"
 
 namespace kvq::cuda {
 
-MlaFormat mla_format(const FormatSpec& f, int d_latent, int d_rope) {
+MlaFormat mla_format(const FormatSpec& f, int d_latent, int d_rope, int layer) {
   if (f.family != FormatFamily::kMLA && f.kind != FormatKind::kBf16) fail("format '" + f.name + "' is not an MLA format");
   MlaFormat m;
   if (f.kind == FormatKind::kBf16) {
@@ -42,23 +55,44 @@ MlaFormat mla_format(const FormatSpec& f, int d_latent, int d_rope) {
   } else if (f.kind == FormatKind::kMlaAffine) {
     m.content_bits = f.key_bits;
     m.rope_bits = f.value_bits;
+  } else if (f.kind == FormatKind::kMlaTq) {
+    m.content_bits = f.key_bits;
+    m.rope_bits = 16;
+    m.tq = true;
   } else {
-    fail("format '" + f.name + "' has no MLA CUDA kernel (bf16, c8r8, c4r8, c4r4, c3r4, c2r4)");
+    fail("format '" + f.name + "' has no MLA CUDA kernel (bf16, c8r8, c4r8, c4r4, c3r4, c2r4, mla-tq4, mla-tq3)");
   }
   m.d_latent = d_latent;
   m.d_rope = d_rope;
   CacheGeometry g;
-  g.n_layers = 1;
+  g.n_layers = std::max(1, layer + 1);
   g.mla = true;
   g.d_latent = d_latent;
   g.d_rope = d_rope;
   m.page = page_layout(f, g);
+  if (m.tq) {
+    // The layer's rotation and codebook, read off the quantizer the CPU cache uses.
+    const QuantizerPair q = make_quantizers(f, g, layer, 0);
+    const auto* tq = dynamic_cast<const TurboQuantMse*>(q.key.get());
+    const auto* rot = tq ? dynamic_cast<const HadamardRotation*>(&tq->rotation()) : nullptr;
+    if (!tq || !rot || !tq->norm_correction() || !tq->offset().empty() || rot->blocks().size() != 1 || d_latent > 512 ||
+        tq->bits() != f.key_bits)
+      fail("format '" + f.name + "': the MLA CUDA kernel needs a 512-dim TurboQuant-MSE latent with one Hadamard block");
+    const std::vector<float>& sg = rot->signs();
+    for (int i = 0; i < d_latent; ++i)
+      if (sg[static_cast<std::size_t>(i)] < 0) m.tq_signs[i / 32] |= 1u << (i % 32);
+    const std::vector<float>& c = tq->codebook().centroids_f;
+    for (std::size_t i = 0; i < c.size() && i < 16; ++i) m.tq_centroids[i] = c[i];
+  }
   return m;
 }
 
 bool mla_supported(const MlaFormat& f) {
   if (f.d_latent != 512 || f.d_rope != 64 || f.page.tokens != 64 || f.page.heads != 1) return false;
   const int c = f.content_bits, r = f.rope_bits;
+  if (f.tq)
+    return (c == 4 || c == 3) && r == 16 && f.page.key_code_bytes == 64u * static_cast<unsigned>(c) &&
+           f.page.value_code_bytes == 128 && f.page.key_meta_bytes == 2 && f.page.meta_bytes == 16;
   if (c == 16) return r == 16 && f.page.key_code_bytes == 1024 && f.page.value_code_bytes == 128;
   if (f.page.meta_bytes != 32) return false;
   return (c == 8 && r == 8) || (c == 4 && (r == 8 || r == 4)) || ((c == 3 || c == 2) && r == 4);
@@ -142,7 +176,14 @@ struct Work {
   float* opart;  // [batch][heads][nsplit][512]
   float* ml;     // [batch][heads][nsplit][2]: running max (natural log units) and sum
   int nsplit;
+  const float* q;            // the query the kernel reads: p.q, or for mla-tq the rotated copy
+  const std::uint16_t* prot;  // mla-tq: rotated protected latent rows, fp16 [batch][slots][512]
 };
+
+// Format codes of the kernel templates: 16 (bf16), 8, 4, 3, 2 (affine content bits) and 100 + b
+// for mla-tq with b-bit indices.
+constexpr bool is_tq(int cb) { return cb > 100; }
+constexpr int code_bits(int cb) { return cb > 100 ? cb - 100 : cb; }
 
 // Two elements x0, x1 of sixteen bf16 values held as eight words u (element i in half i % 2 of
 // u[i / 2]) as one fp16x2 word.
@@ -235,28 +276,113 @@ __device__ __forceinline__ void dequant16s(std::uint32_t (&w)[8], const std::uin
   }
 }
 
-// Per-format constants. A tile is TI tokens (32 for the affine formats; 16 for bf16, whose rows
-// are 1152 bytes). A stage holds one tile: content rows (stride CS), RoPE rows (stride RS) and,
-// for affine formats, 32-byte metadata rows (stride MS); the strides are padded so that the
-// per-lane fragment loads are free of bank conflicts.
+// mla-tq: word k of a lane's sixteen codes (codes 2k, 2k + 1, widx's plain order) as the fp16
+// pair n (C[lo], C[hi]). tb: the code-pair table, entry e of lane l at byte 128 e + 4 l (e = the
+// byte of two 4-bit codes, or the 6-bit field of two 3-bit codes); lane4 = 4 lane; s2 = (n, n).
+template <int S>
+__device__ __forceinline__ std::uint32_t shr(std::uint32_t x) {
+  if constexpr (S >= 0) return x >> S;
+  else return x << (-S);
+}
+template <int B>
+__device__ __forceinline__ void dequant_tq(std::uint32_t (&w)[8], const std::uint8_t* p, const std::uint8_t* tb, std::uint32_t lane4,
+                                           std::uint32_t s2) {
+  auto look = [&](std::uint32_t off) { return hmul2u(*reinterpret_cast<const std::uint32_t*>(tb + (off | lane4)), s2); };
+  if constexpr (B == 4) {  // byte k of the 8 code bytes: codes 2k, 2k + 1
+    const uint2 v = *reinterpret_cast<const uint2*>(p);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const std::uint32_t x = h ? v.y : v.x;
+      w[4 * h + 0] = look(shr<-7>(x) & 0x7f80u);
+      w[4 * h + 1] = look(shr<1>(x) & 0x7f80u);
+      w[4 * h + 2] = look(shr<9>(x) & 0x7f80u);
+      w[4 * h + 3] = look(shr<17>(x) & 0x7f80u);
+    }
+  } else {  // B == 3: bits 6k .. 6k + 5 of each 24-bit half: codes 2k, 2k + 1
+    const std::uint16_t* h = reinterpret_cast<const std::uint16_t*>(p);
+    const std::uint32_t a = h[0], bb = h[1], c = h[2];
+    const std::uint32_t v0 = a | ((bb & 0xffu) << 16), v1 = (bb >> 8) | (c << 8);
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const std::uint32_t x = u ? v1 : v0;
+      w[4 * u + 0] = look(shr<-7>(x) & 0x1f80u);
+      w[4 * u + 1] = look(shr<-1>(x) & 0x1f80u);
+      w[4 * u + 2] = look(shr<5>(x) & 0x1f80u);
+      w[4 * u + 3] = look(shr<11>(x) & 0x1f80u);
+    }
+  }
+}
+
+// In-place orthonormal Walsh-Hadamard transform of 512 values held four per thread (thread i:
+// elements 4 i .. 4 i + 3) by a 128-thread block (every thread calls it); sh: 128 float4 of shared
+// memory. Stages 1, 2 in registers, 4 .. 64 by warp shuffles, 128 and 256 through shared memory.
+__device__ __forceinline__ void fwht512(float (&v)[4], float4* sh) {
+  const int tid = threadIdx.x;
+  {
+    const float a = v[0] + v[1], b = v[0] - v[1], c = v[2] + v[3], d = v[2] - v[3];
+    v[0] = a + c;
+    v[1] = b + d;
+    v[2] = a - c;
+    v[3] = b - d;
+  }
+#pragma unroll
+  for (int m = 1; m < 32; m <<= 1) {
+    const bool up = tid & m;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float o = __shfl_xor_sync(0xffffffffu, v[i], m);
+      v[i] = up ? o - v[i] : v[i] + o;
+    }
+  }
+#pragma unroll
+  for (int m = 32; m < 128; m <<= 1) {
+    sh[tid] = make_float4(v[0], v[1], v[2], v[3]);
+    __syncthreads();
+    const float4 o = sh[tid ^ m];
+    __syncthreads();
+    const bool up = tid & m;
+    v[0] = up ? o.x - v[0] : v[0] + o.x;
+    v[1] = up ? o.y - v[1] : v[1] + o.y;
+    v[2] = up ? o.z - v[2] : v[2] + o.z;
+    v[3] = up ? o.w - v[3] : v[3] + o.w;
+  }
+  constexpr float kInvSqrt512 = 0.044194173824159216f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) v[i] *= kInvSqrt512;
+}
+// Multiplies element 4 i + k (i = threadIdx.x) by D's sign (bit set: -1).
+__device__ __forceinline__ void apply_signs(float (&v)[4], const std::uint32_t* signs) {
+  const std::uint32_t s = signs[threadIdx.x >> 3] >> ((4 * threadIdx.x) & 31);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) v[i] = (s >> i) & 1u ? -v[i] : v[i];
+}
+
+// Per-format constants. A tile is TI tokens (32 for the affine and mla-tq formats; 16 for bf16,
+// whose rows are 1152 bytes). A stage holds one tile: content rows (stride CS), RoPE rows (stride
+// RS) and metadata rows (stride MS: 32 bytes for affine formats, 16 for mla-tq, none for bf16);
+// the strides are padded so that the per-lane fragment loads are free of bank conflicts.
 template <int CB, int RB>
 struct Cfg {
-  static constexpr bool kAff = CB != 16;
-  static constexpr int TI = kAff ? 32 : 16;
+  static constexpr bool kTq = is_tq(CB);
+  static constexpr int BITS = code_bits(CB);
+  static constexpr bool kAff = !kTq && CB != 16;
+  static constexpr bool kPk = kAff || kTq;  // packed: 32-token tiles, fp16 operands, protection
+  static constexpr int TI = kPk ? 32 : 16;
   static constexpr int NJ = TI / 8;
-  static constexpr int CBY = kAff ? 8 * CB * 8 : 1024;
-  static constexpr int RBY = kAff ? 8 * RB : 128;
-  static constexpr int MBY = kAff ? 32 : 0;
-  static constexpr int CS = CB == 16 ? 1088 : CB == 8 ? 576 : CB == 4 ? 288 : CB == 3 ? 208 : 144;
+  static constexpr int CBY = kPk ? 8 * BITS * 8 : 1024;
+  static constexpr int RBY = RB == 16 ? 128 : 8 * RB;
+  static constexpr int MBY = kAff ? 32 : kTq ? 16 : 0;
+  static constexpr int CS = BITS == 16 ? 1088 : BITS == 8 ? 576 : BITS == 4 ? 288 : BITS == 3 ? 208 : 144;
   static constexpr int RS = RB == 16 ? 144 : RB == 8 ? 80 : 48;
-  static constexpr int MS = kAff ? 48 : 0;
+  static constexpr int MS = kAff ? 48 : kTq ? 16 : 0;
   static constexpr int kStage = TI * (CS + RS + MS);
   static constexpr int SST = TI + 8;
-  // Tail: partial scores [8][16][SST] f32, P fragments [TI / 16][32][4] words, m [16], and for
-  // affine formats the tile's operand records: (s2, z2) per group and token [8][TI], (rs2, rz2)
-  // per token [TI].
-  static constexpr int kRec = kAff ? 9 * TI * 2 : 0;
-  static constexpr int kTail = (8 * kHG * SST + (TI / 16) * 128 + kHG + kRec) * 4;
+  // Tail: partial scores [8][16][SST] f32, P fragments [TI / 16][32][4] words, m [16], and the
+  // tile's operand records: affine: (s2, z2) per group and token [8][TI], (rs2, rz2) per token
+  // [TI]; mla-tq: (n2, 0) per token [TI], then the code-pair table [2^(2b)][32 lanes] (fp16x2).
+  static constexpr int kRec = kAff ? 9 * TI * 2 : kTq ? TI * 2 : 0;
+  static constexpr int kTabE = kTq ? 1 << (2 * BITS) : 0;
+  static constexpr int kTail = (8 * kHG * SST + (TI / 16) * 128 + kHG + kRec + 32 * kTabE) * 4;
   static constexpr int NS0 = (kSmemMax - kTail) / kStage;
   static constexpr int NS = NS0 > 8 ? 8 : NS0;
   static constexpr int kSmem = NS * kStage + kTail;
@@ -272,11 +398,15 @@ struct Cfg {
 // [0, nprt) are the protected bf16 rows (affine caches with protection; loaded straight from
 // global memory, unit scales), then the packed tiles of positions [pb, pe). Operands: affine in
 // fp16 (s (q - z) and the query rounded once, P <= 2^kSlack rounded once); bf16 cache in bf16
-// with the query as hi + lo pairs (kHiLo) and P rounded once.
+// with the query as hi + lo pairs (kHiLo) and P rounded once; mla-tq: the latent as affine (fp16
+// n C[idx], the rotated query rounded once), the bf16 RoPE slice in bf16 with a hi + lo query.
 template <int CB, int RB, bool kHiLo>
-__global__ void __launch_bounds__(kNT, 2) mla_decode_kernel(MlaDecodeParams p, Work wk) {
+__global__ void __launch_bounds__(kNT, 2) mla_decode_kernel(const __grid_constant__ MlaDecodeParams p, Work wk) {
   using C = Cfg<CB, RB>;
-  constexpr bool kAff = C::kAff, kB = !kAff;
+  constexpr bool kAff = C::kAff, kTq = C::kTq, kPk = C::kPk, kB = !kPk;
+  constexpr bool kRB = kB || kTq;        // RoPE operands in bf16
+  constexpr bool kRoHL = kHiLo || kTq;   // RoPE query as bf16 hi + lo
+  constexpr int BITS = C::BITS;
   constexpr int TI = C::TI, NJ = C::NJ, NS = C::NS, SST = C::SST;
   constexpr int LPH = TI / 2, HPW = 32 / LPH;  // softmax: lanes per head, heads per warp
   // The softmax reference of a head moves only when a score exceeds it by more than kSlack (log2
@@ -289,13 +419,14 @@ __global__ void __launch_bounds__(kNT, 2) mla_decode_kernel(MlaDecodeParams p, W
   float* mrow = reinterpret_cast<float*>(sP + (TI / 16) * 128);                 // [16], log2 units
   uint2* rec = reinterpret_cast<uint2*>(mrow + kHG);                            // [8][TI] (s2, z2)
   uint2* rrec = rec + 8 * TI;                                                   // [TI] (rs2, rz2)
+  std::uint32_t* tbl = reinterpret_cast<std::uint32_t*>(rec) + C::kRec;          // mla-tq: [2^(2b)][32]
   const PageLayout L = p.fmt.page;
 
   const int split = blockIdx.x, hg = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, t = lane & 3;
   const int gq = w;
   const int Lq = p.seq_lens[b];
-  const bool prot = kAff && p.protect.enabled();
+  const bool prot = kPk && p.protect.enabled();
   const int pb = prot ? static_cast<int>(p.protect.packed_begin(Lq)) : 0;
   const int pe = prot ? static_cast<int>(p.protect.packed_end(Lq)) : Lq;
   const int first = pb / TI, end = pe > pb ? (pe + TI - 1) / TI : first;
@@ -325,7 +456,7 @@ __global__ void __launch_bounds__(kNT, 2) mla_decode_kernel(MlaDecodeParams p, W
   constexpr int NCC = TI * nc, CPT = (NCC + kNT - 1) / kNT;
   constexpr bool kPow = kNT % nc == 0;
   constexpr int NRC = TI * nr, NMC = TI * nm;
-  static_assert(NRC + NMC <= kNT, "one rope or meta chunk per thread");
+  static_assert(kTq ? NRC == kNT && NMC <= kNT : NRC + NMC <= kNT, "one rope or meta chunk per thread");
   const int cr0 = tid / nc, cc0 = tid % nc;
   const int c_src = static_cast<int>(L.key_code_off) + 16 * tid, c_dst = cr0 * C::CS + 16 * cc0;
   const bool x_rope = tid < NRC, x_any = tid < NRC + NMC;
@@ -348,14 +479,17 @@ __global__ void __launch_bounds__(kNT, 2) mla_decode_kernel(MlaDecodeParams p, W
       if (NCC % kNT == 0 || c < NCC) {
         const int r = kPow ? cr0 + i * (kNT / nc) : c / nc;
         std::uint8_t* dst = kPow ? st + c_dst + i * (kNT / nc) * C::CS : st + r * C::CS + 16 * (c % nc);
-        if constexpr (kAff) cp_async16(dst, cs + i * 16 * kNT);
+        if constexpr (kPk) cp_async16(dst, cs + i * 16 * kNT);
         else cp_async16_zfill(dst, r < hi ? cs + i * 16 * kNT : pg, r < hi);
       }
     }
     if (x_any) {
       const std::uint8_t* src = pg + (x_src + toff * x_tb);
-      if constexpr (kAff) cp_async16(st + x_dst, src);
+      if constexpr (kPk) cp_async16(st + x_dst, src);  // mla-tq: RoPE rows outside the sequence are masked scores
       else cp_async16_zfill(st + x_dst, x_row < hi ? src : pg, x_row < hi);
+    }
+    if constexpr (kTq) {  // metadata: 16 bytes per token (the fp16 norm, then padding)
+      if (tid < TI * nm) cp_async16(st + TI * (C::CS + C::RS) + 16 * tid, pg + (static_cast<int>(L.meta_off) + toff * C::MBY + 16 * tid));
     }
   };
   // Affine: operand records of packed virtual tile vt (stage slot): thread (w, lane) = (group,
@@ -377,6 +511,13 @@ __global__ void __launch_bounds__(kNT, 2) mla_decode_kernel(MlaDecodeParams p, W
         const std::uint32_t rz = ok ? me[28] : 0u;
         rrec[lane] = make_uint2(detail::pack2<false>(rs, rs), 0x64006400u + rz * 0x10001u);
       }
+    } else if constexpr (kTq) {  // warp 0: the stored norm of token lane as (n, n); 0 outside the sequence
+      if (vt < nprt || w != 0) return;
+      int lo, hi;
+      range(vt, lo, hi);
+      const bool ok = lane >= lo && lane < hi;
+      const std::uint32_t n = ok ? *reinterpret_cast<const std::uint16_t*>(stages + slot * C::kStage + TI * (C::CS + C::RS) + lane * C::MS) : 0u;
+      rec[lane] = make_uint2(n * 0x10001u, 0u);
     }
   };
 
@@ -394,16 +535,23 @@ __global__ void __launch_bounds__(kNT, 2) mla_decode_kernel(MlaDecodeParams p, W
   }
   int rslot = 0, islot = NS - 1;
   if (tid < kHG) mrow[tid] = -INFINITY;
+  if constexpr (kTq) {  // code-pair table: entry e = (C[e & (2^b - 1)], C[e >> b]), replicated per lane
+#pragma unroll 4
+    for (int i = tid; i < 32 * C::kTabE; i += kNT) {
+      const int e = i >> 5;
+      tbl[i] = detail::pack2<false>(p.fmt.tq_centroids[e & ((1 << BITS) - 1)], p.fmt.tq_centroids[e >> BITS]);
+    }
+  }
   // ---- query fragments, pre-scaled by scale * log2(e) (scores in log2 units)
   const float sl2 = p.scale * kLog2e;
   std::uint32_t qa[4][4], qb[4][4], qra[2], qrb[2];
   {
-    const float* q0 = p.q + (static_cast<std::size_t>(b) * p.heads + hg * kHG + g) * kD;
+    const float* q0 = wk.q + (static_cast<std::size_t>(b) * p.heads + hg * kHG + g) * kD;
     const float* q1 = q0 + 8 * kD;
     float x0[16], x1[16];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const int d = 64 * gq + (kAff ? 16 * t + 4 * i : (i < 2 ? 8 * t + 4 * i : 24 + 8 * t + 4 * i));
+      const int d = 64 * gq + (kPk ? 16 * t + 4 * i : (i < 2 ? 8 * t + 4 * i : 24 + 8 * t + 4 * i));
       const float4 a = *reinterpret_cast<const float4*>(q0 + d);
       const float4 c = *reinterpret_cast<const float4*>(q1 + d);
       x0[4 * i] = a.x * sl2;
@@ -430,7 +578,7 @@ __global__ void __launch_bounds__(kNT, 2) mla_decode_kernel(MlaDecodeParams p, W
         }
       }
     const int dr = kDc + 8 * gq + 2 * t;
-    if constexpr (kHiLo) {
+    if constexpr (kRoHL) {
       split2<true>(q0[dr] * sl2, q0[dr + 1] * sl2, qra[0], qrb[0]);
       split2<true>(q1[dr] * sl2, q1[dr + 1] * sl2, qra[1], qrb[1]);
     } else {
@@ -447,7 +595,9 @@ __global__ void __launch_bounds__(kNT, 2) mla_decode_kernel(MlaDecodeParams p, W
   // Where this lane's token pair (2 sub, 2 sub + 1) of head sh_h goes in the P fragments.
   const int sp_off = (((sub >> 3) * 32 + (sh_h & 7) * 4 + (sub & 3)) << 2) + (sh_h >> 3) + 2 * ((sub >> 2) & 1);
   // Lane-constant parts of the stage addresses.
-  const int ld_c = kAff ? g * C::CS + 8 * CB * gq + 2 * CB * t : g * C::CS + 128 * gq + 16 * t;
+  const int ld_c = kPk ? g * C::CS + 8 * BITS * gq + 2 * BITS * t : g * C::CS + 128 * gq + 16 * t;
+  const std::uint8_t* tb = reinterpret_cast<const std::uint8_t*>(tbl);
+  const std::uint32_t lane4 = 4u * static_cast<std::uint32_t>(lane);
   const int ld_r = kAff ? TI * C::CS + g * C::RS + (RB == 8 ? 8 * gq + 2 * t : 4 * gq + t) : TI * C::CS + g * C::RS + 16 * gq + 4 * t;
 
   cp_async_wait<NS - 2>();
@@ -457,7 +607,7 @@ __global__ void __launch_bounds__(kNT, 2) mla_decode_kernel(MlaDecodeParams p, W
 
 #pragma unroll 1
   for (int vt = v0; vt < v1; ++vt) {
-    const bool is_prot = kAff && vt < nprt;
+    const bool is_prot = kPk && vt < nprt;
     int lo, hi;
     range(vt, lo, hi);
     std::uint32_t wc[NJ][8], wr[NJ];
@@ -468,12 +618,28 @@ __global__ void __launch_bounds__(kNT, 2) mla_decode_kernel(MlaDecodeParams p, W
         if (r < hi) {
           const int idx = vt * TI + r;
           const int pos = idx < pb ? idx : pe + (idx - pb);
-          const std::uint16_t* row = p.protect_rows + p.protect.row(b, p.protect.slot(pos));
-          const uint4 a = *reinterpret_cast<const uint4*>(row + 64 * gq + 16 * t);
-          const uint4 c = *reinterpret_cast<const uint4*>(row + 64 * gq + 16 * t + 8);
-          const std::uint32_t u[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
-          prot_words<CB, 0>(wc[j], u);
-          wr[j] = bf2_to_h2(*reinterpret_cast<const std::uint32_t*>(row + kDc + 8 * gq + 2 * t));
+          const int slot = p.protect.slot(pos);
+          const std::uint16_t* row = p.protect_rows + p.protect.row(b, slot);
+          if constexpr (kTq) {  // the rotated latent row (fp16, the pre-kernel's), the RoPE key as it is
+            const std::uint16_t* rr = wk.prot + (static_cast<std::size_t>(b) * p.protect.slots() + slot) * kDc + 64 * gq + 16 * t;
+            const uint4 a = *reinterpret_cast<const uint4*>(rr);
+            const uint4 c = *reinterpret_cast<const uint4*>(rr + 8);
+            wc[j][0] = a.x;
+            wc[j][1] = a.y;
+            wc[j][2] = a.z;
+            wc[j][3] = a.w;
+            wc[j][4] = c.x;
+            wc[j][5] = c.y;
+            wc[j][6] = c.z;
+            wc[j][7] = c.w;
+            wr[j] = *reinterpret_cast<const std::uint32_t*>(row + kDc + 8 * gq + 2 * t);
+          } else {
+            const uint4 a = *reinterpret_cast<const uint4*>(row + 64 * gq + 16 * t);
+            const uint4 c = *reinterpret_cast<const uint4*>(row + 64 * gq + 16 * t + 8);
+            const std::uint32_t u[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
+            prot_words<CB, 0>(wc[j], u);
+            wr[j] = bf2_to_h2(*reinterpret_cast<const std::uint32_t*>(row + kDc + 8 * gq + 2 * t));
+          }
         } else {
 #pragma unroll
           for (int i = 0; i < 8; ++i) wc[j][i] = 0u;
@@ -494,6 +660,9 @@ __global__ void __launch_bounds__(kNT, 2) mla_decode_kernel(MlaDecodeParams p, W
           if constexpr (RB == 8) v = __byte_perm(*reinterpret_cast<const std::uint16_t*>(rp), 0x64646464u, 0x5150);
           else v = andor<0x000f000fu>(static_cast<std::uint32_t>(*rp) * 0x1001u, 0x64006400u);
           wr[j] = hmul2u(sub_zero(v, rr.y), rr.x);
+        } else if constexpr (kTq) {
+          dequant_tq<BITS>(wc[j], cp, tb, lane4, rec[8 * j + g].x);
+          wr[j] = *reinterpret_cast<const std::uint32_t*>(rp);
         } else {
           const uint4 a = *reinterpret_cast<const uint4*>(cp);
           const uint4 c = *reinterpret_cast<const uint4*>(cp + 64);
@@ -524,8 +693,8 @@ __global__ void __launch_bounds__(kNT, 2) mla_decode_kernel(MlaDecodeParams p, W
       float* dst = spart + gq * kHG * SST + g * SST + 2 * t;
 #pragma unroll
       for (int j = 0; j < NJ; ++j) {
-        mma1688<kB>(sp[j], qra[0], qra[1], wr[j]);
-        if constexpr (kHiLo) mma1688<kB>(sp[j], qrb[0], qrb[1], wr[j]);
+        mma1688<kRB>(sp[j], qra[0], qra[1], wr[j]);
+        if constexpr (kRoHL) mma1688<kRB>(sp[j], qrb[0], qrb[1], wr[j]);
         *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(sp[j][0], sp[j][1]);
         *reinterpret_cast<float2*>(dst + 8 * SST + 8 * j) = make_float2(sp[j][2], sp[j][3]);
       }
@@ -623,10 +792,55 @@ __global__ void __launch_bounds__(kNT, 2) mla_decode_kernel(MlaDecodeParams p, W
   }
 }
 
-// out[b][h] = sum_s e^(m_s - M) O_s / sum_s e^(m_s - M) l_s over the splits s. With few CTAs the
-// combine is latency-bound: the loops are unrolled so that several splits' loads are in flight.
+struct TqSigns {
+  std::uint32_t w[16];
+};
+
+// mla-tq pre-kernel: blocks [0, batch x heads) write Pi q of one query's latent part (fp32, the
+// RoPE part copied) to qrot[b][h][576]; the blocks after them (protection on) write Pi c of one
+// protected slot's latent row as fp16 to prot[b][slot][512] (Pi = H D: signs first, then H).
+__global__ void __launch_bounds__(128) mla_tq_rotate_kernel(const __grid_constant__ MlaDecodeParams p, float* __restrict__ qrot,
+                                                            std::uint16_t* __restrict__ prot) {
+  __shared__ float4 sh[128];
+  const int tid = threadIdx.x;
+  const int nq = p.batch * p.heads;
+  const bool isq = static_cast<int>(blockIdx.x) < nq;
+  float v[4];
+  const float* q = p.q + static_cast<std::size_t>(blockIdx.x) * kD;
+  const int r = static_cast<int>(blockIdx.x) - nq;
+  if (isq) {
+    const float4 x = reinterpret_cast<const float4*>(q)[tid];
+    v[0] = x.x;
+    v[1] = x.y;
+    v[2] = x.z;
+    v[3] = x.w;
+  } else {
+    const int slots = p.protect.slots();
+    const std::uint16_t* row = p.protect_rows + p.protect.row(r / slots, r % slots);
+    const uint2 x = reinterpret_cast<const uint2*>(row)[tid];
+    v[0] = detail::bf16_bits_to_float(static_cast<std::uint16_t>(x.x & 0xffffu));
+    v[1] = detail::bf16_bits_to_float(static_cast<std::uint16_t>(x.x >> 16));
+    v[2] = detail::bf16_bits_to_float(static_cast<std::uint16_t>(x.y & 0xffffu));
+    v[3] = detail::bf16_bits_to_float(static_cast<std::uint16_t>(x.y >> 16));
+  }
+  apply_signs(v, p.fmt.tq_signs);
+  fwht512(v, sh);
+  if (isq) {
+    float* o = qrot + static_cast<std::size_t>(blockIdx.x) * kD;
+    reinterpret_cast<float4*>(o)[tid] = make_float4(v[0], v[1], v[2], v[3]);
+    if (tid < (kD - kDc) / 4) reinterpret_cast<float4*>(o + kDc)[tid] = reinterpret_cast<const float4*>(q + kDc)[tid];
+  } else {
+    reinterpret_cast<uint2*>(prot + static_cast<std::size_t>(r) * kDc)[tid] =
+        make_uint2(detail::pack2<false>(v[0], v[1]), detail::pack2<false>(v[2], v[3]));
+  }
+}
+
+// out[b][h] = sum_s e^(m_s - M) O_s / sum_s e^(m_s - M) l_s over the splits s (mla-tq: then
+// Pi^T = D H applied to it). With few CTAs the combine is latency-bound: the loops are unrolled so
+// that several splits' loads are in flight.
+template <bool kTq>
 __global__ void __launch_bounds__(128) mla_combine_kernel(const float* __restrict__ opart, const float* __restrict__ ml,
-                                                          int nsl, float* __restrict__ out) {
+                                                          int nsl, float* __restrict__ out, const __grid_constant__ TqSigns sg) {
   const std::size_t bh = static_cast<std::size_t>(blockIdx.y) * gridDim.x + blockIdx.x;
   const float2* m = reinterpret_cast<const float2*>(ml + bh * nsl * 2);
   const float4* v = reinterpret_cast<const float4*>(opart + bh * nsl * kDc) + threadIdx.x;
@@ -647,7 +861,13 @@ __global__ void __launch_bounds__(128) mla_combine_kernel(const float* __restric
     acc.w += e * x.w;
   }
   const float inv = den > 0.0f ? 1.0f / den : 0.0f;
-  reinterpret_cast<float4*>(out + bh * kDc)[threadIdx.x] = make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
+  float r[4] = {acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv};
+  if constexpr (kTq) {
+    __shared__ float4 sh[128];
+    fwht512(r, sh);
+    apply_signs(r, sg.w);
+  }
+  reinterpret_cast<float4*>(out + bh * kDc)[threadIdx.x] = make_float4(r[0], r[1], r[2], r[3]);
 }
 
 int sm_count_of(const MlaDecodeParams& p) {
@@ -670,10 +890,25 @@ cudaError_t launch_decode(const MlaDecodeParams& p, cudaStream_t st) {
   const std::size_t rows = static_cast<std::size_t>(p.batch) * p.heads * wk.nsplit;
   wk.opart = static_cast<float*>(p.workspace);
   wk.ml = wk.opart + rows * kDc;
+  wk.q = p.q;
+  wk.prot = nullptr;
+  TqSigns sg{};
+  if constexpr (C::kTq) {
+    // Workspace after (opart, ml): the rotated queries [batch][heads][576] fp32, then the rotated
+    // protected latent rows [batch][slots][512] fp16.
+    float* qrot = wk.ml + rows * 2;
+    std::uint16_t* prot = reinterpret_cast<std::uint16_t*>(qrot + static_cast<std::size_t>(p.batch) * p.heads * kD);
+    const int nblk = p.batch * p.heads + (p.protect.enabled() ? p.batch * p.protect.slots() : 0);
+    mla_tq_rotate_kernel<<<nblk, 128, 0, st>>>(p, qrot, prot);
+    if ((e = cudaGetLastError()) != cudaSuccess) return e;
+    wk.q = qrot;
+    wk.prot = prot;
+    for (int i = 0; i < 16; ++i) sg.w[i] = p.fmt.tq_signs[i];
+  }
   const dim3 grid(wk.nsplit, p.heads / kHG, p.batch);
   mla_decode_kernel<CB, RB, kHiLo><<<grid, kNT, C::kSmem, st>>>(p, wk);
   if ((e = cudaGetLastError()) != cudaSuccess) return e;
-  mla_combine_kernel<<<dim3(p.heads, p.batch), 128, 0, st>>>(wk.opart, wk.ml, wk.nsplit, p.out);
+  mla_combine_kernel<C::kTq><<<dim3(p.heads, p.batch), 128, 0, st>>>(wk.opart, wk.ml, wk.nsplit, p.out, sg);
   return cudaGetLastError();
 }
 
@@ -688,7 +923,14 @@ int mla_decode_splits(const MlaDecodeParams& p) {
 
 std::size_t mla_decode_workspace_bytes(const MlaDecodeParams& p) {
   const std::size_t nsl = static_cast<std::size_t>(mla_decode_splits(p));
-  return static_cast<std::size_t>(p.batch) * p.heads * nsl * (kDc + 2) * sizeof(float);
+  const std::size_t bh = static_cast<std::size_t>(std::max(0, p.batch)) * static_cast<std::size_t>(std::max(0, p.heads));
+  std::size_t bytes = bh * nsl * (kDc + 2) * sizeof(float);
+  if (p.fmt.tq) {  // rotated queries and protected latent rows (launch_decode)
+    bytes += bh * kD * sizeof(float);
+    if (p.protect.enabled())
+      bytes += static_cast<std::size_t>(std::max(0, p.batch)) * static_cast<std::size_t>(p.protect.slots()) * kDc * sizeof(std::uint16_t);
+  }
+  return bytes;
 }
 
 cudaError_t mla_decode(const MlaDecodeParams& p, cudaStream_t stream) {
@@ -699,6 +941,11 @@ cudaError_t mla_decode(const MlaDecodeParams& p, cudaStream_t stream) {
   if (uses_protect(p) && !p.protect_rows) return cudaErrorInvalidValue;
   if (p.workspace_bytes < mla_decode_workspace_bytes(p)) return cudaErrorInvalidValue;
   const int c = f.content_bits, r = f.rope_bits;
+  if (f.tq) {
+    if (c == 4) return launch_decode<104, 16>(p, stream);
+    if (c == 3) return launch_decode<103, 16>(p, stream);
+    return cudaErrorInvalidValue;
+  }
   if (c == 16) return launch_decode<16, 16>(p, stream);
   if (c == 8 && r == 8) return launch_decode<8, 8>(p, stream);
   if (c == 4 && r == 8) return launch_decode<4, 8>(p, stream);

@@ -1,5 +1,5 @@
-// GPU tests of the MLA writer and decode kernels (bf16, c8r8, c4r8, c4r4, c3r4, c2r4) against the
-// scalar references of kvq_quant.
+// GPU tests of the MLA writer and decode kernels (bf16, c8r8, c4r8, c4r4, c3r4, c2r4; decode also
+// mla-tq4 / mla-tq3, which have no GPU writer) against the scalar references of kvq_quant.
 //
 // Writer: the GPU packs rows into a pool poisoned with 0xff and must reproduce, byte for byte,
 // the pool that the CPU builds with make_quantizers (AffineGroup) and the page layout; tokens are
@@ -10,8 +10,8 @@
 // rows): output NMSE <= 1e-5, NaN never passes. Inputs: Gaussian rows with outlier channels and
 // constant groups, and the tiny-mla fixture's latent / k_rope rows; mixed lengths, 16 to 128
 // heads, forced split counts, protection on and off, rows scaled up along the sequence (the
-// running maximum keeps moving). `--small` runs a reduced set (for
-// compute-sanitizer).
+// running maximum keeps moving); mla-tq formats also with another layer's sign diagonal.
+// `--small` runs a reduced set (for compute-sanitizer).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -125,13 +125,13 @@ struct Cpu {
   FormatSpec f;
   cuda::MlaFormat mf;
   QuantizerPair q;
-  explicit Cpu(const std::string& name) : f(find_format(name)), mf(cuda::mla_format(f)) {
+  explicit Cpu(const std::string& name, int layer = 0) : f(find_format(name)), mf(cuda::mla_format(f, kDc, kDr, layer)) {
     CacheGeometry g;
-    g.n_layers = 1;
+    g.n_layers = layer + 1;
     g.mla = true;
     g.d_latent = kDc;
     g.d_rope = kDr;
-    q = make_quantizers(f, g, 0, 0);
+    q = make_quantizers(f, g, layer, 0);
   }
   // Writes one token into its page slot exactly as the CPU paged cache lays it out.
   void put(std::vector<std::uint8_t>& pool, std::int64_t slot, const std::uint16_t* row) const {
@@ -285,10 +285,11 @@ struct Case {
   int splits = 0;
   unsigned seed = 1;
   bool ramp = false;  // rows scaled up along the sequence: the running maximum keeps moving
+  int layer = 0;      // mla-tq: whose sign diagonal
 };
 
 void test_decode(const Case& c) {
-  const Cpu cpu(c.fmt);
+  const Cpu cpu(c.fmt, c.layer);
   const PageLayout& L = cpu.mf.page;
   const int B = static_cast<int>(c.lens.size()), H = c.heads;
   int maxlen = 0, total = 0;
@@ -406,7 +407,8 @@ void test_decode(const Case& c) {
     for (int l : c.lens) lens += std::to_string(l) + ",";
     const std::string what = c.fmt + " H=" + std::to_string(H) + " lens=" + lens + (c.fixture ? " fixture" : c.ramp ? " ramp" : " random") +
                              " S=" + std::to_string(c.sinks) + " W=" + std::to_string(c.window) + " splits=" +
-                             std::to_string(cuda::mla_decode_splits(p)) + " warps=" + std::to_string(warps);
+                             std::to_string(cuda::mla_decode_splits(p)) + " warps=" + std::to_string(warps) +
+                             (c.layer ? " layer=" + std::to_string(c.layer) : "");
     std::printf("  %-52s nmse %.3g\n", what.c_str(), nmse);
     check(finite && nmse <= 1e-5, "decode NMSE <= 1e-5: " + what);
   }
@@ -426,6 +428,8 @@ int main(int argc, char** argv) {
     test_writer("c3r4", false, 0, 0, true);
     test_decode({"c4r4", 16, {5, 130}, false, 2, 8, 0, 3});
     test_decode({"bf16", 16, {70}, false, 0, 0, 0, 4});
+    test_decode({"mla-tq4", 16, {5, 130}, false, 2, 8, 0, 3});
+    test_decode({"mla-tq3", 32, {70}, false, 0, 0, 0, 4});
     return cudatest::finish();
   }
   const std::vector<std::string> fmts = {"bf16", "c8r8", "c4r8", "c4r4", "c3r4", "c2r4"};
@@ -445,5 +449,14 @@ int main(int argc, char** argv) {
   test_decode({"bf16", 128, {1500, 17}, true, 0, 0, 0, 6});
   test_decode({"c4r4", 64, {0, 300}, false, 0, 0, 0, 7});
   for (const auto& f : {"bf16", "c4r4", "c2r4"}) test_decode({f, 16, {3000, 777}, false, 4, 16, 2, 8, true});  // moving maximum
+  // mla-tq4 / mla-tq3 (decode only: no GPU writer; the pages come from the CPU quantizers).
+  for (const auto& f : {"mla-tq4", "mla-tq3"}) {
+    test_decode({f, 16, {1, 64, 65, 700, 2500}, false, 0, 0, 0, 1});
+    test_decode({f, 32, {1000, 3, 129}, true, 4, 64, 0, 2});
+    test_decode({f, 16, {4, 20, 100, 1300}, false, 4, 16, 5, 3});  // token aging
+    test_decode({f, 16, {3000, 777}, false, 4, 16, 2, 8, true});   // moving maximum
+    test_decode({f, 128, {900, 64}, true, 4, 128, 0, 4, false, 3});  // layer 3's sign diagonal
+    test_decode({f, 64, {0, 300}, false, 0, 0, 0, 7, false, 1});
+  }
   return cudatest::finish();
 }

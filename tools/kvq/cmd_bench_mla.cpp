@@ -1,11 +1,14 @@
-// kvq bench mla: times the CUDA MLA kernels (absorbed decode over bf16 and QuantMLA affine caches,
-// and the fused writer) on the GPU and prints a table or one JSON object
+// kvq bench mla: times the CUDA MLA kernels (absorbed decode over bf16, QuantMLA affine and
+// mla-tq4 / mla-tq3 caches, and the fused writer) on the GPU and prints a table or one JSON object
 // (bench/results/decode-mla-*.json).
 //
 // Method (docs/kernels.md): the decode + combine launches are captured once in a CUDA graph and
 // replayed; before every timed replay the L2 is flushed (a memset of 4x L2) and the replay is
 // bracketed by CUDA events; median of --reps replays after --warmup. Caches are written by the
-// writer kernel from random bf16 rows, so metadata is realistic. GB/s counts every byte the
+// writer kernel from random bf16 rows, so metadata is realistic (mla-tq formats, which have no GPU
+// writer: 64 pages encoded by the CPU quantizers from random rows, repeated over the pool; no
+// writer row). mla-tq rows include the pre-kernel that rotates the queries and protected rows.
+// GB/s counts every byte the
 // kernel must read (whole pages of the packed range, protected bf16 rows, block tables).
 // speedup_vs_bf16 divides our bf16 kernel's time for the same batch / context / heads by the
 // row's time. speedup_vs_flashmla is null: FlashMLA is not installed on the GPU host.
@@ -15,6 +18,7 @@
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -38,7 +42,7 @@ namespace {
 
 struct MlaBenchOptions {
   std::string batches = "8,32", contexts = "4096,32768,131072", heads = "16,128";
-  std::string formats = "bf16,c8r8,c4r4,c2r4", protect = "none,paper";
+  std::string formats = "bf16,c8r8,c4r4,c2r4,mla-tq4", protect = "none,paper";
   int reps = 30, warmup = 3, store_tokens = 1 << 20, warps = 0;
   bool json = false;
   std::string commit = "unknown", command;
@@ -93,6 +97,40 @@ double time_us(cudaStream_t st, cudaGraphExec_t graph, F&& fn, int warmup, int r
   cudaEventDestroy(a);
   cudaEventDestroy(b);
   return median(t);
+}
+
+// Fills n_pages pages of a format without a GPU writer (mla-tq): 64 pages encoded on the host by
+// the CPU quantizers (layer 0) from Gaussian rows, then repeated by device copies.
+void fill_pool_host(const FormatSpec& f, const cuda::MlaFormat& mf, std::uint8_t* pool, std::size_t n_pages, cudaStream_t st) {
+  const PageLayout& L = mf.page;
+  CacheGeometry g;
+  g.n_layers = 1;
+  g.mla = true;
+  g.d_latent = 512;
+  g.d_rope = 64;
+  const QuantizerPair q = make_quantizers(f, g, 0, 0);
+  const std::size_t np = std::min<std::size_t>(n_pages, 64);
+  std::vector<std::uint8_t> host(np * L.page_bytes, 0);
+  std::mt19937 rng(3);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> x(576);
+  std::vector<std::uint8_t> km(q.key->meta_bytes() + 1), vm(q.value->meta_bytes() + 1);
+  for (std::size_t pi = 0; pi < np; ++pi)
+    for (int t = 0; t < L.tokens; ++t) {
+      for (auto& v : x) v = nd(rng);
+      std::uint8_t* page = host.data() + pi * L.page_bytes;
+      q.key->encode(x.data(), page + L.key_code(0, t), km.data());
+      q.value->encode(x.data() + 512, page + L.value_code(0, t), vm.data());
+      std::memcpy(page + L.key_meta(0, t), km.data(), q.key->meta_bytes());
+      std::memcpy(page + L.key_meta(0, t) + q.key->meta_bytes(), vm.data(), q.value->meta_bytes());
+    }
+  ok(cudaMemcpy(pool, host.data(), host.size(), cudaMemcpyHostToDevice), "fill pool");
+  for (std::size_t done = np; done < n_pages;) {
+    const std::size_t n = std::min(done, n_pages - done);
+    ok(cudaMemcpyAsync(pool + done * L.page_bytes, pool, n * L.page_bytes, cudaMemcpyDeviceToDevice, st), "fill pool");
+    done += n;
+  }
+  ok(cudaStreamSynchronize(st), "fill pool");
 }
 
 MlaProtectLayout protect_of(const std::string& name) {
@@ -157,7 +195,7 @@ void run_mla_bench(const MlaBenchOptions& o) {
       return sp;
     };
     // Writer: src_tokens tokens; bytes = bf16 rows + slot ids read, page records written.
-    {
+    if (!mf.tq) {
       DevBuf pool((src_tokens / 64 + 1) * pg.page_bytes);
       const cuda::MlaStoreParams sp = store_params(pool.as<std::uint8_t>(), src_tokens);
       const double us = time_us(st, nullptr, [&] { ok(cuda::mla_store(sp, st), "store"); }, o.warmup, std::max(10, o.reps / 2),
@@ -171,7 +209,8 @@ void run_mla_bench(const MlaBenchOptions& o) {
         const int pages_per_seq = (ctx + 63) / 64;
         const std::size_t n_pages = static_cast<std::size_t>(B) * pages_per_seq;
         DevBuf pool(n_pages * pg.page_bytes);
-        for (std::size_t t0 = 0; t0 < n_pages * 64; t0 += src_tokens) {
+        if (mf.tq) fill_pool_host(find_format(fname), mf, pool.as<std::uint8_t>(), n_pages, st);
+        for (std::size_t t0 = 0; !mf.tq && t0 < n_pages * 64; t0 += src_tokens) {
           const std::size_t n = std::min(src_tokens, n_pages * 64 - t0);
           ok(cuda::mla_store(store_params(pool.as<std::uint8_t>() + (t0 / 64) * pg.page_bytes, n), st), "fill pool");
         }
@@ -279,11 +318,11 @@ void register_bench_mla(CLI::App& app) {
     bench->require_subcommand(1);
   }
   auto o = std::make_shared<MlaBenchOptions>();
-  auto* cmd = bench->add_subcommand("mla", "absorbed MLA decode and the MLA writer: bf16 vs QuantMLA affine caches");
+  auto* cmd = bench->add_subcommand("mla", "absorbed MLA decode and the MLA writer: bf16 vs QuantMLA affine and mla-tq caches");
   cmd->add_option("--batch", o->batches, "batch sizes");
   cmd->add_option("--context", o->contexts, "context lengths");
   cmd->add_option("--heads", o->heads, "query heads (multiples of 16, <= 128)");
-  cmd->add_option("--formats", o->formats, "cache formats (bf16, c8r8, c4r8, c4r4, c3r4, c2r4)");
+  cmd->add_option("--formats", o->formats, "cache formats (bf16, c8r8, c4r8, c4r4, c3r4, c2r4, mla-tq4, mla-tq3)");
   cmd->add_option("--protect", o->protect, "protection policies: none, paper (4 sinks + 128 recent rows)");
   cmd->add_option("--reps", o->reps, "timed replays (median)")->check(CLI::Range(1, 100000));
   cmd->add_option("--warmup", o->warmup, "warm-up replays");
