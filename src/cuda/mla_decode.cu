@@ -287,16 +287,17 @@ __device__ __forceinline__ std::uint32_t shr(std::uint32_t x) {
 template <int B>
 __device__ __forceinline__ void dequant_tq(std::uint32_t (&w)[8], const std::uint8_t* p, const std::uint8_t* tb, std::uint32_t lane4,
                                            std::uint32_t s2) {
-  auto look = [&](std::uint32_t off) { return hmul2u(*reinterpret_cast<const std::uint32_t*>(tb + (off | lane4)), s2); };
+  // One shift and one LOP3 ((x & mask) | lane4) per pair: the address of the lane's copy.
+  auto look = [&](std::uint32_t off) { return hmul2u(*reinterpret_cast<const std::uint32_t*>(tb + off), s2); };
   if constexpr (B == 4) {  // byte k of the 8 code bytes: codes 2k, 2k + 1
     const uint2 v = *reinterpret_cast<const uint2*>(p);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const std::uint32_t x = h ? v.y : v.x;
-      w[4 * h + 0] = look(shr<-7>(x) & 0x7f80u);
-      w[4 * h + 1] = look(shr<1>(x) & 0x7f80u);
-      w[4 * h + 2] = look(shr<9>(x) & 0x7f80u);
-      w[4 * h + 3] = look(shr<17>(x) & 0x7f80u);
+      w[4 * h + 0] = look(andor<0x7f80u>(shr<-7>(x), lane4));
+      w[4 * h + 1] = look(andor<0x7f80u>(shr<1>(x), lane4));
+      w[4 * h + 2] = look(andor<0x7f80u>(shr<9>(x), lane4));
+      w[4 * h + 3] = look(andor<0x7f80u>(shr<17>(x), lane4));
     }
   } else {  // B == 3: bits 6k .. 6k + 5 of each 24-bit half: codes 2k, 2k + 1
     const std::uint16_t* h = reinterpret_cast<const std::uint16_t*>(p);
@@ -305,10 +306,10 @@ __device__ __forceinline__ void dequant_tq(std::uint32_t (&w)[8], const std::uin
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
       const std::uint32_t x = u ? v1 : v0;
-      w[4 * u + 0] = look(shr<-7>(x) & 0x1f80u);
-      w[4 * u + 1] = look(shr<-1>(x) & 0x1f80u);
-      w[4 * u + 2] = look(shr<5>(x) & 0x1f80u);
-      w[4 * u + 3] = look(shr<11>(x) & 0x1f80u);
+      w[4 * u + 0] = look(andor<0x1f80u>(shr<-7>(x), lane4));
+      w[4 * u + 1] = look(andor<0x1f80u>(shr<-1>(x), lane4));
+      w[4 * u + 2] = look(andor<0x1f80u>(shr<5>(x), lane4));
+      w[4 * u + 3] = look(andor<0x1f80u>(shr<11>(x), lane4));
     }
   }
 }
