@@ -178,6 +178,7 @@ struct CalibOptions {
   int train_seqs = 128;
   int heldout_seqs = 32;
   int seq_len = 256;
+  int rope_seq_len = 0;  // sequence length of the RoPE path's samples (0: seq_len)
   int batch = 4;         // sequences per Adam step
   int eval_every = 25;   // held-out objective cadence for best-checkpoint selection
   std::uint64_t seed = 0;

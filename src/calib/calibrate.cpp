@@ -51,7 +51,11 @@ double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock:
 struct LayerData {
   MlaLayerWeights<float> w;
   std::vector<MlaSample<float>> train, held;
+  // The RoPE path's own sequences when --rope-seq-len differs from --seq-len (else empty).
+  std::vector<MlaSample<float>> rope_train_own, rope_held_own;
   std::vector<float> gamma;
+  const std::vector<MlaSample<float>>& rope_train() const { return rope_train_own.empty() ? train : rope_train_own; }
+  const std::vector<MlaSample<float>>& rope_held() const { return rope_held_own.empty() ? held : rope_held_own; }
 };
 
 // Adam over a flat parameter vector (Kingma & Ba, bias-corrected).
@@ -154,7 +158,7 @@ double content_heldout(const LayerData& L, const std::vector<double>& rot, const
 double rope_heldout(const LayerData& L, const RopePairs& pp, const std::vector<double>& angle, const std::vector<double>& sc,
                     bool hadamard, const RowOp<float>* op) {
   const std::vector<float> af = to_float(angle), sf = to_float(sc);
-  return mean_over(L.held, [&](const MlaSample<float>& x) {
+  return mean_over(L.rope_held(), [&](const MlaSample<float>& x) {
     return rope_objective(x, L.w.dims.H, pp, af.data(), sf.data(), hadamard, op);
   });
 }
@@ -162,7 +166,7 @@ double rope_heldout(const LayerData& L, const RopePairs& pp, const std::vector<d
 double rope_output_heldout(const LayerData& L, const RopePairs& pp, const std::vector<double>& angle,
                            const std::vector<double>& sc, bool hadamard, const RowOp<float>* op) {
   const std::vector<float> af = to_float(angle), sf = to_float(sc);
-  return mean_over(L.held, [&](const MlaSample<float>& x) {
+  return mean_over(L.rope_held(), [&](const MlaSample<float>& x) {
     return rope_output_objective(L.w, x, pp, af.data(), sf.data(), hadamard, op);
   });
 }
@@ -306,6 +310,7 @@ CalibResult calibrate(const CalibOptions& o) {
     fail("kvq calibrate: --cache must be a cXrY format (group-64 affine content and RoPE caches), not " + f.name);
   require(o.steps >= 0 && o.train_seqs > 0 && o.heldout_seqs > 0 && o.seq_len >= 8 && o.batch > 0 && o.eval_every > 0,
           "kvq calibrate: steps >= 0, train/held-out sequences > 0, seq-len >= 8, batch > 0 and eval-every > 0 required");
+  require(o.rope_seq_len == 0 || o.rope_seq_len >= 8, "kvq calibrate: rope-seq-len must be 0 (= seq-len) or >= 8");
   if (o.out_dir.empty()) fail("kvq calibrate: --out is required");
   if (!o.content_path && !o.rope_path) fail("kvq calibrate: --paths selects no path (content, rope or both)");
   const fs::path out(o.out_dir);
@@ -340,7 +345,7 @@ CalibResult calibrate(const CalibOptions& o) {
   require(qc && qr, "kvq calibrate: the cXrY quantizers must be AffineGroup");
   const AffineSte<float> opc(*qc), opr(*qr);
   const int dc = cfg.kv_lora_rank, dr = cfg.qk_rope_head_dim, H = cfg.n_heads,
-            hid = cfg.hidden_size, NL = cfg.n_layers, T = o.seq_len;
+            hid = cfg.hidden_size, NL = cfg.n_layers, T = o.seq_len, Tr = o.rope_seq_len > 0 ? o.rope_seq_len : o.seq_len;
   const RopePairs pairs{dr, cfg.rope.interleaved};
   if (o.method == CalibMethod::kQuaRot && ((dc & (dc - 1)) != 0 || (dr & (dr - 1)) != 0))
     fail("kvq calibrate: quarot needs power-of-two kv_lora_rank and qk_rope_head_dim");
@@ -354,24 +359,28 @@ CalibResult calibrate(const CalibOptions& o) {
   require(!cfg.eos_token_ids.empty() && cfg.bos_token_id >= 0, "kvq calibrate: the model needs bos and eos token ids");
   const auto stream = ppl_token_stream(ss.str(), [&](std::string_view s) { return tok->encode(s); }, cfg.eos_token_ids[0]);
   const int nseq = o.train_seqs + o.heldout_seqs;
-  const std::size_t need = static_cast<std::size_t>(nseq) * static_cast<std::size_t>(T - 1);
-  if (stream.size() < need)
-    fail(o.text_file + ": " + std::to_string(stream.size()) + " tokens, " + std::to_string(need) + " needed for " +
-         std::to_string(nseq) + " sequences of " + std::to_string(T));
-  // Windows of the stream in a seeded order: the first train_seqs train, the rest are held out.
-  std::vector<int> win(stream.size() / static_cast<std::size_t>(T - 1));
-  std::iota(win.begin(), win.end(), 0);
-  {
+  // nseq windows of T - 1 tokens (after <|bos|>) in a seeded order: the first train_seqs train,
+  // the rest are held out.
+  auto make_seqs = [&](int T_) {
+    const std::size_t need = static_cast<std::size_t>(nseq) * static_cast<std::size_t>(T_ - 1);
+    if (stream.size() < need)
+      fail(o.text_file + ": " + std::to_string(stream.size()) + " tokens, " + std::to_string(need) + " needed for " +
+           std::to_string(nseq) + " sequences of " + std::to_string(T_));
+    std::vector<int> win(stream.size() / static_cast<std::size_t>(T_ - 1));
+    std::iota(win.begin(), win.end(), 0);
     SplitMix64 rng(mix_seed(o.seed, 0, 0, 0x63616cu));
     for (std::size_t i = win.size() - 1; i > 0; --i) std::swap(win[i], win[rng.next() % (i + 1)]);
-  }
-  std::vector<std::vector<std::int32_t>> seqs(static_cast<std::size_t>(nseq));
-  for (int i = 0; i < nseq; ++i) {
-    auto& s = seqs[static_cast<std::size_t>(i)];
-    s.push_back(cfg.bos_token_id);
-    const std::size_t b = static_cast<std::size_t>(win[static_cast<std::size_t>(i)]) * static_cast<std::size_t>(T - 1);
-    s.insert(s.end(), stream.begin() + static_cast<std::ptrdiff_t>(b), stream.begin() + static_cast<std::ptrdiff_t>(b + T - 1));
-  }
+    std::vector<std::vector<std::int32_t>> made(static_cast<std::size_t>(nseq));
+    for (int i = 0; i < nseq; ++i) {
+      auto& q = made[static_cast<std::size_t>(i)];
+      q.push_back(cfg.bos_token_id);
+      const std::size_t b = static_cast<std::size_t>(win[static_cast<std::size_t>(i)]) * static_cast<std::size_t>(T_ - 1);
+      q.insert(q.end(), stream.begin() + static_cast<std::ptrdiff_t>(b), stream.begin() + static_cast<std::ptrdiff_t>(b + T_ - 1));
+    }
+    return made;
+  };
+  const std::vector<std::vector<std::int32_t>> seqs = make_seqs(T);
+  const std::vector<std::vector<std::int32_t>> rope_seqs = Tr != T && o.rope_path ? make_seqs(Tr) : decltype(seqs){};
 
   // ---- layer weights and capture (exact fp32 cache) ---------------------------------------------
   std::vector<LayerData> layers(static_cast<std::size_t>(NL));
@@ -386,6 +395,16 @@ CalibResult calibrate(const CalibOptions& o) {
       L.gamma = L.w.gamma;
       auto& sl = samples[static_cast<std::size_t>(l)];
       for (int i = 0; i < nseq; ++i) (i < o.train_seqs ? L.train : L.held).push_back(std::move(sl[static_cast<std::size_t>(i)]));
+    }
+    if (!rope_seqs.empty()) {
+      say(o, "capturing " + std::to_string(nseq) + " sequences of " + std::to_string(Tr) + " tokens for the RoPE path");
+      auto rs = capture_mla_samples(*model, load_mla_layer_weights(o.model_dir), rope_seqs);
+      for (int l = 0; l < NL; ++l) {
+        auto& L = layers[static_cast<std::size_t>(l)];
+        auto& sl = rs[static_cast<std::size_t>(l)];
+        for (int i = 0; i < nseq; ++i)
+          (i < o.train_seqs ? L.rope_train_own : L.rope_held_own).push_back(std::move(sl[static_cast<std::size_t>(i)]));
+      }
     }
     say(o, "captured in " + std::to_string(static_cast<int>(since(t0))) + " s");
   }
@@ -411,8 +430,8 @@ CalibResult calibrate(const CalibOptions& o) {
     const std::vector<double> a_c = percentile_abs(ub, dc, 0.999);
     // RoPE: the pair magnitude sqrt(k_a^2 + k_b^2) (invariant under RoPE), 99.9th percentile.
     std::vector<float> pair_mag;
-    pair_mag.reserve(L.train.size() * static_cast<std::size_t>(T) * static_cast<std::size_t>(dr / 2));
-    for (const auto& x : L.train)
+    pair_mag.reserve(L.rope_train().size() * static_cast<std::size_t>(Tr) * static_cast<std::size_t>(dr / 2));
+    for (const auto& x : L.rope_train())
       for (int t = 0; t < x.T; ++t)
         for (int i = 0; i < dr / 2; ++i) {
           const float a = x.p[static_cast<std::size_t>(t) * dr + pairs.first(i)], b = x.p[static_cast<std::size_t>(t) * dr + pairs.second(i)];
@@ -499,13 +518,13 @@ CalibResult calibrate(const CalibOptions& o) {
         for (std::size_t i = 0; i < lg.size(); ++i) lg[i] = std::log(rs[i]);
         std::vector<double> bestAng = ang, bestL = lg;
         Adam adT(ang.size(), o.lr_angle), adL(lg.size(), o.lr_scale);
-        Batches bt(static_cast<int>(L.train.size()), mix_seed(o.seed, static_cast<std::uint32_t>(l), 0, 0x726f70u));
+        Batches bt(static_cast<int>(L.rope_train().size()), mix_seed(o.seed, static_cast<std::uint32_t>(l), 0, 0x726f70u));
         for (int step = 1; step <= o.steps; ++step) {
           const std::vector<double> sv = exp_scales(lg);
           const std::vector<float> af = to_float(ang), sf = to_float(sv);
           const std::vector<int> idx = bt.next(o.batch);
           auto [ga, gs] = minibatch_gradients(idx, ang.size(), lg.size(), [&](int i, float* a, float* b) {
-            rope_objective(L.train[static_cast<std::size_t>(i)], H, pairs, af.data(), sf.data(), false, &opr, a, b);
+            rope_objective(L.rope_train()[static_cast<std::size_t>(i)], H, pairs, af.data(), sf.data(), false, &opr, a, b);
           });
           std::vector<double> gl(lg.size());
           for (std::size_t j = 0; j < lg.size(); ++j) gl[j] = gs[j] * log_scale_grad(lg[j]);
@@ -532,6 +551,8 @@ CalibResult calibrate(const CalibOptions& o) {
     // Layer data is no longer needed.
     L.train.clear();
     L.held.clear();
+    L.rope_train_own.clear();
+    L.rope_held_own.clear();
   }
 
   // ---- fusion, checks, output ------------------------------------------------------------------
@@ -551,6 +572,7 @@ CalibResult calibrate(const CalibOptions& o) {
   j["train_seqs"] = o.train_seqs;
   j["heldout_seqs"] = o.heldout_seqs;
   j["seq_len"] = T;
+  j["rope_seq_len"] = Tr;
   j["batch"] = o.batch;
   j["eval_every"] = o.eval_every;
   j["optimizer"] = {{"name", "adam"}, {"lr_rotation", o.lr_rotation}, {"lr_scale", o.lr_scale}, {"lr_angle", o.lr_angle},

@@ -585,6 +585,31 @@ TEST(Calibrate, OnePathAloneLeavesTheOtherAtRtn) {
   fs::remove_all(base);
 }
 
+// --rope-seq-len: the RoPE path gets its own, longer sequences; the content path's samples (and
+// so its RTN objective) stay those of --seq-len.
+TEST(Calibrate, RopeSequenceLengthOnlyChangesTheRopeSamples) {
+  const fs::path base = temp_dir("ropelen");
+  CalibOptions a = small_options(base / "same", CalibMethod::kQuantMla);
+  a.steps = 0;
+  CalibOptions b = a;
+  b.out_dir = (base / "long").string();
+  b.rope_seq_len = 2 * a.seq_len;
+  const CalibResult ra = calibrate(a), rb = calibrate(b);
+  ASSERT_EQ(ra.layers.size(), rb.layers.size());
+  int rope_differs = 0;
+  for (std::size_t l = 0; l < ra.layers.size(); ++l) {
+    EXPECT_EQ(ra.layers[l].content.rtn, rb.layers[l].content.rtn) << l;
+    rope_differs += ra.layers[l].rope.rtn != rb.layers[l].rope.rtn;
+  }
+  EXPECT_EQ(rope_differs, static_cast<int>(ra.layers.size()));
+  EXPECT_NE(rb.json.find("\"rope_seq_len\": " + std::to_string(2 * a.seq_len)), std::string::npos);
+  CalibOptions bad = a;
+  bad.out_dir = (base / "bad").string();
+  bad.rope_seq_len = 3;
+  EXPECT_THROW(calibrate(bad), kvq::Error);
+  fs::remove_all(base);
+}
+
 TEST(Calibrate, SeededRunsAreReproducible) {
   // Same options twice: the same checkpoint bytes, whatever the OpenMP schedule did.
   const fs::path base = temp_dir("repro");

@@ -13,7 +13,7 @@ namespace {
 struct Args {
   std::string model, text = "data/validation-tech.txt", out, method = "quantmla", cache = "c4r4", dtype = "source",
               paths = "both";
-  int steps = 300, train = 128, held = 32, seq_len = 256, batch = 4, eval_every = 25, check_seqs = 4;
+  int steps = 300, train = 128, held = 32, seq_len = 256, rope_seq_len = 0, batch = 4, eval_every = 25, check_seqs = 4;
   std::uint64_t seed = 0;
   double lr_rot = 2e-3, lr_scale = 1e-2, lr_angle = 1e-2;
   bool json = false, quiet = false;
@@ -33,6 +33,7 @@ void run(const Args& a) {
   o.train_seqs = a.train;
   o.heldout_seqs = a.held;
   o.seq_len = a.seq_len;
+  o.rope_seq_len = a.rope_seq_len;
   o.batch = a.batch;
   o.eval_every = a.eval_every;
   o.check_seqs = a.check_seqs;
@@ -74,6 +75,9 @@ void register_cmd(CLI::App& app) {
   cmd->add_option("--train-seqs", a->train, "training sequences (default 128)");
   cmd->add_option("--heldout-seqs", a->held, "held-out sequences for alpha and checkpoint selection (default 32)");
   cmd->add_option("--seq-len", a->seq_len, "tokens per sequence including <|bos|> (default 256)");
+  cmd->add_option("--rope-seq-len", a->rope_seq_len,
+                  "tokens per sequence of the RoPE path's samples (default: --seq-len); the learned RoPE angles fit the positions they see")
+      ->check(CLI::NonNegativeNumber);
   cmd->add_option("--batch", a->batch, "sequences per Adam step (default 4)");
   cmd->add_option("--eval-every", a->eval_every, "held-out evaluation cadence in steps (default 25)");
   cmd->add_option("--check-seqs", a->check_seqs, "held-out sequences of the fusion check (default 4)");
