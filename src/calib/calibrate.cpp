@@ -386,25 +386,27 @@ CalibResult calibrate(const CalibOptions& o) {
   std::vector<LayerData> layers(static_cast<std::size_t>(NL));
   {
     auto ws = load_mla_layer_weights(o.model_dir);
+    // Per layer: samples [0, train_seqs) to `train`, the rest to `held`.
+    auto split = [&](std::vector<std::vector<MlaSample<float>>>& samples, auto train, auto held) {
+      for (int l = 0; l < NL; ++l) {
+        auto& L = layers[static_cast<std::size_t>(l)];
+        auto& sl = samples[static_cast<std::size_t>(l)];
+        for (int i = 0; i < nseq; ++i) (i < o.train_seqs ? L.*train : L.*held).push_back(std::move(sl[static_cast<std::size_t>(i)]));
+      }
+    };
     say(o, "capturing " + std::to_string(nseq) + " sequences of " + std::to_string(T) + " tokens from " + o.text_file);
     auto samples = capture_mla_samples(*model, ws, seqs);
+    split(samples, &LayerData::train, &LayerData::held);
+    if (!rope_seqs.empty()) {
+      say(o, "capturing " + std::to_string(nseq) + " sequences of " + std::to_string(Tr) + " tokens for the RoPE path");
+      auto rs = capture_mla_samples(*model, ws, rope_seqs);
+      split(rs, &LayerData::rope_train_own, &LayerData::rope_held_own);
+    }
     for (int l = 0; l < NL; ++l) {
       auto& L = layers[static_cast<std::size_t>(l)];
       L.w = std::move(ws[static_cast<std::size_t>(l)]);
       L.w.dims.T = T;
       L.gamma = L.w.gamma;
-      auto& sl = samples[static_cast<std::size_t>(l)];
-      for (int i = 0; i < nseq; ++i) (i < o.train_seqs ? L.train : L.held).push_back(std::move(sl[static_cast<std::size_t>(i)]));
-    }
-    if (!rope_seqs.empty()) {
-      say(o, "capturing " + std::to_string(nseq) + " sequences of " + std::to_string(Tr) + " tokens for the RoPE path");
-      auto rs = capture_mla_samples(*model, load_mla_layer_weights(o.model_dir), rope_seqs);
-      for (int l = 0; l < NL; ++l) {
-        auto& L = layers[static_cast<std::size_t>(l)];
-        auto& sl = rs[static_cast<std::size_t>(l)];
-        for (int i = 0; i < nseq; ++i)
-          (i < o.train_seqs ? L.rope_train_own : L.rope_held_own).push_back(std::move(sl[static_cast<std::size_t>(i)]));
-      }
     }
     say(o, "captured in " + std::to_string(static_cast<int>(since(t0))) + " s");
   }

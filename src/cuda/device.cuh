@@ -1,5 +1,6 @@
 // device.cuh: small device helpers shared by the store and decode kernels: tensor-core mma,
-// cp.async, fp16/bf16 packing, the block-diagonal Walsh-Hadamard transform over shared memory.
+// cp.async, bf16 pair min / max, fp16/bf16 packing, the block-diagonal Walsh-Hadamard transform
+// over shared memory.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -56,6 +57,21 @@ __device__ __forceinline__ float round_elt(float x) {
   if constexpr (kBf16) return __bfloat162float(__float2bfloat16_rn(x));
   else return __half2float(__float2half_rn(x));
 }
+// Elementwise min / max of two bf16 pairs (exact: bf16 order is the order of the values), and
+// the low / high bf16 of a pair as float.
+__device__ __forceinline__ std::uint32_t bmin2(std::uint32_t a, std::uint32_t b) {
+  std::uint32_t r;
+  asm("min.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+__device__ __forceinline__ std::uint32_t bmax2(std::uint32_t a, std::uint32_t b) {
+  std::uint32_t r;
+  asm("max.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+__device__ __forceinline__ float bf16_lo(std::uint32_t w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_hi(std::uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
+
 // x = hi + lo with hi, lo in the 16-bit type: about twice its precision.
 template <bool kBf16>
 __device__ __forceinline__ void split2(float x0, float x1, std::uint32_t& hi, std::uint32_t& lo) {

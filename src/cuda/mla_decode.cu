@@ -192,6 +192,19 @@ __device__ __forceinline__ std::uint32_t pick_h2(const std::uint32_t (&u)[8]) {
   constexpr unsigned lo = (X0 & 1) ? 0x32u : 0x10u, hi = (X1 & 1) ? 0x76u : 0x54u;
   return bf2_to_h2(__byte_perm(u[X0 / 2], u[X1 / 2], lo | (hi << 8)));
 }
+// Eight words from two 16-byte loads at lo and hi (w[0..3] from lo, w[4..7] from hi).
+__device__ __forceinline__ void load_words8(std::uint32_t (&w)[8], const void* lo, const void* hi) {
+  const uint4 a = *reinterpret_cast<const uint4*>(lo);
+  const uint4 c = *reinterpret_cast<const uint4*>(hi);
+  w[0] = a.x;
+  w[1] = a.y;
+  w[2] = a.z;
+  w[3] = a.w;
+  w[4] = c.x;
+  w[5] = c.y;
+  w[6] = c.z;
+  w[7] = c.w;
+}
 template <int CB, int K>
 __device__ __forceinline__ void prot_words(std::uint32_t (&wc)[8], const std::uint32_t (&u)[8]) {
   if constexpr (K < 8) {
@@ -623,21 +636,11 @@ __global__ void __launch_bounds__(kNT, 2) mla_decode_kernel(const __grid_constan
           const std::uint16_t* row = p.protect_rows + p.protect.row(b, slot);
           if constexpr (kTq) {  // the rotated latent row (fp16, the pre-kernel's), the RoPE key as it is
             const std::uint16_t* rr = wk.prot + (static_cast<std::size_t>(b) * p.protect.slots() + slot) * kDc + 64 * gq + 16 * t;
-            const uint4 a = *reinterpret_cast<const uint4*>(rr);
-            const uint4 c = *reinterpret_cast<const uint4*>(rr + 8);
-            wc[j][0] = a.x;
-            wc[j][1] = a.y;
-            wc[j][2] = a.z;
-            wc[j][3] = a.w;
-            wc[j][4] = c.x;
-            wc[j][5] = c.y;
-            wc[j][6] = c.z;
-            wc[j][7] = c.w;
+            load_words8(wc[j], rr, rr + 8);
             wr[j] = *reinterpret_cast<const std::uint32_t*>(row + kDc + 8 * gq + 2 * t);
           } else {
-            const uint4 a = *reinterpret_cast<const uint4*>(row + 64 * gq + 16 * t);
-            const uint4 c = *reinterpret_cast<const uint4*>(row + 64 * gq + 16 * t + 8);
-            const std::uint32_t u[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
+            std::uint32_t u[8];
+            load_words8(u, row + 64 * gq + 16 * t, row + 64 * gq + 16 * t + 8);
             prot_words<CB, 0>(wc[j], u);
             wr[j] = bf2_to_h2(*reinterpret_cast<const std::uint32_t*>(row + kDc + 8 * gq + 2 * t));
           }
@@ -665,16 +668,7 @@ __global__ void __launch_bounds__(kNT, 2) mla_decode_kernel(const __grid_constan
           dequant_tq<BITS>(wc[j], cp, tb, lane4, rec[8 * j + g].x);
           wr[j] = *reinterpret_cast<const std::uint32_t*>(rp);
         } else {
-          const uint4 a = *reinterpret_cast<const uint4*>(cp);
-          const uint4 c = *reinterpret_cast<const uint4*>(cp + 64);
-          wc[j][0] = a.x;
-          wc[j][1] = a.y;
-          wc[j][2] = a.z;
-          wc[j][3] = a.w;
-          wc[j][4] = c.x;
-          wc[j][5] = c.y;
-          wc[j][6] = c.z;
-          wc[j][7] = c.w;
+          load_words8(wc[j], cp, cp + 64);
           wr[j] = *reinterpret_cast<const std::uint32_t*>(rp);
         }
       }

@@ -18,6 +18,7 @@
 
 #include <cfloat>
 
+#include "device.cuh"
 #include "kvq/numeric.hpp"
 #include "kvq_cuda_mla.hpp"
 
@@ -30,19 +31,10 @@ constexpr std::uint32_t kRintMagicBits = 0x4B400000u;
 
 __device__ __forceinline__ float clampf_ref(float v, float lo, float hi) { return v < lo ? lo : (v > hi ? hi : v); }
 
-// Elementwise min of two bf16 pairs (exact: bf16 order is the order of the values).
-__device__ __forceinline__ std::uint32_t bmin2(std::uint32_t a, std::uint32_t b) {
-  std::uint32_t r;
-  asm("min.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-  return r;
-}
-__device__ __forceinline__ std::uint32_t bmax2(std::uint32_t a, std::uint32_t b) {
-  std::uint32_t r;
-  asm("max.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-  return r;
-}
-__device__ __forceinline__ float bf16_lo(std::uint32_t w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float bf16_hi(std::uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
+using detail::bf16_hi;
+using detail::bf16_lo;
+using detail::bmax2;
+using detail::bmin2;
 
 // Sum of 2^(pos & 31) over the codes k whose bit position CB*k starts in word i: the multiplier
 // that turns one per-lane constant into the constant part of every packed field of that word.

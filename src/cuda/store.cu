@@ -433,25 +433,13 @@ __device__ __forceinline__ void unpack_raw32(const Raw32& r, float (&x)[kLaneEle
 #pragma unroll
   for (int j = 0; j < kLaneElems / 2; ++j) {
     const std::uint32_t w = raw_word(r, j);
-    x[2 * j] = __uint_as_float(w << 16);
-    x[2 * j + 1] = __uint_as_float(w & 0xffff0000u);
+    x[2 * j] = bf16_lo(w);
+    x[2 * j + 1] = bf16_hi(w);
   }
 }
 __device__ __forceinline__ void store_raw32(const Raw32& r, std::uint8_t* dst) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) reinterpret_cast<uint4*>(dst)[i] = r.q[i];
-}
-
-// Elementwise min / max of bf16 pairs (exact: the order of bf16 values).
-__device__ __forceinline__ std::uint32_t bmin2(std::uint32_t a, std::uint32_t b) {
-  std::uint32_t r;
-  asm("min.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-  return r;
-}
-__device__ __forceinline__ std::uint32_t bmax2(std::uint32_t a, std::uint32_t b) {
-  std::uint32_t r;
-  asm("max.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-  return r;
 }
 
 // Sign diagonals as XOR masks in shared memory: word (side, head, pair j) has bit 15 set when
@@ -474,6 +462,18 @@ __device__ __forceinline__ void load_masks(const uint4* __restrict__ sm, int sid
     m[4 * i + 3] = q.w;
   }
 }
+// x[k] *= signs[k] for the lane's 32 elements (the float signs, used without a mask table).
+__device__ __forceinline__ void mul_signs32(const float* __restrict__ signs, float (&x)[kLaneElems]) {
+  const float4* sp = reinterpret_cast<const float4*>(signs);
+#pragma unroll
+  for (int j = 0; j < kLaneElems / 4; ++j) {
+    const float4 s4 = __ldg(sp + j);
+    x[4 * j] *= s4.x;
+    x[4 * j + 1] *= s4.y;
+    x[4 * j + 2] *= s4.z;
+    x[4 * j + 3] *= s4.w;
+  }
+}
 // The lane's 32 elements with their signs: from the masks, or (no mask table) by the float signs.
 __device__ __forceinline__ void unpack_signed32(const Raw32& r, const uint4* sm, bool use_masks, int side, int head, int H,
                                                 int D8, int l, const float* __restrict__ signs, float (&x)[kLaneElems]) {
@@ -483,20 +483,12 @@ __device__ __forceinline__ void unpack_signed32(const Raw32& r, const uint4* sm,
 #pragma unroll
     for (int j = 0; j < kLaneElems / 2; ++j) {
       const std::uint32_t w = raw_word(r, j) ^ m[j];
-      x[2 * j] = __uint_as_float(w << 16);
-      x[2 * j + 1] = __uint_as_float(w & 0xffff0000u);
+      x[2 * j] = bf16_lo(w);
+      x[2 * j + 1] = bf16_hi(w);
     }
   } else {
     unpack_raw32(r, x);
-    const float4* sp = reinterpret_cast<const float4*>(signs);
-#pragma unroll
-    for (int j = 0; j < kLaneElems / 4; ++j) {
-      const float4 s4 = __ldg(sp + j);
-      x[4 * j] *= s4.x;
-      x[4 * j + 1] *= s4.y;
-      x[4 * j + 2] *= s4.z;
-      x[4 * j + 3] *= s4.w;
-    }
+    mul_signs32(signs, x);
   }
 }
 __device__ __forceinline__ void apply_signs32(const uint4* sm, bool use_masks, int side, int head, int H, int D8, int l,
@@ -510,15 +502,7 @@ __device__ __forceinline__ void apply_signs32(const uint4* sm, bool use_masks, i
       x[2 * j + 1] = __uint_as_float(__float_as_uint(x[2 * j + 1]) ^ (m[j] & 0x80000000u));
     }
   } else {
-    const float4* sp = reinterpret_cast<const float4*>(signs);
-#pragma unroll
-    for (int j = 0; j < kLaneElems / 4; ++j) {
-      const float4 s4 = __ldg(sp + j);
-      x[4 * j] *= s4.x;
-      x[4 * j + 1] *= s4.y;
-      x[4 * j + 2] *= s4.z;
-      x[4 * j + 3] *= s4.w;
-    }
+    mul_signs32(signs, x);
   }
 }
 
@@ -785,7 +769,7 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
       std::uint32_t mm = bmin2(__byte_perm(mn, mx ^ 0x80008000u, 0x5410), __byte_perm(mn, mx ^ 0x80008000u, 0x7632));
 #pragma unroll
       for (int o = 1; o < P; o <<= 1) mm = bmin2(mm, __shfl_xor_sync(0xffffffffu, mm, o));
-      const float lo = __uint_as_float(mm << 16), hi = -__uint_as_float(mm & 0xffff0000u);
+      const float lo = bf16_lo(mm), hi = -bf16_hi(mm);
       float s = (hi - lo) / static_cast<float>(m);
       if (!(s > 1e-8f)) s = 1e-8f;
       const float y = __frcp_rn(s);

@@ -6,7 +6,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <memory>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -93,6 +95,28 @@ std::vector<float> attend(const PagedCache& c, int layer, int n_q, int pos0, int
 }
 
 double nrel(const std::vector<float>& a, const std::vector<float>& b) { return rel_error(a.data(), b.data(), a.size()); }
+
+// tiny-mla's real layer-2 latent and RoPE-key rows (the fixture's reference dump).
+struct FixtureRows {
+  std::vector<float> lat, rope;
+};
+FixtureRows fixture_layer2() {
+  SafetensorsFile f(std::string(KVQ_SOURCE_DIR) + "/models/tiny-mla/reference.safetensors");
+  return {f.get("layer2.latent").to_float(), f.get("layer2.k_rope").to_float()};
+}
+// A one-layer MLA cache of `fmt` with 4 sinks and a 32-token window holding fixture rows
+// [0, n0 + n1), appended as two chunks.
+std::unique_ptr<PagedCache> fixture_cache(const FixtureRows& r, const char* fmt, int n0, int n1) {
+  const auto need = static_cast<std::size_t>(n0 + n1);
+  if (r.lat.size() < need * 512 || r.rope.size() < need * 64) throw std::runtime_error("fixture has too few rows");
+  CacheOptions o;
+  o.format = fmt;
+  o.protect = {4, 32, 0};
+  auto c = std::make_unique<PagedCache>(mla(1), o);
+  c->append(0, 0, n0, r.lat.data(), r.rope.data());
+  c->append(0, 0, n1, r.lat.data() + static_cast<std::size_t>(n0) * 512, r.rope.data() + static_cast<std::size_t>(n0) * 64);
+  return c;
+}
 
 }  // namespace
 
@@ -317,16 +341,10 @@ TEST(PagedCache, FormatsThatDoNotFit) {
 // On the fixture's real cache rows (keys after RoPE are not needed for this check): the fast
 // decode path equals the reference.
 TEST(PagedCache, RealFixtureRowsFastEqualsReference) {
-  SafetensorsFile f(std::string(KVQ_SOURCE_DIR) + "/models/tiny-mla/reference.safetensors");
-  const auto lat = f.get("layer2.latent").to_float();
-  const auto rope = f.get("layer2.k_rope").to_float();
+  const FixtureRows rows = fixture_layer2();
   for (const char* fmt : {"c4r4", "c2r4", "mla-tq4", "fp8"}) {
-    CacheOptions o;
-    o.format = fmt;
-    o.protect = {4, 32, 0};
-    PagedCache c(mla(1), o);
-    c.append(0, 0, 300, lat.data(), rope.data());
-    c.append(0, 0, 1, lat.data() + 300 * 512, rope.data() + 300 * 64);
+    auto cache = fixture_cache(rows, fmt, 300, 1);
+    PagedCache& c = *cache;
     c.set_attention_path(AttentionPath::kReference);
     const auto ref = attend(c, 0, 1, 300, 16, 3);
     c.set_attention_path(AttentionPath::kFast);
@@ -418,19 +436,11 @@ TEST(PagedCache, ExpandedMlaEqualsAbsorbedEveryFormat) {
 // Real latent rows (tiny-mla layer 2), protection on, two chunks; the band rows of the second
 // chunk reach back into the first chunk's window (ring rows).
 TEST(PagedCache, ExpandedMlaRealFixtureRows) {
-  SafetensorsFile f(std::string(KVQ_SOURCE_DIR) + "/models/tiny-mla/reference.safetensors");
-  const auto lat = f.get("layer2.latent").to_float();
-  const auto rope = f.get("layer2.k_rope").to_float();
-  ASSERT_GE(lat.size(), static_cast<std::size_t>(300 * 512));
+  const FixtureRows rows = fixture_layer2();
   const UpProj up(512);
   for (const char* fmt : {"c4r4", "c2r4", "mla-tq4", "bf16"}) {
-    CacheOptions o;
-    o.format = fmt;
-    o.protect = {4, 32, 0};
-    PagedCache c(mla(1), o);
-    c.append(0, 0, 200, lat.data(), rope.data());
-    c.append(0, 0, 100, lat.data() + 200 * 512, rope.data() + 200 * 64);
-    const auto [got, ref] = expanded_vs_absorbed(c, up, 0, 100, 200, 8);
+    auto c = fixture_cache(rows, fmt, 200, 100);
+    const auto [got, ref] = expanded_vs_absorbed(*c, up, 0, 100, 200, 8);
     EXPECT_LT(nrel(got, ref), 1e-5) << fmt;
   }
 }

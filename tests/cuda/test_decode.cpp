@@ -53,6 +53,18 @@ std::vector<float> fixture_all(const std::string& name) {
   return f.get(name).to_float();  // [512][256]
 }
 
+// Whether the records of (slot, head) hold the same codes and metadata in two pools.
+bool same_record(const PageLayout& pl, const std::vector<std::uint8_t>& a_pool, const std::vector<std::uint8_t>& b_pool,
+                 std::int64_t slot, int h) {
+  const std::size_t page = static_cast<std::size_t>(slot / 64);
+  const int off = static_cast<int>(slot % 64);
+  const std::uint8_t* a = a_pool.data() + page * pl.page_bytes;
+  const std::uint8_t* b = b_pool.data() + page * pl.page_bytes;
+  return std::memcmp(a + pl.key_code(h, off), b + pl.key_code(h, off), pl.key_code_bytes) == 0 &&
+         std::memcmp(a + pl.value_code(h, off), b + pl.value_code(h, off), pl.value_code_bytes) == 0 &&
+         std::memcmp(a + pl.key_meta(h, off), b + pl.key_meta(h, off), pl.meta_bytes) == 0;
+}
+
 double run_case(const Case& c) {
   const FormatSpec& f = find_format(c.fmt);
   CacheGeometry g;
@@ -282,21 +294,11 @@ double run_case(const Case& c) {
     KVQ_CUDA_OK(cudaDeviceSynchronize());
     KVQ_CUDA_OK(cudaMemcpy(pool2.data(), dpool2, pool2.size(), cudaMemcpyDeviceToHost));
     std::size_t records = 0, differ = 0;
-    const std::size_t rec = pl.key_code_bytes + pl.value_code_bytes + pl.meta_bytes;
-    for (std::size_t i = 0; i < slots.size(); ++i) {
-      const std::size_t page = static_cast<std::size_t>(slots[i] / 64);
-      const int off = static_cast<int>(slots[i] % 64);
+    for (std::size_t i = 0; i < slots.size(); ++i)
       for (int h = 0; h < H; ++h) {
-        const std::uint8_t* a = pool.data() + page * pl.page_bytes;
-        const std::uint8_t* bb = pool2.data() + page * pl.page_bytes;
-        bool same = std::memcmp(a + pl.key_code(h, off), bb + pl.key_code(h, off), pl.key_code_bytes) == 0 &&
-                    std::memcmp(a + pl.value_code(h, off), bb + pl.value_code(h, off), pl.value_code_bytes) == 0 &&
-                    std::memcmp(a + pl.key_meta(h, off), bb + pl.key_meta(h, off), pl.meta_bytes) == 0;
         ++records;
-        if (!same) ++differ;
+        if (!same_record(pl, pool, pool2, slots[i], h)) ++differ;
       }
-    }
-    (void)rec;
     check(differ * 1000 <= records, name + ": store kernel: " + std::to_string(differ) + " of " +
                                         std::to_string(records) + " records differ from the CPU reference");
     if (pr.enabled()) {
@@ -436,16 +438,9 @@ void test_store_edges(const std::string& fmt, int D, int H, int n_tok, unsigned 
   for (int t = 0; t < n_tok; ++t) {
     const std::int64_t sl = slots[static_cast<std::size_t>(t)];
     if (sl < 0) continue;
-    const std::size_t page = static_cast<std::size_t>(sl / 64);
-    const int off = static_cast<int>(sl % 64);
     for (int h = 0; h < H; ++h) {
-      const std::uint8_t* a = pool.data() + page * pl.page_bytes;
-      const std::uint8_t* b = pool2.data() + page * pl.page_bytes;
-      const bool same = std::memcmp(a + pl.key_code(h, off), b + pl.key_code(h, off), pl.key_code_bytes) == 0 &&
-                        std::memcmp(a + pl.value_code(h, off), b + pl.value_code(h, off), pl.value_code_bytes) == 0 &&
-                        std::memcmp(a + pl.key_meta(h, off), b + pl.key_meta(h, off), pl.meta_bytes) == 0;
       ++records;
-      if (!same) {
+      if (!same_record(pl, pool, pool2, sl, h)) {
         if (differ < 3) std::printf("  %s: token %d head %d (row kind %d) differs\n", name.c_str(), t, h, (t * H + h) % 7);
         ++differ;
       }
