@@ -10,8 +10,11 @@
   layout, if `vllm.v1.attention.ops.triton_turboquant_decode` is importable (PYTHONPATH may point
   at a copy of those files; none is part of this repository). Otherwise its rows are null.
 
-Same method as kvq: CUDA events, warm-up, median of --reps runs, L2 flushed (4x L2 memset)
-before every run, inputs rotated over copies totalling >= 4x L2. Prints one JSON object.
+Same method as kvq: CUDA events, warm-up, median of --reps runs, L2 flushed before every run
+(--flush read: a read-only reduction over a 4x L2 buffer, leaving only clean lines; --flush
+write: a memset of it, the earlier method, whose dirty lines are written back during the timed
+run), inputs rotated over copies totalling >= 4x L2. Prints one JSON object; `kvq bench decode
+--peers` refuses a file measured with another --flush than its own.
 """
 import argparse
 import json
@@ -31,14 +34,21 @@ VLLM_PRESETS = {  # name: (key bits (8 = fp8), value bits, norm correction)
 }
 
 
-def timed(fn, reps, warmup, flush):
+def flush_l2(flush, mode, i):
+    if mode == "write":
+        flush.fill_(i & 0xFF)
+    else:
+        flush.view(torch.int32).sum()  # read-only pass; the scalar result is discarded
+
+
+def timed(fn, reps, warmup, flush, mode):
     for i in range(warmup):
         fn(i)
     torch.cuda.synchronize()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     t = []
     for i in range(reps):
-        flush.fill_(i & 0xFF)
+        flush_l2(flush, mode, i)
         a.record()
         fn(warmup + i)
         b.record()
@@ -57,6 +67,7 @@ def main():
     ap.add_argument("--reps", type=int, default=60)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--vllm-splits", type=int, default=32)
+    ap.add_argument("--flush", choices=["read", "write"], default="read")
     args, _ = ap.parse_known_args()
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
@@ -93,7 +104,7 @@ def main():
                     F.scaled_dot_product_attention(q, ks[i % copies], vs[i % copies])
 
             try:
-                us = timed(run_flash, args.reps, args.warmup, flush)
+                us = timed(run_flash, args.reps, args.warmup, flush, args.flush)
             except Exception as e:  # noqa: BLE001
                 print(f"sdpa_flash failed: {e!r}", file=sys.stderr)
                 us = None
@@ -112,7 +123,7 @@ def main():
                         print(f"vllm {name} failed: {e!r}", file=sys.stderr)
                 rows.append({"impl": "vllm_triton", "format": name, "batch": B, "context": C, "us": us})
                 print(f"vllm_triton {name} B={B} C={C}: {us} us", file=sys.stderr)
-    print(json.dumps({"versions": versions, "rows": rows}, indent=1))
+    print(json.dumps({"versions": versions, "flush": args.flush, "rows": rows}, indent=1))
 
 
 def run_vllm(tqd, name, kb, vb, nc, B, C, Hq, Hk, D, l2, flush, args, dev):
@@ -152,7 +163,7 @@ def run_vllm(tqd, name, kb, vb, nc, B, C, Hq, Hk, D, l2, flush, args, dev):
             mse_bits=(vb if key_fp8 else kb), key_packed_size=kps, value_quant_bits=vb, key_fp8=key_fp8,
             norm_correction=nc, PiT=PiT, max_num_kv_splits=args.vllm_splits)
 
-    us = timed(run, args.reps, args.warmup, flush)
+    us = timed(run, args.reps, args.warmup, flush, args.flush)
     del caches
     torch.cuda.empty_cache()
     return us

@@ -130,5 +130,9 @@ std::size_t decode_bytes_read(const FormatDesc& f, const int* seq_lens_host, int
 cudaError_t fill_random_pages(const FormatDesc& f, std::uint8_t* pool, std::size_t n_pages, std::uint64_t seed,
                               cudaStream_t stream = nullptr);
 cudaError_t fill_random_bf16(std::uint16_t* p, std::size_t n, std::uint64_t seed, cudaStream_t stream = nullptr);
+// Benchmarks' L2 flush: reads `bytes` (a multiple of 16) of `buf` through the L2 and writes
+// nothing (except, never in practice, one word of buf when the XOR of everything read equals a
+// sentinel, which keeps the loads alive), so the L2 is left holding clean lines only.
+cudaError_t flush_l2_read(std::uint8_t* buf, std::size_t bytes, cudaStream_t stream = nullptr);
 
 }  // namespace kvq::cuda

@@ -4,8 +4,8 @@
 // one table or JSON object (bench/results/decode-gqa-*.json).
 //
 // Method (docs/kernels.md): CUDA events around each launch (decode + combine), warm-up, median of
-// --reps runs, L2 flushed (a memset of 4x L2) before every run, and enough copies of the cache
-// that the inputs rotated over are >= 4x L2. GB/s counts every byte the format must read
+// --reps runs, L2 flushed before every run (--flush: a read-only pass by default, bench_gpu.hpp),
+// and enough copies of the cache that the inputs rotated over are >= 4x L2. GB/s counts every byte the format must read
 // (codes, metadata, block tables). copy_gbps: (read + written) / time of a 4 GiB device copy.
 #include <fmt/core.h>
 
@@ -26,6 +26,7 @@
 #if defined(KVQ_WITH_KVQ_CUDA)
 #include <cuda_runtime.h>
 
+#include "bench_gpu.hpp"
 #include "kvq_cuda.hpp"
 #endif
 
@@ -37,54 +38,15 @@ struct BenchOptions {
   std::string formats = "bf16,tq-k8v4,tq-4bit-nc,tq-k3v4-nc,tq-3bit-nc,tq-4bit,tq-3.5bit,tq-3bit";
   int q_heads = 32, kv_heads = 8, head_dim = 128, reps = 60, warmup = 5, store_tokens = 32768;
   bool json = false;
-  std::string peers, commit = "unknown", command;
+  std::string peers, commit = "unknown", command, flush = "read";
 };
 
 #if defined(KVQ_WITH_KVQ_CUDA)
 
-void ok(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) fail(std::string(what) + ": " + cudaGetErrorString(e));
-}
-
-struct DevBuf {
-  void* p = nullptr;
-  explicit DevBuf(std::size_t n) { ok(cudaMalloc(&p, std::max<std::size_t>(n, 1)), "cudaMalloc"); }
-  ~DevBuf() { cudaFree(p); }
-  DevBuf(const DevBuf&) = delete;
-  DevBuf& operator=(const DevBuf&) = delete;
-  template <class T>
-  T* as() const { return static_cast<T*>(p); }
-};
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-// Median microseconds of `reps` runs of fn(rep), each after an L2 flush, timed with events.
-template <class F>
-double time_us(F&& fn, int warmup, int reps, void* flush, std::size_t flush_bytes) {
-  cudaEvent_t a, b;
-  ok(cudaEventCreate(&a), "event");
-  ok(cudaEventCreate(&b), "event");
-  for (int i = 0; i < warmup; ++i) fn(i);
-  ok(cudaDeviceSynchronize(), "warm-up");
-  std::vector<double> t;
-  for (int i = 0; i < reps; ++i) {
-    ok(cudaMemsetAsync(flush, i & 0xff, flush_bytes), "flush");
-    ok(cudaEventRecord(a), "record");
-    fn(warmup + i);
-    ok(cudaEventRecord(b), "record");
-    ok(cudaEventSynchronize(b), "sync");
-    float ms = 0;
-    ok(cudaEventElapsedTime(&ms, a, b), "elapsed");
-    t.push_back(1000.0 * ms);
-  }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  return median(t);
-}
+using gpu::DevBuf;
+using gpu::L2Flush;
+using gpu::ok;
+using gpu::time_us;
 
 using PeerKey = std::tuple<std::string, int, int>;  // impl (+ format), batch, context
 
@@ -94,19 +56,8 @@ void run_decode_bench(const BenchOptions& o) {
   cudaDeviceProp prop{};
   ok(cudaGetDeviceProperties(&prop, dev), "cudaGetDeviceProperties");
   const std::size_t l2 = static_cast<std::size_t>(prop.l2CacheSize);
-  const std::size_t flush_bytes = std::max<std::size_t>(4 * l2, 256u << 20);
-  DevBuf flush(flush_bytes);
-
-  // Copy bandwidth: (read + written) / time of a 4 GiB device-to-device copy.
-  double copy_gbps = 0;
-  {
-    const std::size_t n = 4ull << 30;
-    DevBuf src(n), dst(n);
-    ok(cudaMemset(src.p, 1, n), "memset");
-    const double us = time_us([&](int) { ok(cudaMemcpyAsync(dst.p, src.p, n, cudaMemcpyDeviceToDevice), "copy"); }, 2,
-                              10, flush.p, flush_bytes);
-    copy_gbps = 2.0 * static_cast<double>(n) / (us * 1e3);
-  }
+  const L2Flush flush(o.flush, nullptr);
+  const double copy_gbps = gpu::copy_gbps(nullptr, flush);
 
   std::map<PeerKey, double> peer_us;
   nlohmann::json peer_info = nullptr;
@@ -115,6 +66,11 @@ void run_decode_bench(const BenchOptions& o) {
     if (!in) fail("cannot open peers file '" + o.peers + "'");
     nlohmann::json pj = nlohmann::json::parse(in);
     peer_info = pj.value("versions", nlohmann::json::object());
+    // Peers timed under another flush method are not comparable (files without the key predate
+    // the option and used the memset).
+    const std::string peer_flush = pj.value("flush", std::string("write"));
+    if (peer_flush != o.flush)
+      fail("peers file '" + o.peers + "' was measured with --flush " + peer_flush + ", this run uses --flush " + o.flush);
     for (const auto& r : pj["rows"]) {
       if (r["us"].is_null()) continue;
       std::string impl = r["impl"].get<std::string>();
@@ -168,8 +124,8 @@ void run_decode_bench(const BenchOptions& o) {
       sp.slot_mapping = slots.as<std::int64_t>();
       sp.n_tokens = static_cast<int>(n);
       sp.pool = pool.as<std::uint8_t>();
-      const double us = time_us([&](int) { ok(cuda::store(sp), "store"); }, o.warmup, std::max(20, o.reps / 3), flush.p,
-                                flush_bytes);
+      const double us =
+          time_us(nullptr, flush, o.warmup, std::max(20, o.reps / 3), [&](int) { ok(cuda::store(sp), "store"); });
       const double bytes = static_cast<double>(elems) * 4.0 + static_cast<double>(n) * o.kv_heads *
                                                                   (pg.key_code_bytes + pg.value_code_bytes + pg.meta_bytes) +
                            static_cast<double>(n) * 8.0;
@@ -212,12 +168,10 @@ void run_decode_bench(const BenchOptions& o) {
         p.workspace_bytes = cuda::decode_workspace_bytes(p);
         DevBuf ws(p.workspace_bytes);
         p.workspace = ws.p;
-        const double us = time_us(
-            [&](int rep) {
-              p.pool = pool.as<std::uint8_t>() + static_cast<std::size_t>(rep % static_cast<int>(copies)) * pool_bytes;
-              ok(cuda::decode(p), "decode");
-            },
-            o.warmup, o.reps, flush.p, flush_bytes);
+        const double us = time_us(nullptr, flush, o.warmup, o.reps, [&](int rep) {
+          p.pool = pool.as<std::uint8_t>() + static_cast<std::size_t>(rep % static_cast<int>(copies)) * pool_bytes;
+          ok(cuda::decode(p), "decode");
+        });
         const double bytes = static_cast<double>(cuda::decode_bytes_read(fd, lens.data(), B, ProtectLayout{}));
         const nlohmann::json flash = peer("sdpa_flash", B, ctx);
         const std::string vpair = f.kind == FormatKind::kTqVllm ? fname : f.pair;
@@ -252,7 +206,8 @@ void run_decode_bench(const BenchOptions& o) {
   }
   nlohmann::json res = {{"gpu", prop.name},     {"copy_gbps", copy_gbps}, {"commit", o.commit},
                         {"command", o.command}, {"sms", prop.multiProcessorCount}, {"l2_bytes", l2},
-                        {"peers", peer_info},   {"rows", rows},           {"store", store_rows}};
+                        {"peers", peer_info},   {"rows", rows},           {"store", store_rows},
+                        {"flush", flush.mode()}};
   if (o.json) {
     fmt::print("{}\n", res.dump(1));
   } else {
@@ -281,6 +236,8 @@ void register_bench(CLI::App& app) {
   dec->add_option("--peers", o->peers, "JSON written by bench/gpu/peers.py");
   dec->add_option("--commit", o->commit, "commit recorded in the result");
   dec->add_option("--command-line", o->command, "command recorded in the result");
+  dec->add_option("--flush", o->flush, "L2 flush before every timed run: read (clean L2) or write (memset, dirty L2)")
+      ->check(CLI::IsMember({"read", "write"}));
   dec->add_flag("--json", o->json, "print one JSON object");
   dec->callback([o] {
 #if defined(KVQ_WITH_KVQ_CUDA)

@@ -3,7 +3,8 @@
 // (bench/results/decode-mla-*.json).
 //
 // Method (docs/kernels.md): the decode + combine launches are captured once in a CUDA graph and
-// replayed; before every timed replay the L2 is flushed (a memset of 4x L2) and the replay is
+// replayed; before every timed replay the L2 is flushed (--flush: a read-only pass over 4x L2 by
+// default, or the earlier memset; bench_gpu.hpp) and the replay is
 // bracketed by CUDA events; median of --reps replays after --warmup. Caches are written by the
 // writer kernel from random bf16 rows, so metadata is realistic (mla-tq formats, which have no GPU
 // writer: 64 pages encoded by the CPU quantizers from random rows, repeated over the pool; no
@@ -33,6 +34,7 @@
 #if defined(KVQ_WITH_KVQ_CUDA)
 #include <cuda_runtime.h>
 
+#include "bench_gpu.hpp"
 #include "kvq_cuda.hpp"
 #include "kvq_cuda_mla.hpp"
 #endif
@@ -45,59 +47,15 @@ struct MlaBenchOptions {
   std::string formats = "bf16,c8r8,c4r4,c2r4,mla-tq4", protect = "none,paper";
   int reps = 30, warmup = 3, store_tokens = 1 << 20, warps = 0;
   bool json = false;
-  std::string commit = "unknown", command;
+  std::string commit = "unknown", command, flush = "read";
 };
 
 #if defined(KVQ_WITH_KVQ_CUDA)
 
-void ok(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) fail(std::string(what) + ": " + cudaGetErrorString(e));
-}
-
-struct DevBuf {
-  void* p = nullptr;
-  explicit DevBuf(std::size_t n) { ok(cudaMalloc(&p, std::max<std::size_t>(n, 16)), "cudaMalloc"); }
-  ~DevBuf() { cudaFree(p); }
-  DevBuf(const DevBuf&) = delete;
-  DevBuf& operator=(const DevBuf&) = delete;
-  template <class T>
-  T* as() const { return static_cast<T*>(p); }
-};
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-// Median microseconds of `reps` replays of `graph` (or calls of fn when graph is null), each
-// after an L2 flush.
-template <class F>
-double time_us(cudaStream_t st, cudaGraphExec_t graph, F&& fn, int warmup, int reps, void* flush, std::size_t flush_bytes) {
-  cudaEvent_t a, b;
-  ok(cudaEventCreate(&a), "event");
-  ok(cudaEventCreate(&b), "event");
-  auto once = [&] {
-    if (graph) ok(cudaGraphLaunch(graph, st), "graph launch");
-    else fn();
-  };
-  for (int i = 0; i < warmup; ++i) once();
-  ok(cudaStreamSynchronize(st), "warm-up");
-  std::vector<double> t;
-  for (int i = 0; i < reps; ++i) {
-    ok(cudaMemsetAsync(flush, i & 0xff, flush_bytes, st), "flush");
-    ok(cudaEventRecord(a, st), "record");
-    once();
-    ok(cudaEventRecord(b, st), "record");
-    ok(cudaEventSynchronize(b), "sync");
-    float ms = 0;
-    ok(cudaEventElapsedTime(&ms, a, b), "elapsed");
-    t.push_back(1000.0 * ms);
-  }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  return median(t);
-}
+using gpu::DevBuf;
+using gpu::L2Flush;
+using gpu::ok;
+using gpu::time_us;
 
 // Fills n_pages pages of a format without a GPU writer (mla-tq): 64 pages encoded on the host by
 // the CPU quantizers (layer 0) from Gaussian rows, then repeated by device copies.
@@ -145,20 +103,10 @@ void run_mla_bench(const MlaBenchOptions& o) {
   cudaDeviceProp prop{};
   ok(cudaGetDeviceProperties(&prop, dev), "cudaGetDeviceProperties");
   const std::size_t l2 = static_cast<std::size_t>(prop.l2CacheSize);
-  const std::size_t flush_bytes = std::max<std::size_t>(4 * l2, 256u << 20);
-  DevBuf flush(flush_bytes);
   cudaStream_t st;
   ok(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "stream");
-
-  double copy_gbps = 0;
-  {
-    const std::size_t n = 4ull << 30;
-    DevBuf src(n), dst(n);
-    ok(cudaMemset(src.p, 1, n), "memset");
-    const double us = time_us(st, nullptr, [&] { ok(cudaMemcpyAsync(dst.p, src.p, n, cudaMemcpyDeviceToDevice, st), "copy"); },
-                              2, 10, flush.p, flush_bytes);
-    copy_gbps = 2.0 * static_cast<double>(n) / (us * 1e3);
-  }
+  const L2Flush flush(o.flush, st);
+  const double copy_gbps = gpu::copy_gbps(st, flush);
 
   const std::vector<int> batches = parse_int_list(o.batches), contexts = parse_int_list(o.contexts),
                          heads_list = parse_int_list(o.heads);
@@ -198,8 +146,8 @@ void run_mla_bench(const MlaBenchOptions& o) {
     if (!mf.tq) {
       DevBuf pool((src_tokens / 64 + 1) * pg.page_bytes);
       const cuda::MlaStoreParams sp = store_params(pool.as<std::uint8_t>(), src_tokens);
-      const double us = time_us(st, nullptr, [&] { ok(cuda::mla_store(sp, st), "store"); }, o.warmup, std::max(10, o.reps / 2),
-                                flush.p, flush_bytes);
+      const double us =
+          time_us(st, flush, o.warmup, std::max(10, o.reps / 2), [&](int) { ok(cuda::mla_store(sp, st), "store"); });
       const double bytes = static_cast<double>(src_tokens) * (1152.0 + 8.0 + static_cast<double>(pg.page_bytes) / 64.0);
       store_rows.push_back({{"format", fname}, {"tokens", src_tokens}, {"us", us}, {"gbps", bytes / (us * 1e3)},
                             {"fraction_of_copy", bytes / (us * 1e3) / copy_gbps}});
@@ -259,7 +207,8 @@ void run_mla_bench(const MlaBenchOptions& o) {
             ok(cuda::mla_decode(p, st), "decode");
             ok(cudaStreamEndCapture(st, &graph), "capture");
             ok(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
-            const double us = time_us(st, exec, [] {}, o.warmup, o.reps, flush.p, flush_bytes);
+            const double us =
+                time_us(st, flush, o.warmup, o.reps, [&](int) { ok(cudaGraphLaunch(exec, st), "graph launch"); });
             cudaGraphExecDestroy(exec);
             cudaGraphDestroy(graph);
             const double bytes = static_cast<double>(cuda::mla_decode_bytes_read(mf, lens.data(), B, p.protect));
@@ -294,7 +243,8 @@ void run_mla_bench(const MlaBenchOptions& o) {
                         {"l2_bytes", l2},
                         {"flashmla", "not installed on the GPU host: speedup_vs_flashmla is null"},
                         {"rows", rows},
-                        {"store", store_rows}};
+                        {"store", store_rows},
+                        {"flush", flush.mode()}};
   if (o.json) {
     fmt::print("{}\n", res.dump(1));
   } else {
@@ -330,6 +280,8 @@ void register_bench_mla(CLI::App& app) {
   cmd->add_option("--warps", o->warps, "accepted for compatibility (the decode kernel runs 8-warp CTAs)");
   cmd->add_option("--commit", o->commit, "commit recorded in the result");
   cmd->add_option("--command-line", o->command, "command recorded in the result");
+  cmd->add_option("--flush", o->flush, "L2 flush before every timed replay: read (clean L2) or write (memset, dirty L2)")
+      ->check(CLI::IsMember({"read", "write"}));
   cmd->add_flag("--json", o->json, "print one JSON object");
   cmd->callback([o] {
 #if defined(KVQ_WITH_KVQ_CUDA)

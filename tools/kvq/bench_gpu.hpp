@@ -1,0 +1,117 @@
+// Pieces shared by the GPU benchmarks (`kvq bench decode`, `kvq bench mla`): checked CUDA calls,
+// device buffers, the L2 flush before every timed run, and event timing (median of the runs).
+//
+// L2 flush (docs/kernels.md, "Method"): `read` (the default) streams a buffer of
+// max(4 x L2, 256 MiB) through the L2 with a read-only kernel, so the timed launch starts with a
+// cold L2 that holds only clean lines; `write` is the earlier method, a memset of the same
+// buffer, which leaves up to a whole L2 of dirty lines whose write-back (~15-20 us on the H200)
+// then overlaps the timed launch. bench/gpu/peers.py takes the same --flush option.
+#pragma once
+
+#if defined(KVQ_WITH_KVQ_CUDA)
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "command.hpp"
+#include "kvq_cuda.hpp"
+
+namespace kvq::cli::gpu {
+
+inline void ok(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) fail(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+struct DevBuf {
+  void* p = nullptr;
+  explicit DevBuf(std::size_t n) { ok(cudaMalloc(&p, std::max<std::size_t>(n, 16)), "cudaMalloc"); }
+  ~DevBuf() { cudaFree(p); }
+  DevBuf(const DevBuf&) = delete;
+  DevBuf& operator=(const DevBuf&) = delete;
+  template <class T>
+  T* as() const { return static_cast<T*>(p); }
+};
+
+inline double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+class L2Flush {
+ public:
+  // mode: "read" or "write" (anything else is an error).
+  L2Flush(const std::string& mode, cudaStream_t stream) : stream_(stream) {
+    if (mode != "read" && mode != "write") fail("--flush must be 'read' or 'write', not '" + mode + "'");
+    write_ = mode == "write";
+    int dev = 0;
+    ok(cudaGetDevice(&dev), "cudaGetDevice");
+    int l2 = 0;
+    ok(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev), "L2 size");
+    l2_bytes_ = static_cast<std::size_t>(l2);
+    bytes_ = std::max<std::size_t>(4 * l2_bytes_, std::size_t{256} << 20);
+    ok(cudaMalloc(&buf_, bytes_), "cudaMalloc (flush)");
+    ok(cudaMemsetAsync(buf_, 0, bytes_, stream_), "flush init");
+  }
+  ~L2Flush() { cudaFree(buf_); }
+  L2Flush(const L2Flush&) = delete;
+  L2Flush& operator=(const L2Flush&) = delete;
+
+  void operator()(int rep) const {
+    if (write_) ok(cudaMemsetAsync(buf_, rep & 0xff, bytes_, stream_), "flush (memset)");
+    else ok(cuda::flush_l2_read(static_cast<std::uint8_t*>(buf_), bytes_, stream_), "flush (read)");
+  }
+  std::size_t l2_bytes() const { return l2_bytes_; }
+  const char* mode() const { return write_ ? "write" : "read"; }
+
+ private:
+  cudaStream_t stream_;
+  bool write_ = false;
+  std::size_t l2_bytes_ = 0, bytes_ = 0;
+  void* buf_ = nullptr;
+};
+
+// Median microseconds of `reps` runs of launch(rep) on `stream`, each after flush(rep), timed by
+// CUDA events recorded on the same stream; `warmup` untimed runs first.
+template <class F>
+double time_us(cudaStream_t stream, const L2Flush& flush, int warmup, int reps, F&& launch) {
+  cudaEvent_t a, b;
+  ok(cudaEventCreate(&a), "event");
+  ok(cudaEventCreate(&b), "event");
+  for (int i = 0; i < warmup; ++i) launch(i);
+  ok(cudaStreamSynchronize(stream), "warm-up");
+  std::vector<double> t;
+  for (int i = 0; i < reps; ++i) {
+    flush(i);
+    ok(cudaEventRecord(a, stream), "record");
+    launch(warmup + i);
+    ok(cudaEventRecord(b, stream), "record");
+    ok(cudaEventSynchronize(b), "sync");
+    float ms = 0;
+    ok(cudaEventElapsedTime(&ms, a, b), "elapsed");
+    t.push_back(1000.0 * ms);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return median(t);
+}
+
+// Copy bandwidth as docs/kernels.md defines it: (read + written) / time of a 4 GiB
+// device-to-device copy, in GB/s.
+inline double copy_gbps(cudaStream_t stream, const L2Flush& flush) {
+  const std::size_t n = std::size_t{4} << 30;
+  DevBuf src(n), dst(n);
+  ok(cudaMemsetAsync(src.p, 1, n, stream), "memset");
+  const double us = time_us(stream, flush, 2, 10, [&](int) {
+    ok(cudaMemcpyAsync(dst.p, src.p, n, cudaMemcpyDeviceToDevice, stream), "copy");
+  });
+  return 2.0 * static_cast<double>(n) / (us * 1e3);
+}
+
+}  // namespace kvq::cli::gpu
+
+#endif
