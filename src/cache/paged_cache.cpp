@@ -405,7 +405,13 @@ void causal_softmax(float* row, int p, int cols) {
   for (int t = p + 1; t < cols; ++t) row[t] = 0.0f;
 }
 
-// Argument checks shared by attend() and attend_expanded().
+// Argument checks shared by attend() and attend_expanded(): the sequence and the layer exist
+// (before their rows are looked up), then the query positions (check_attend).
+void check_seq_layer(const PagedCache::Impl& im, int n_layers, int seq, int layer) {
+  require(seq >= 0 && seq < static_cast<int>(im.seqs.size()), "PagedCache: sequence " + std::to_string(seq) + " out of range");
+  require(layer >= 0 && layer < n_layers, "PagedCache: layer out of range");
+}
+
 void check_attend(const PagedCache::Impl::Seq& s, const PagedCache::Impl::Prot& pr, int layer, int n_q, int pos0, int W) {
   require(pos0 >= 0 && pos0 + n_q <= s.layer_len[static_cast<std::size_t>(layer)],
           "PagedCache::attend: queries past the rows appended to layer " + std::to_string(layer));
@@ -418,8 +424,7 @@ void check_attend(const PagedCache::Impl::Seq& s, const PagedCache::Impl::Prot& 
 void PagedCache::attend(int seq, int layer, int n_q, int pos0, int n_heads, float scale, const float* q,
                         float* out) const {
   const auto& im = *impl_;
-  require(seq >= 0 && seq < static_cast<int>(im.seqs.size()), "PagedCache: sequence " + std::to_string(seq) + " out of range");
-  require(layer >= 0 && layer < geo_.n_layers, "PagedCache: layer out of range");
+  check_seq_layer(im, geo_.n_layers, seq, layer);
   const auto& s = im.seqs[static_cast<std::size_t>(seq)];
   const auto& L = im.layers[static_cast<std::size_t>(layer)];
   const auto& pr = s.prot[static_cast<std::size_t>(layer)];
@@ -642,8 +647,7 @@ bool PagedCache::attend_expanded(int seq, int layer, int n_q, int pos0, float sc
                                  const float* q, float* out) const {
   if (!geo_.mla || path_ == AttentionPath::kReference) return false;
   const auto& im = *impl_;
-  require(seq >= 0 && seq < static_cast<int>(im.seqs.size()), "PagedCache: sequence " + std::to_string(seq) + " out of range");
-  require(layer >= 0 && layer < geo_.n_layers, "PagedCache: layer out of range");
+  check_seq_layer(im, geo_.n_layers, seq, layer);
   require(up.n_heads > 0 && up.nope > 0 && up.v_dim > 0 && up.w_uk && up.w_uv,
           "PagedCache::attend_expanded: empty up-projection");
   const auto& s = im.seqs[static_cast<std::size_t>(seq)];

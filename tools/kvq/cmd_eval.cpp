@@ -57,6 +57,13 @@ nlohmann::json to_json(const kvq::ModelEvalResult& m) {
           {"needle_samples", m.needle_samples}, {"baseline_model", m.baseline_model}, {"rows", rows}};
 }
 
+// "+0.000" rather than "-0.000" for a difference that rounds to zero (a bf16 row whose prefill
+// ran in the expanded MLA form differs from the absorbed baseline by float rounding only).
+std::string signed3(double x) {
+  std::string s = fmt::format("{:+.3f}", x);
+  return s == "-0.000" ? "+0.000" : s;
+}
+
 void print_tables(const std::vector<kvq::ModelEvalResult>& all, std::FILE* out, bool md) {
   std::vector<std::string> head = {"model", "cache", "bits/value", "bytes/token", "x bf16", "ppl", "dppl %", "KL", "top-1"};
   std::vector<int> lens;
@@ -69,7 +76,7 @@ void print_tables(const std::vector<kvq::ModelEvalResult>& all, std::FILE* out, 
     const std::string name = fs::path(m.model_dir).filename().string();
     for (const auto& r : m.rows) {
       std::vector<std::string> row = {name, r.config.label, fmt::format("{:.3f}", r.bits_per_value), fmt::format("{:.0f}", r.bytes_per_token),
-                                      fmt::format("{:.2f}", r.compression), fmt::format("{:.4f}", r.ppl), fmt::format("{:+.3f}", r.delta_ppl_pct),
+                                      fmt::format("{:.2f}", r.compression), fmt::format("{:.4f}", r.ppl), signed3(r.delta_ppl_pct),
                                       fmt::format("{:.5f}", r.kl), fmt::format("{:.2f}%", 100 * r.top1)};
       for (int len : lens) {
         auto it = r.needle_acc.find(len);
