@@ -12,7 +12,9 @@
 // GB/s counts every byte the
 // kernel must read (whole pages of the packed range, protected bf16 rows, block tables).
 // speedup_vs_bf16 divides our bf16 kernel's time for the same batch / context / heads by the
-// row's time. speedup_vs_flashmla is null: FlashMLA is not installed on the GPU host.
+// row's time. speedup_vs_flashmla divides FlashMLA's bf16 decode time for the same batch /
+// context / heads (from --peers, the JSON of bench/gpu/peers_mla.py) by the row's time; null
+// without a peers file or where FlashMLA did not run.
 // copy_gbps: (read + written) / time of a 4 GiB device-to-device copy, in the same run.
 #include <fmt/core.h>
 
@@ -20,6 +22,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -47,7 +50,7 @@ struct MlaBenchOptions {
   std::string formats = "bf16,c8r8,c4r4,c2r4,mla-tq4", protect = "none,paper";
   int reps = 30, warmup = 3, store_tokens = 1 << 20, warps = 0;
   bool json = false;
-  std::string commit = "unknown", command, flush = "read";
+  std::string commit = "unknown", command, flush = "read", peers;
 };
 
 #if defined(KVQ_WITH_KVQ_CUDA)
@@ -107,6 +110,22 @@ void run_mla_bench(const MlaBenchOptions& o) {
   ok(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "stream");
   const L2Flush flush(o.flush, st);
   const double copy_gbps = gpu::copy_gbps(st, flush);
+
+  // FlashMLA's times, when a peers file is given; it must use this run's flush method.
+  std::map<std::tuple<int, int, int>, double> flashmla_us;
+  nlohmann::json peer_info = "not measured: no --peers file (bench/gpu/peers_mla.py)";
+  if (!o.peers.empty()) {
+    std::ifstream in(o.peers);
+    if (!in) fail("cannot open peers file '" + o.peers + "'");
+    const nlohmann::json pj = nlohmann::json::parse(in);
+    const std::string peer_flush = pj.value("flush", std::string("write"));
+    if (peer_flush != o.flush)
+      fail("peers file '" + o.peers + "' was measured with --flush " + peer_flush + ", this run uses --flush " + o.flush);
+    peer_info = pj.value("versions", nlohmann::json::object());
+    for (const auto& r : pj.at("rows"))
+      if (r.value("impl", std::string()) == "flashmla" && !r["us"].is_null())
+        flashmla_us[{r.at("batch").get<int>(), r.at("context").get<int>(), r.at("heads").get<int>()}] = r["us"].get<double>();
+  }
 
   const std::vector<int> batches = parse_int_list(o.batches), contexts = parse_int_list(o.contexts),
                          heads_list = parse_int_list(o.heads);
@@ -215,6 +234,8 @@ void run_mla_bench(const MlaBenchOptions& o) {
             if (mf.content_bits == 16) bf16_us[{B, ctx, H}] = us;
             const auto it = bf16_us.find({B, ctx, H});
             const nlohmann::json sp16 = it == bf16_us.end() ? nlohmann::json(nullptr) : nlohmann::json(it->second / us);
+            const auto fm = flashmla_us.find({B, ctx, H});
+            const nlohmann::json spfm = fm == flashmla_us.end() ? nlohmann::json(nullptr) : nlohmann::json(fm->second / us);
             rows.push_back({{"format", fname},
                             {"batch", B},
                             {"context", ctx},
@@ -224,16 +245,26 @@ void run_mla_bench(const MlaBenchOptions& o) {
                             {"gbps", bytes / (us * 1e3)},
                             {"fraction_of_copy", bytes / (us * 1e3) / copy_gbps},
                             {"speedup_vs_bf16", sp16},
-                            {"speedup_vs_flashmla", nullptr},
+                            {"speedup_vs_flashmla", spfm},
                             {"bytes", bytes},
                             {"splits", cuda::mla_decode_splits(p)},
                             {"warps", 8}});
             if (!o.json)
-              fmt::print(stderr, "{:<5} B={:<3} ctx={:<7} H={:<4} {:<6} {:10.1f} us {:7.0f} GB/s  vs bf16 {}\n", fname, B, ctx,
-                         H, pname, us, bytes / (us * 1e3), sp16.dump());
+              fmt::print(stderr, "{:<5} B={:<3} ctx={:<7} H={:<4} {:<6} {:10.1f} us {:7.0f} GB/s  vs bf16 {}  vs FlashMLA {}\n",
+                         fname, B, ctx, H, pname, us, bytes / (us * 1e3), sp16.dump(), spfm.dump());
           }
         }
       }
+  }
+  // FlashMLA's rows as measured (bf16 cache, no protection), for reference.
+  for (const auto& [k, us] : flashmla_us) {
+    const auto [B, ctx, H] = k;
+    const double bytes = static_cast<double>(B) * ctx * 1152.0 + static_cast<double>(B) * ((ctx + 63) / 64) * 4.0;
+    const auto it = bf16_us.find(k);
+    rows.push_back({{"format", "peer:flashmla"}, {"batch", B}, {"context", ctx}, {"heads", H}, {"protect", "none"}, {"us", us},
+                    {"gbps", bytes / (us * 1e3)}, {"fraction_of_copy", bytes / (us * 1e3) / copy_gbps},
+                    {"speedup_vs_bf16", it == bf16_us.end() ? nlohmann::json(nullptr) : nlohmann::json(it->second / us)},
+                    {"speedup_vs_flashmla", 1.0}, {"bytes", bytes}});
   }
   nlohmann::json res = {{"gpu", prop.name},
                         {"copy_gbps", copy_gbps},
@@ -241,7 +272,7 @@ void run_mla_bench(const MlaBenchOptions& o) {
                         {"command", o.command},
                         {"sms", prop.multiProcessorCount},
                         {"l2_bytes", l2},
-                        {"flashmla", "not installed on the GPU host: speedup_vs_flashmla is null"},
+                        {"flashmla", peer_info},
                         {"rows", rows},
                         {"store", store_rows},
                         {"flush", flush.mode()}};
@@ -280,6 +311,7 @@ void register_bench_mla(CLI::App& app) {
   cmd->add_option("--warps", o->warps, "accepted for compatibility (the decode kernel runs 8-warp CTAs)");
   cmd->add_option("--commit", o->commit, "commit recorded in the result");
   cmd->add_option("--command-line", o->command, "command recorded in the result");
+  cmd->add_option("--peers", o->peers, "JSON written by bench/gpu/peers_mla.py (FlashMLA)");
   cmd->add_option("--flush", o->flush, "L2 flush before every timed replay: read (clean L2) or write (memset, dirty L2)")
       ->check(CLI::IsMember({"read", "write"}));
   cmd->add_flag("--json", o->json, "print one JSON object");
