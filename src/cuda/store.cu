@@ -300,10 +300,16 @@ constexpr int kMaxBins = 256;
 constexpr float kFloorMagic = 12582912.0f;  // 1.5 * 2^23: fl_down(t + magic) = magic + floor(t), 0 <= t < 2^22
 constexpr std::uint32_t kMagicBits = 0x4B400000u;
 
+// Tables t = key seg 0, key seg 1, value seg 0, value seg 1. The bin table holds, per bin, the
+// byte offset 8 (base + 1) + 128 t into the two 8-byte-stride arrays mid8 and csq, so that one
+// 16-bit lookup gives the address of the candidate midpoint (offset - 8) and, after the compare,
+// of the code's squared centroid (offset - 8 or offset), both as immediate offsets from a
+// register; the offset over 8 is code + 16 t, which the packing takes as it is.
 struct StoreTables {
-  std::uint8_t base[4][kMaxBins];  // [key seg 0, key seg 1, value seg 0, value seg 1]: midpoints in lower bins
-  float edges[4][16];              // midpoints, +inf after the last
+  std::uint16_t ent[4][kMaxBins];  // 8 (midpoints in lower bins + 1) + 128 t
+  float2 mid8[4][16];              // .x: midpoints, +inf after the last (8-byte stride: 16 lanes, 16 banks)
   double csq[4][16];               // squared centroids (norm correction); 16 doubles: any 16 lanes, no bank conflict
+  float edges[4][16];              // midpoints, +inf after the last (binary-search fallback)
   float ba[4], bb[4], bn[4];       // bin(y) = floor(sat(y * ba + bb) * bn)
   int ok[4];
 };
@@ -323,6 +329,7 @@ __device__ void build_store_table(StoreTables& T, int t, const float* __restrict
   const int ne = (1 << bits) - 1, nc = 1 << bits;
   for (int i = lane; i < 16; i += 32) {
     T.edges[t][i] = i < ne ? edges_g[i] : INFINITY;
+    T.mid8[t][i] = make_float2(T.edges[t][i], 0.0f);
     const double c = i < nc ? cent_g[i] : 0.0;
     T.csq[t][i] = c * c;
   }
@@ -360,7 +367,7 @@ __device__ void build_store_table(StoreTables& T, int t, const float* __restrict
       int base = 0;
       for (int i = 0; i < ne; ++i)
         if (bin_of(T.edges[t][i], a, b, n) < k) ++base;
-      T.base[t][k] = static_cast<std::uint8_t>(base);
+      T.ent[t][k] = static_cast<std::uint16_t>(8 * (base + 1) + 128 * t);
     }
   }
   if (lane == 0) {
@@ -384,9 +391,9 @@ __host__ __device__ constexpr std::uint32_t word_mult(int b, int i) {
   return m;
 }
 
-// Packs 32 codes of B bits, code k = t[k] + zc (mod 2^32), LSB first into B words, and stores
-// them (4 B bytes, 4-byte aligned destination).
-template <int B>
+// Packs 32 codes of B bits, code k = (t[k] >> SH) + zc (mod 2^32; the SH low bits of t[k] are
+// zero), LSB first into B words, and stores them (4 B bytes, 4-byte aligned destination).
+template <int B, int SH = 0>
 __device__ __forceinline__ void pack_store32(const std::uint32_t (&t)[kLaneElems], std::uint32_t zc, std::uint8_t* dst,
                                              bool write) {
   std::uint32_t w[B];
@@ -395,8 +402,9 @@ __device__ __forceinline__ void pack_store32(const std::uint32_t (&t)[kLaneElems
 #pragma unroll
   for (int k = 0; k < kLaneElems; ++k) {
     const int pos = B * k, i = pos >> 5, o = pos & 31;
-    w[i] += t[k] << o;  // bits above the field wrap out of the word or cancel with the constant
-    if (o + B > 32) w[i + 1] += (t[k] + zc) >> (32 - o);
+    // (t >> SH) << o; bits above the field wrap out of the word or cancel with the constant
+    w[i] += o >= SH ? t[k] << (o - SH) : t[k] >> (SH - o);
+    if (o + B > 32) w[i + 1] += ((t[k] >> SH) + zc) >> (32 - o);
   }
   if (!write) return;
   const std::uintptr_t a = reinterpret_cast<std::uintptr_t>(dst);
@@ -421,10 +429,6 @@ __device__ __forceinline__ void pack_store32(const std::uint32_t (&t)[kLaneElems
 struct Raw32 {
   uint4 q[4];
 };
-__device__ __forceinline__ Raw32 load_raw32(const std::uint16_t* p) {
-  const uint4* s = reinterpret_cast<const uint4*>(p);
-  return Raw32{{__ldg(s), __ldg(s + 1), __ldg(s + 2), __ldg(s + 3)}};
-}
 __device__ __forceinline__ std::uint32_t raw_word(const Raw32& r, int j) {
   const uint4& q = r.q[j >> 2];
   return (j & 3) == 0 ? q.x : (j & 3) == 1 ? q.y : (j & 3) == 2 ? q.z : q.w;
@@ -491,60 +495,85 @@ __device__ __forceinline__ void unpack_signed32(const Raw32& r, const uint4* sm,
     mul_signs32(signs, x);
   }
 }
-__device__ __forceinline__ void apply_signs32(const uint4* sm, bool use_masks, int side, int head, int H, int D8, int l,
-                                              const float* __restrict__ signs, float (&x)[kLaneElems]) {
-  if (use_masks) {
-    std::uint32_t m[kLaneElems / 2];
-    load_masks(sm, side, head, H, D8, l, m);
-#pragma unroll
-    for (int j = 0; j < kLaneElems / 2; ++j) {
-      x[2 * j] = __uint_as_float(__float_as_uint(x[2 * j]) ^ ((m[j] << 16) & 0x80000000u));
-      x[2 * j + 1] = __uint_as_float(__float_as_uint(x[2 * j + 1]) ^ (m[j] & 0x80000000u));
-    }
-  } else {
-    mul_signs32(signs, x);
+// Staged rows. Each warp copies the key and value rows of its V vectors (2 KB a side: 32 lanes x
+// 32 bf16) to shared memory with cp.async, one iteration ahead of their use. 16-byte chunk
+// q = 4 lane + i of a side is chunk i of the lane's 32 elements (vector g = lane / P owns chunks
+// g D / 8 .. (g + 1) D / 8 - 1); it is stored at chunk q ^ f(q >> 3), f(r) = ((r >> LR) ^
+// ((r & (R - 1)) << (2 - LR))) & 7 with R = D / 64 = 2^LR groups of 8 chunks per vector. The XOR
+// only moves a chunk inside its vector's row, and:
+//  - the copy (lane copies chunks lane + 32 j: consecutive lanes, consecutive bytes of a row) and
+//    the lane's own reads (chunks 4 lane + i) put the 8 lanes of each 16-byte access phase on 8
+//    different bank groups (f's two low bits run through 0..3 with the two low bits of r);
+//  - one channel of the warp's 8 (D = 128) or 4 (D = 256) vectors lies in as many different
+//    bank groups (for a fixed chunk of the row, f runs through g), so the outlier-split gather,
+//    where the vectors of a warp are one head's and read the same channels, conflicts only
+//    between the lanes of one vector whose channels share a word position in their chunks.
+template <int D>
+struct Stage {
+  static constexpr int P = D / kLaneElems, R = D / 64, LR = R == 1 ? 0 : (R == 2 ? 1 : 2);
+  __host__ __device__ static constexpr std::uint32_t f(std::uint32_t r) {
+    return ((r >> LR) ^ ((r & (R - 1)) << (2 - LR))) & 7u;
   }
+  __host__ __device__ static constexpr std::uint32_t pos(std::uint32_t q) { return q ^ f(q >> 3); }
+  // Byte offset of channel c in vector g's row is g 2 D + (chan_off(c) ^ 16 (g & 7)).
+  __host__ __device__ static constexpr std::uint32_t chan_off(std::uint32_t c) {
+    const std::uint32_t c8 = c >> 3;
+    return ((c8 ^ ((c8 >> 3) << (2 - LR))) << 4) | ((c & 7u) << 1);
+  }
+};
+
+// cp.async of 16 bytes, zero-filled when !valid (nothing read).
+__device__ __forceinline__ void cp_async16_zfill(std::uint32_t saddr, const void* gmem, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(gmem), "r"(valid ? 16 : 0) : "memory");
+}
+// The lane's 32 staged elements: chunks at a, a ^ 16, a ^ 32, a ^ 48 (byte offsets into sb).
+__device__ __forceinline__ Raw32 lds_raw32(const char* sb, std::uint32_t a) {
+  Raw32 r;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) r.q[i] = *reinterpret_cast<const uint4*>(sb + (a ^ (16u * i)));
+  return r;
 }
 
-// Outlier split: the lane's 32 segment-order elements x[k] = row[perm[k]], gathered from the
-// warp's rows staged in shared memory (row of vector g at [g * D], D = 32 P). The channel order
-// comes from a shared-memory copy (u16 channels, `sperm`: [side][head][D], 64 bytes per lane) when
-// the launcher gave the space, else from global memory.
-__device__ __forceinline__ void gather32(const Raw32& r, const std::int32_t* __restrict__ perm, const std::uint16_t* sperm,
-                                         std::uint16_t* buf, int lane, int P, float (&x)[kLaneElems]) {
-  __syncwarp();
+// Outlier split: the lane's 32 segment-order elements x[k] = sign_k row[perm[k]], gathered from
+// the staged row (byte offset rb ^ chan_off(perm[k]), rb = the row's base with its XOR term). With
+// the masks: the channel offsets come from shared memory (u16 `soff`, [side][head][D], 64 bytes
+// per lane, the same for every vector of the warp), and the sign is added to the bf16 bits in
+// the high half: bit 31 of d 2^16 + s flips exactly when s = 2^31 (one integer multiply-add per
+// element). Without: channels from global memory, the float signs by mul_signs32.
+template <int D>
+__device__ __forceinline__ void gather32_masked(const char* sb, std::uint32_t rb, const std::uint16_t* soff,
+                                                const std::uint32_t (&m)[kLaneElems / 2], float (&x)[kLaneElems]) {
+  const uint4* pp = reinterpret_cast<const uint4*>(soff);
 #pragma unroll
-  for (int i = 0; i < 4; ++i) reinterpret_cast<uint4*>(buf)[4 * lane + i] = r.q[i];
-  __syncwarp();
-  const std::uint16_t* row = buf + (lane / P) * (kLaneElems * P);
-  if (sperm) {
-    const uint4* pp = reinterpret_cast<const uint4*>(sperm);
+  for (int j = 0; j < kLaneElems / 8; ++j) {
+    const uint4 q = pp[j];
+    const std::uint32_t wv[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
-    for (int j = 0; j < kLaneElems / 8; ++j) {
-      const uint4 q = pp[j];
-      const std::uint32_t wv[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        x[8 * j + 2 * i] = bf16_bits_to_float(row[wv[i] & 0xffffu]);
-        x[8 * j + 2 * i + 1] = bf16_bits_to_float(row[wv[i] >> 16]);
-      }
-    }
-  } else {
-    const int4* pp = reinterpret_cast<const int4*>(perm);
-#pragma unroll
-    for (int j = 0; j < kLaneElems / 4; ++j) {
-      const int4 q4 = __ldg(pp + j);
-      x[4 * j] = bf16_bits_to_float(row[q4.x]);
-      x[4 * j + 1] = bf16_bits_to_float(row[q4.y]);
-      x[4 * j + 2] = bf16_bits_to_float(row[q4.z]);
-      x[4 * j + 3] = bf16_bits_to_float(row[q4.w]);
+    for (int i = 0; i < 4; ++i) {
+      const std::uint32_t d0 = *reinterpret_cast<const std::uint16_t*>(sb + (rb ^ (wv[i] & 0xffffu)));
+      const std::uint32_t d1 = *reinterpret_cast<const std::uint16_t*>(sb + (rb ^ (wv[i] >> 16)));
+      const std::uint32_t mk = m[4 * j + i];
+      x[8 * j + 2 * i] = __uint_as_float(d0 * 65536u + (mk << 16));
+      x[8 * j + 2 * i + 1] = __uint_as_float(d1 * 65536u + (mk & 0x80000000u));
     }
   }
 }
+template <int D>
+__device__ __forceinline__ void gather32_global(const char* sb, std::uint32_t rb, const std::int32_t* __restrict__ perm,
+                                                const float* __restrict__ signs, float (&x)[kLaneElems]) {
+  const int4* pp = reinterpret_cast<const int4*>(perm);
+#pragma unroll
+  for (int j = 0; j < kLaneElems / 4; ++j) {
+    const int4 q4 = __ldg(pp + j);
+    const int c[4] = {q4.x, q4.y, q4.z, q4.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      x[4 * j + i] = bf16_bits_to_float(
+          *reinterpret_cast<const std::uint16_t*>(sb + (rb ^ Stage<D>::chan_off(static_cast<std::uint32_t>(c[i])))));
+  }
+  mul_signs32(signs, x);
+}
 
-// TurboQuant of one side of P-lane vectors (lane ls of its segment of PS lanes, segment size
-// 32 PS). Packs and stores this lane's codes; returns the segment's norm and the norm-correction
-// sum of squared centroids (both the same in every lane of the segment).
 // Format of the fast kernel, fixed at compile time (the launcher dispatches on the FormatDesc):
 // key / value kinds, segments and bits per segment. No branch in the kernel depends on the format,
 // so every shuffle runs in straight-line code.
@@ -600,16 +629,20 @@ __device__ __forceinline__ void tq_encode32(const StoreTables& T, int t, int sg,
     }
   }
   const float sc = static_cast<float>(1.0 / sqrt(static_cast<double>(kLaneElems * PS)));
+  // c[k] = 8 (code + 16 t): the byte offset of the code's entry in mid8 / csq.
   std::uint32_t c[kLaneElems];
   if (T.ok[t]) {
     const float ba = T.ba[t], bb = T.bb[t], bn = T.bn[t];
-    const std::uint8_t* bins = T.base[t];
-    const float* mids = T.edges[t];
+    const std::uint16_t* bins = T.ent[t];
+    const char* mid8 = reinterpret_cast<const char*>(&T.mid8[0][0]) - 8;
 #pragma unroll
     for (int k = 0; k < kLaneElems; ++k) {
       const float y = v[k] * sc;
-      const int b = bins[bin_of(y, ba, bb, bn)];
-      c[k] = static_cast<std::uint32_t>(b + (mids[b] < y ? 1 : 0));
+      const std::uint32_t e = bins[bin_of(y, ba, bb, bn)];  // 8 (base + 1) + 128 t
+      // le = -1 when !(mid[base] < y) (y NaN included): the code is base, else base + 1.
+      std::uint32_t le;
+      asm("set.geu.u32.f32 %0, %1, %2;" : "=r"(le) : "f"(*reinterpret_cast<const float*>(mid8 + e)), "f"(y));
+      c[k] = e + (le << 3);
     }
   } else {
     const int ne = (1 << (sg ? B1 : B0)) - 1;
@@ -626,34 +659,50 @@ __device__ __forceinline__ void tq_encode32(const StoreTables& T, int t, int sg,
           n = hf;
         }
       }
-      c[k] = static_cast<std::uint32_t>(lo);
+      c[k] = static_cast<std::uint32_t>(8 * (lo + 16 * t));
     }
   }
-  double c4[4] = {0, 0, 0, 0};
+  double c4[4];
   {
-    const double* cs = T.csq[t];
+    const char* cs = reinterpret_cast<const char*>(&T.csq[0][0]);
 #pragma unroll
-    for (int k = 0; k < kLaneElems; ++k) c4[k & 3] += cs[c[k]];
+    for (int k = 0; k < kLaneElems; ++k) {  // the first four start the sums: 0 + x = x for x >= 0
+      const double cv = *reinterpret_cast<const double*>(cs + c[k]);
+      c4[k & 3] = k < 4 ? cv : c4[k & 3] + cv;
+    }
   }
   double c2 = (c4[0] + c4[1]) + (c4[2] + c4[3]);
 #pragma unroll
   for (int o = 1; o < PS; o <<= 1) c2 += __shfl_xor_sync(0xffffffffu, c2, o);
-  if (B0 == B1 || sg == 0) pack_store32<B0>(c, 0u, dst, write);
-  else pack_store32<B1>(c, 0u, dst, write);
+  const std::uint32_t zc = 0u - 16u * static_cast<std::uint32_t>(t);
+  if (B0 == B1 || sg == 0) pack_store32<B0, 3>(c, zc, dst, write);
+  else pack_store32<B1, 3>(c, zc, dst, write);
   norm_out = norm;
   c2_out = c2;
 }
 
+constexpr int kFastWarps = kFastThreads / 32;
+constexpr int kSideBytes = 32 * kLaneElems * 2;                 // one side of a warp's vectors: 2 KB
+constexpr int kStageBytes = 2 * kSideBytes;                      // keys and values
+constexpr int kStagingBytes = kFastWarps * 2 * kStageBytes;      // two stages per warp: 64 KB
+
+// Work item = (block of V consecutive tokens, KV head): a warp's V vectors are one head's, so the
+// sign masks and channel offsets it reads are the same for all of them (broadcast), and the codes
+// and metadata of consecutive slots it writes are adjacent in the page ([head][token] layout).
 template <int D, class F>
 __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const StoreParams p, int tok_shift, bool use_masks) {
   __shared__ StoreTables T;
-  __shared__ __align__(16) std::uint16_t rows[F::NSEG == 2 ? kFastThreads / 32 : 1][32 * kLaneElems];  // split: staged rows
-  extern __shared__ uint4 smask[];  // sign masks (4 H D bytes), when the launcher gives the space
-  constexpr int P = D / kLaneElems, V = 32 / P, NSEG = F::NSEG, PS = NSEG == 2 ? P / 2 : P;
+  // [warp][stage][side] staged rows (kStagingBytes), then, when the launcher gives the space, the
+  // sign masks (4 H D bytes) and for the split formats the channel offsets (4 H D bytes).
+  extern __shared__ uint4 dsm[];
+  using S = Stage<D>;
+  constexpr int P = S::P, V = 32 / P, NSEG = F::NSEG, PS = NSEG == 2 ? P / 2 : P;
   constexpr bool KTQ = F::KK == KeyCode::kTq, VTQ = F::VK == ValueCode::kTq;
   const FormatDesc& f = p.fmt;
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int l = lane & (P - 1), gbase = lane & ~(P - 1);
+  const int l = lane & (P - 1), gbase = lane & ~(P - 1), g = lane / P;
+  char* sb = reinterpret_cast<char*>(dsm);
+  const uint4* smask = dsm + kStagingBytes / 16;
   if (w < 4) {
     const int side = w >> 1, seg = w & 1;
     const bool tq = side == 0 ? KTQ : VTQ;
@@ -664,14 +713,15 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
   }
   const int H = f.kv_heads;
   constexpr int D8 = D / 8;
-  std::uint16_t* sperm = nullptr;  // split formats: channel order [side][head][D] after the masks
+  std::uint16_t* soff = nullptr;  // split formats: channel offsets [side][head][D] after the masks
   if (NSEG == 2 && use_masks) {
-    sperm = reinterpret_cast<std::uint16_t*>(smask) + 2 * H * D;
+    soff = reinterpret_cast<std::uint16_t*>(dsm + kStagingBytes / 16) + 2 * H * D;
     for (int i = threadIdx.x; i < 2 * H * D; i += kFastThreads)
-      sperm[i] = static_cast<std::uint16_t>((i < H * D ? f.key_perm : f.value_perm)[i < H * D ? i : i - H * D]);
+      soff[i] = static_cast<std::uint16_t>(
+          S::chan_off(static_cast<std::uint32_t>((i < H * D ? f.key_perm : f.value_perm)[i < H * D ? i : i - H * D])));
   }
   if (use_masks) {
-    std::uint32_t* mw = reinterpret_cast<std::uint32_t*>(smask);
+    std::uint32_t* mw = reinterpret_cast<std::uint32_t*>(dsm + kStagingBytes / 16);
     for (int i = threadIdx.x; i < 2 * H * (D / 2); i += kFastThreads) {
       const int side = i / (H * (D / 2)), rem = i % (H * (D / 2)), head = rem / (D / 2), j = rem % (D / 2);
       if (side == 0 ? !KTQ : !VTQ) continue;
@@ -684,27 +734,70 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
   const PageLayout& pg = f.page;
   const std::int64_t ks = p.key_token_stride ? p.key_token_stride : static_cast<std::int64_t>(H) * D;
   const std::int64_t vs = p.value_token_stride ? p.value_token_stride : static_cast<std::int64_t>(H) * D;
-  const int sg = l / PS, ls = l % PS;  // segment of this lane (two segments: D / 2 each)
+  const int sg = NSEG == 2 ? l / PS : 0, ls = l % PS;  // segment of this lane (two segments: D / 2 each)
   const int mu = static_cast<int>(pg.meta_bytes / 2);
   const bool protect = p.protect_rows && p.positions && p.seq_ids;
   constexpr std::uint32_t kseg1 = (D / 2) * F::KB0 / 8, vseg1 = (D / 2) * F::VB0 / 8;
   const std::uint32_t kdst_off = (sg ? kseg1 : 0u) + 4u * static_cast<std::uint32_t>(sg ? F::KB1 : F::KB0) * ls;
   const std::uint32_t vdst_off = (sg ? vseg1 : 0u) + 4u * static_cast<std::uint32_t>(sg ? F::VB1 : F::VB0) * ls;
 
-  // Vector gv = token * H + head, advanced by the whole grid's V * warps each iteration.
-  const long stride = static_cast<long>(gridDim.x) * (kFastThreads / 32) * V;
-  const int dtok = static_cast<int>(stride / H), dhead = static_cast<int>(stride % H);
-  const long wbase0 = (static_cast<long>(blockIdx.x) * (kFastThreads / 32) + w) * V;
-  const long gv0 = wbase0 + lane / P;
-  int tok = static_cast<int>(gv0 / H), head = static_cast<int>(gv0 % H);
-  const long nvec = static_cast<long>(p.n_tokens) * H;
-  for (long wb = wbase0; wb < nvec; wb += stride) {  // warp-uniform: every lane takes part in the shuffles
-    const bool valid = tok < p.n_tokens;
-    const int vt = valid ? tok : 0, vh = valid ? head : 0;
-    const std::int64_t slot = valid ? p.slot_mapping[vt] : -1;
+  // Staging: this warp's two stages; the lane's own chunks at own ^ 16 i; the row base of its
+  // vector for the gather; the chunks it copies (lane + 32 j: vector cg[j], element offset ce[j]).
+  const std::uint32_t wstage = static_cast<std::uint32_t>(w) * 2u * kStageBytes;
+  const std::uint32_t own = S::pos(4u * static_cast<std::uint32_t>(lane)) << 4;
+  const std::uint32_t rowb = static_cast<std::uint32_t>(g) * (2u * D) + ((static_cast<std::uint32_t>(g) & 7u) << 4);
+  const std::uint32_t sbase = static_cast<std::uint32_t>(__cvta_generic_to_shared(sb));
+  int cg[4], ce[4];
+  std::uint32_t cdst[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const std::uint32_t q = static_cast<std::uint32_t>(lane + 32 * j);
+    cg[j] = static_cast<int>(q / (D / 8));
+    ce[j] = static_cast<int>(8 * (q % (D / 8)));
+    cdst[j] = S::pos(q) << 4;
+  }
+
+  const int n = p.n_tokens;
+  const long nblk = (static_cast<long>(n) + V - 1) / V;
+  const long nitems = nblk * H;
+  const long stride = static_cast<long>(gridDim.x) * kFastWarps;
+  const int dtb = static_cast<int>(stride / H), dh = static_cast<int>(stride % H);
+  long it = static_cast<long>(blockIdx.x) * kFastWarps + w;
+  int tb = static_cast<int>(it / H), head = static_cast<int>(it % H);
+  // Copies the rows of item (tb_, h_) into stage st and returns this lane's slot (-1: none).
+  auto issue = [&](int st, int tb_, int h_) -> std::int64_t {
+    const std::uint32_t kdst = sbase + wstage + static_cast<std::uint32_t>(st) * kStageBytes;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int t = tb_ * V + cg[j];
+      const bool ok = t < n;
+      const std::int64_t tt = ok ? t : 0;
+      cp_async16_zfill(kdst + cdst[j], p.key + tt * ks + static_cast<std::int64_t>(h_) * D + ce[j], ok);
+      cp_async16_zfill(kdst + kSideBytes + cdst[j], p.value + tt * vs + static_cast<std::int64_t>(h_) * D + ce[j], ok);
+    }
+    const int t = tb_ * V + g;
+    return t < n ? p.slot_mapping[t] : -1;
+  };
+  std::int64_t slot_next = -1;
+  if (it < nitems) slot_next = issue(0, tb, head);
+  cp_async_commit();
+  int cur = 0;
+  for (; it < nitems; it += stride) {  // warp-uniform: every lane takes part in the shuffles
+    int ntb = tb + dtb, nh = head + dh;
+    if (nh >= H) {
+      nh -= H;
+      ++ntb;
+    }
+    const std::int64_t slot = slot_next;
+    if (it + stride < nitems) slot_next = issue(cur ^ 1, ntb, nh);
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncwarp();
+
+    const int tok = tb * V + g;
+    const bool valid = tok < n;
     const bool write = slot >= 0;
-    const std::uint16_t* krow = p.key + vt * ks + static_cast<std::int64_t>(vh) * D;
-    const std::uint16_t* vrow = p.value + vt * vs + static_cast<std::int64_t>(vh) * D;
+    const int vt = valid ? tok : 0, vh = head;
     const std::int64_t sl = write ? slot : 0;
     const std::size_t page = tok_shift >= 0 ? static_cast<std::size_t>(sl >> tok_shift) : static_cast<std::size_t>(sl / pg.tokens);
     const int off = tok_shift >= 0 ? static_cast<int>(sl & ((1 << tok_shift) - 1)) : static_cast<int>(sl % pg.tokens);
@@ -713,25 +806,25 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
     std::uint8_t* vc = base + pg.value_code(vh, off);
     std::uint8_t* meta = base + pg.key_meta(vh, off);
     const std::size_t hd = static_cast<std::size_t>(vh) * D + kLaneElems * l;
+    const std::uint32_t kside = wstage + static_cast<std::uint32_t>(cur) * kStageBytes, vside = kside + kSideBytes;
 
-    Raw32 kr{}, vr{};
-    if (valid) {
-      kr = load_raw32(krow + kLaneElems * l);
-      vr = load_raw32(vrow + kLaneElems * l);
-    }
     float knorm = 0, vnorm = 0, vs_scale = 0, vs_lo = 0;
     double kc2 = 0, vc2 = 0;
     // ---- keys ----
     if constexpr (KTQ) {
       float x[kLaneElems];
       if constexpr (NSEG == 1) {
-        unpack_signed32(kr, smask, use_masks, 0, vh, H, D8, l, f.key_signs + hd, x);
+        unpack_signed32(lds_raw32(sb, kside + own), smask, use_masks, 0, vh, H, D8, l, f.key_signs + hd, x);
+      } else if (soff) {
+        std::uint32_t m[kLaneElems / 2];
+        load_masks(smask, 0, vh, H, D8, l, m);
+        gather32_masked<D>(sb, kside + rowb, soff + hd, m, x);
       } else {
-        gather32(kr, f.key_perm + hd, sperm ? sperm + hd : nullptr, rows[w], lane, P, x);
-        apply_signs32(smask, use_masks, 0, vh, H, D8, l, f.key_signs + hd, x);
+        gather32_global<D>(sb, kside + rowb, f.key_perm + hd, f.key_signs + hd, x);
       }
       tq_encode32<PS, F::KB0, F::KB1>(T, sg, sg, x, kc + kdst_off, write, ls, knorm, kc2);
     } else {  // fp8 e4m3, saturating
+      const Raw32 kr = lds_raw32(sb, kside + own);
       std::uint32_t o[8];
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
@@ -751,13 +844,17 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
     if constexpr (VTQ) {
       float x[kLaneElems];
       if constexpr (NSEG == 1) {
-        unpack_signed32(vr, smask, use_masks, 1, vh, H, D8, l, f.value_signs + hd, x);
+        unpack_signed32(lds_raw32(sb, vside + own), smask, use_masks, 1, vh, H, D8, l, f.value_signs + hd, x);
+      } else if (soff) {
+        std::uint32_t m[kLaneElems / 2];
+        load_masks(smask, 1, vh, H, D8, l, m);
+        gather32_masked<D>(sb, vside + rowb, soff + H * D + hd, m, x);
       } else {
-        gather32(vr, f.value_perm + hd, sperm ? sperm + H * D + hd : nullptr, rows[w], lane, P, x);
-        apply_signs32(smask, use_masks, 1, vh, H, D8, l, f.value_signs + hd, x);
+        gather32_global<D>(sb, vside + rowb, f.value_perm + hd, f.value_signs + hd, x);
       }
       tq_encode32<PS, F::VB0, F::VB1>(T, 2 + sg, sg, x, vc + vdst_off, write, ls, vnorm, vc2);
     } else {  // uniform
+      const Raw32 vr = lds_raw32(sb, vside + own);
       constexpr int B = F::VB0, m = (1 << B) - 1;
       // (min, -max) of the lane as one bf16 pair, then over the vector's P lanes.
       std::uint32_t mn = bmin2(raw_word(vr, 0), raw_word(vr, 1)), mx = bmax2(raw_word(vr, 0), raw_word(vr, 1));
@@ -829,17 +926,16 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
                         pos >= p.protect_seq_lens[p.seq_ids[vt]] - p.protect.window;
       if (psl >= 0 && keep) {
         std::uint16_t* dst = p.protect_rows + p.protect.row(p.seq_ids[vt], vh, psl);
-        store_raw32(kr, reinterpret_cast<std::uint8_t*>(dst + kLaneElems * l));
-        store_raw32(vr, reinterpret_cast<std::uint8_t*>(dst + D + kLaneElems * l));
+        store_raw32(lds_raw32(sb, kside + own), reinterpret_cast<std::uint8_t*>(dst + kLaneElems * l));
+        store_raw32(lds_raw32(sb, vside + own), reinterpret_cast<std::uint8_t*>(dst + D + kLaneElems * l));
       }
     }
-    tok += dtok;
-    head += dhead;
-    if (head >= H) {
-      head -= H;
-      ++tok;
-    }
+    __syncwarp();  // every lane is done with stage cur before the next iteration copies into it
+    cur ^= 1;
+    tb = ntb;
+    head = nh;
   }
+  cp_async_wait<0>();
 }
 
 // bf16 cache: a copy. Thread i moves 16-byte chunk i % (D / 8) of key and value row i / (D / 8)
@@ -906,18 +1002,19 @@ template <int D, class F>
 cudaError_t launch_store_fast(const StoreParams& p, cudaStream_t stream) {
   static unsigned max_blocks = 0;
   if (max_blocks == 0) {
-    cudaError_t e = cudaFuncSetAttribute(store_fast_kernel<D, F>, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaskBytes);
-    if (e == cudaSuccess) e = grid_for(store_fast_kernel<D, F>, kFastThreads, 1L << 30, max_blocks, kMaskBytes);
+    cudaError_t e = cudaFuncSetAttribute(store_fast_kernel<D, F>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         kStagingBytes + kMaskBytes);
+    if (e == cudaSuccess) e = grid_for(store_fast_kernel<D, F>, kFastThreads, 1L << 30, max_blocks, kStagingBytes + kMaskBytes);
     if (e != cudaSuccess) return e;
   }
   const std::size_t mask_bytes = (F::NSEG == 2 ? 8u : 4u) * static_cast<std::size_t>(p.fmt.kv_heads) * D;
   const bool use_masks = p.fmt.kv_heads * D <= 4096;
   constexpr int V = 32 / (D / kLaneElems);
-  const long nvec = static_cast<long>(p.n_tokens) * p.fmt.kv_heads;
-  const long nwarps = (nvec + V - 1) / V;
-  const long want = (nwarps + kFastThreads / 32 - 1) / (kFastThreads / 32);
+  const long nitems = (static_cast<long>(p.n_tokens) + V - 1) / V * p.fmt.kv_heads;  // (V-token block, head) per warp
+  const long want = (nitems + kFastWarps - 1) / kFastWarps;
   const unsigned blocks = static_cast<unsigned>(std::min<long>(want, max_blocks));
-  store_fast_kernel<D, F><<<blocks, kFastThreads, use_masks ? mask_bytes : 0, stream>>>(p, page_shift(p.fmt.page.tokens), use_masks);
+  store_fast_kernel<D, F><<<blocks, kFastThreads, kStagingBytes + (use_masks ? mask_bytes : 0), stream>>>(
+      p, page_shift(p.fmt.page.tokens), use_masks);
   return cudaGetLastError();
 }
 
