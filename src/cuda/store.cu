@@ -300,16 +300,10 @@ constexpr int kMaxBins = 256;
 constexpr float kFloorMagic = 12582912.0f;  // 1.5 * 2^23: fl_down(t + magic) = magic + floor(t), 0 <= t < 2^22
 constexpr std::uint32_t kMagicBits = 0x4B400000u;
 
-// Tables t = key seg 0, key seg 1, value seg 0, value seg 1. The bin table holds, per bin, the
-// byte offset 8 (base + 1) + 128 t into the two 8-byte-stride arrays mid8 and csq, so that one
-// 16-bit lookup gives the address of the candidate midpoint (offset - 8) and, after the compare,
-// of the code's squared centroid (offset - 8 or offset), both as immediate offsets from a
-// register; the offset over 8 is code + 16 t, which the packing takes as it is.
 struct StoreTables {
-  std::uint16_t ent[4][kMaxBins];  // 8 (midpoints in lower bins + 1) + 128 t
-  float2 mid8[4][16];              // .x: midpoints, +inf after the last (8-byte stride: 16 lanes, 16 banks)
+  std::uint8_t base[4][kMaxBins];  // [key seg 0, key seg 1, value seg 0, value seg 1]: midpoints in lower bins
+  float edges[4][16];              // midpoints, +inf after the last
   double csq[4][16];               // squared centroids (norm correction); 16 doubles: any 16 lanes, no bank conflict
-  float edges[4][16];              // midpoints, +inf after the last (binary-search fallback)
   float ba[4], bb[4], bn[4];       // bin(y) = floor(sat(y * ba + bb) * bn)
   int ok[4];
 };
@@ -329,7 +323,6 @@ __device__ void build_store_table(StoreTables& T, int t, const float* __restrict
   const int ne = (1 << bits) - 1, nc = 1 << bits;
   for (int i = lane; i < 16; i += 32) {
     T.edges[t][i] = i < ne ? edges_g[i] : INFINITY;
-    T.mid8[t][i] = make_float2(T.edges[t][i], 0.0f);
     const double c = i < nc ? cent_g[i] : 0.0;
     T.csq[t][i] = c * c;
   }
@@ -367,7 +360,7 @@ __device__ void build_store_table(StoreTables& T, int t, const float* __restrict
       int base = 0;
       for (int i = 0; i < ne; ++i)
         if (bin_of(T.edges[t][i], a, b, n) < k) ++base;
-      T.ent[t][k] = static_cast<std::uint16_t>(8 * (base + 1) + 128 * t);
+      T.base[t][k] = static_cast<std::uint8_t>(base);
     }
   }
   if (lane == 0) {
@@ -391,9 +384,9 @@ __host__ __device__ constexpr std::uint32_t word_mult(int b, int i) {
   return m;
 }
 
-// Packs 32 codes of B bits, code k = (t[k] >> SH) + zc (mod 2^32; the SH low bits of t[k] are
-// zero), LSB first into B words, and stores them (4 B bytes, 4-byte aligned destination).
-template <int B, int SH = 0>
+// Packs 32 codes of B bits, code k = t[k] + zc (mod 2^32), LSB first into B words, and stores
+// them (4 B bytes, 4-byte aligned destination).
+template <int B>
 __device__ __forceinline__ void pack_store32(const std::uint32_t (&t)[kLaneElems], std::uint32_t zc, std::uint8_t* dst,
                                              bool write) {
   std::uint32_t w[B];
@@ -402,9 +395,8 @@ __device__ __forceinline__ void pack_store32(const std::uint32_t (&t)[kLaneElems
 #pragma unroll
   for (int k = 0; k < kLaneElems; ++k) {
     const int pos = B * k, i = pos >> 5, o = pos & 31;
-    // (t >> SH) << o; bits above the field wrap out of the word or cancel with the constant
-    w[i] += o >= SH ? t[k] << (o - SH) : t[k] >> (SH - o);
-    if (o + B > 32) w[i + 1] += ((t[k] >> SH) + zc) >> (32 - o);
+    w[i] += t[k] << o;  // bits above the field wrap out of the word or cancel with the constant
+    if (o + B > 32) w[i + 1] += (t[k] + zc) >> (32 - o);
   }
   if (!write) return;
   const std::uintptr_t a = reinterpret_cast<std::uintptr_t>(dst);
@@ -629,20 +621,16 @@ __device__ __forceinline__ void tq_encode32(const StoreTables& T, int t, int sg,
     }
   }
   const float sc = static_cast<float>(1.0 / sqrt(static_cast<double>(kLaneElems * PS)));
-  // c[k] = 8 (code + 16 t): the byte offset of the code's entry in mid8 / csq.
   std::uint32_t c[kLaneElems];
   if (T.ok[t]) {
     const float ba = T.ba[t], bb = T.bb[t], bn = T.bn[t];
-    const std::uint16_t* bins = T.ent[t];
-    const char* mid8 = reinterpret_cast<const char*>(&T.mid8[0][0]) - 8;
+    const std::uint8_t* bins = T.base[t];
+    const float* mids = T.edges[t];
 #pragma unroll
     for (int k = 0; k < kLaneElems; ++k) {
       const float y = v[k] * sc;
-      const std::uint32_t e = bins[bin_of(y, ba, bb, bn)];  // 8 (base + 1) + 128 t
-      // le = -1 when !(mid[base] < y) (y NaN included): the code is base, else base + 1.
-      std::uint32_t le;
-      asm("set.geu.u32.f32 %0, %1, %2;" : "=r"(le) : "f"(*reinterpret_cast<const float*>(mid8 + e)), "f"(y));
-      c[k] = e + (le << 3);
+      const int b = bins[bin_of(y, ba, bb, bn)];
+      c[k] = static_cast<std::uint32_t>(b + (mids[b] < y ? 1 : 0));
     }
   } else {
     const int ne = (1 << (sg ? B1 : B0)) - 1;
@@ -659,24 +647,20 @@ __device__ __forceinline__ void tq_encode32(const StoreTables& T, int t, int sg,
           n = hf;
         }
       }
-      c[k] = static_cast<std::uint32_t>(8 * (lo + 16 * t));
+      c[k] = static_cast<std::uint32_t>(lo);
     }
   }
-  double c4[4];
+  double c4[4] = {0, 0, 0, 0};
   {
-    const char* cs = reinterpret_cast<const char*>(&T.csq[0][0]);
+    const double* cs = T.csq[t];
 #pragma unroll
-    for (int k = 0; k < kLaneElems; ++k) {  // the first four start the sums: 0 + x = x for x >= 0
-      const double cv = *reinterpret_cast<const double*>(cs + c[k]);
-      c4[k & 3] = k < 4 ? cv : c4[k & 3] + cv;
-    }
+    for (int k = 0; k < kLaneElems; ++k) c4[k & 3] += cs[c[k]];
   }
   double c2 = (c4[0] + c4[1]) + (c4[2] + c4[3]);
 #pragma unroll
   for (int o = 1; o < PS; o <<= 1) c2 += __shfl_xor_sync(0xffffffffu, c2, o);
-  const std::uint32_t zc = 0u - 16u * static_cast<std::uint32_t>(t);
-  if (B0 == B1 || sg == 0) pack_store32<B0, 3>(c, zc, dst, write);
-  else pack_store32<B1, 3>(c, zc, dst, write);
+  if (B0 == B1 || sg == 0) pack_store32<B0>(c, 0u, dst, write);
+  else pack_store32<B1>(c, 0u, dst, write);
   norm_out = norm;
   c2_out = c2;
 }
