@@ -24,6 +24,10 @@
 
 namespace kvq::cuda::detail {
 
+#ifndef KVQ_FAST_MAX_STAGES
+#define KVQ_FAST_MAX_STAGES 2  // cp.async stages per warp (3 where shared memory allows; for A/B builds)
+#endif
+
 template <KeyCode KC_, int KB_, ValueCode VC_, int VB_>
 struct FCfg {
   static constexpr int D = 128;
@@ -39,14 +43,17 @@ struct FCfg {
   static constexpr int VMB = VC == ValueCode::kTq ? 2 : 4;
   static constexpr int MB = KMB + VMB;
   static constexpr int KENT = KC == KeyCode::kTq ? 1 << (2 * KB) : 0;
-  // 4-bit uniform values are decoded arithmetically (fp16 magic numbers), no table.
-  static constexpr bool kMagicV = VC == ValueCode::kUniform && VB == 4;
+  // Uniform values (integer levels 0 .. 2^VB - 1) are decoded arithmetically (fp16 magic numbers), no table.
+  static constexpr bool kMagicV = VC == ValueCode::kUniform;
   static constexpr int VENT = kMagicV ? 0 : 1 << (2 * VB);
   static constexpr int LUT_BYTES = (KENT > VENT ? KENT : VENT) * 256;  // may be 0; a power of two
   static constexpr int Q_BYTES = 4 * D * 4 + 2 * 16 * 4;  // query [4][D], then centroids [2][16]
   static constexpr int STAGE_BYTES = align16c(kChunk * (KCB + VCB + MB)) + 16;
   static constexpr int SCR_WARP = 512;  // per-warp scratch of the P transpose: [4 heads][8][16 bytes]
-  static constexpr int WFIT = (kSmemBudget - LUT_BYTES - Q_BYTES - 16 * SCR_WARP) / (2 * STAGE_BYTES);
+  // cp.async ring depth per warp: 3 stages (two chunks in flight while one is used) where 16 warps fit.
+  static constexpr int AVAIL = kSmemBudget - LUT_BYTES - Q_BYTES - 16 * SCR_WARP;
+  static constexpr int NST = KVQ_FAST_MAX_STAGES >= 3 && AVAIL / (3 * STAGE_BYTES) >= 16 ? 3 : 2;
+  static constexpr int WFIT = AVAIL / (NST * STAGE_BYTES);
   static constexpr int WARPS = WFIT >= 16 ? 16 : (WFIT / 2) * 2;
   static constexpr int THREADS = WARPS * 32;
   static constexpr int RS = D + 3;
@@ -54,9 +61,9 @@ struct FCfg {
   // aligned to LUT_BYTES, so that a table address is (window bits | entry << 8 | word) and one PRMT or
   // LOP3 builds it, no add): stages of warps [0, nlo) in the pad, the table, the query, the warps'
   // P-transpose scratch, the stages of the other warps.
-  static constexpr int nlo(int lut_pad) { return lut_pad / (2 * STAGE_BYTES) < WARPS ? lut_pad / (2 * STAGE_BYTES) : WARPS; }
+  static constexpr int nlo(int lut_pad) { return lut_pad / (NST * STAGE_BYTES) < WARPS ? lut_pad / (NST * STAGE_BYTES) : WARPS; }
   static constexpr int smem(int lut_pad) {
-    const int need = lut_pad + LUT_BYTES + Q_BYTES + WARPS * SCR_WARP + (WARPS - nlo(lut_pad)) * 2 * STAGE_BYTES;
+    const int need = lut_pad + LUT_BYTES + Q_BYTES + WARPS * SCR_WARP + (WARPS - nlo(lut_pad)) * NST * STAGE_BYTES;
     const int prot = kMaxGroup * D * 4 + WARPS * kMaxGroup * RS * 4;  // protected split
     const int red = WARPS * 4 * RS * 4;                               // merge of the warps
     const int m = need > prot ? need : prot;
@@ -93,6 +100,8 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     decode_fast_kernel(const DecodeParams p, int nsplit, int cps, float* __restrict__ part_o,
                        float* __restrict__ part_lse) {
   extern __shared__ __align__(16) std::uint8_t smem_raw[];
+  // The combine grid may be launched now: it waits for this grid's completion (decode.cu).
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   constexpr int D = C::D;
   const int split = blockIdx.x, kh = blockIdx.y, b = blockIdx.z;
   const int G = p.q_heads / p.fmt.kv_heads;
@@ -135,17 +144,17 @@ __global__ void __launch_bounds__(C::THREADS, 1)
                       voff = p.fmt.page.value_code_off, moff = p.fmt.page.meta_off;
   const std::uint8_t* __restrict__ pool = p.pool;
   const int nloc = (ce - cb - w + C::WARPS - 1) / C::WARPS > 0 ? (ce - cb - w + C::WARPS - 1) / C::WARPS : 0;
-  std::uint8_t* my_stages = w < n_lo ? smem_raw + static_cast<std::size_t>(w) * 2 * C::STAGE_BYTES
+  std::uint8_t* my_stages = w < n_lo ? smem_raw + static_cast<std::size_t>(w) * C::NST * C::STAGE_BYTES
                                      : lut + C::LUT_BYTES + C::Q_BYTES + C::WARPS * C::SCR_WARP +
-                                           static_cast<std::size_t>(w - n_lo) * 2 * C::STAGE_BYTES;
+                                           static_cast<std::size_t>(w - n_lo) * C::NST * C::STAGE_BYTES;
   const std::int32_t* bt = p.block_tables + static_cast<std::size_t>(b) * p.max_pages;
 
   auto page_of = [&](int i) { return i < nloc ? bt[(cb + w + i * C::WARPS) >> 1] : 0; };
-  auto issue = [&](int i, int page) {
+  auto issue = [&](int i, int slot_i, int page) {
     const int c = cb + w + i * C::WARPS;
     const int off = (c & 1) * kChunk;
     const std::uint8_t* base = pool + static_cast<std::size_t>(page) * page_bytes;
-    std::uint8_t* dst = my_stages + (i & 1) * C::STAGE_BYTES;
+    std::uint8_t* dst = my_stages + slot_i * C::STAGE_BYTES;
     const std::size_t slot = static_cast<std::size_t>(kh) * 64 + static_cast<std::size_t>(off);
     const std::uint8_t* srck = base + koff + slot * C::KCB;
     const std::uint8_t* srcv = base + voff + slot * C::VCB;
@@ -159,9 +168,13 @@ __global__ void __launch_bounds__(C::THREADS, 1)
       cp_async16(dst + 16 * (nk + lane + 32 * j), srcv + 16 * (lane + 32 * j));
     if (lane < nm) cp_async16(dst + 16 * (nk + nv + lane), srcm + 16 * lane);
   };
-  int page_next = page_of(1);
-  if (nloc > 0) issue(0, page_of(0));
-  cp_async_commit();
+#pragma unroll
+  for (int s = 0; s + 1 < C::NST; ++s) {
+    if (s < nloc) issue(s, s, page_of(s));
+    cp_async_commit();
+  }
+  int page_next = page_of(C::NST - 1);
+  int slot_rd = 0, slot_wr = C::NST - 1;  // ring slots of chunk i and of chunk i + NST - 1
 
   // Query (scaled into the log2 domain, gathered and signed like the keys) and the centroids
   // into shared memory: one round of global loads for both.
@@ -266,12 +279,14 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   float m_run = -INFINITY, l_run = 0, z_run = 0;
 
   for (int i = 0; i < nloc; ++i) {
-    cp_async_wait<0>();
+    cp_async_wait<C::NST - 2>();  // chunk i has landed
     __syncwarp();
-    if (i + 1 < nloc) issue(i + 1, page_next);
+    if (i + C::NST - 1 < nloc) issue(i + C::NST - 1, slot_wr, page_next);  // into the slot read last iteration
     cp_async_commit();
-    page_next = page_of(i + 2);  // used next iteration: the load's latency is hidden
-    const std::uint8_t* st = my_stages + (i & 1) * C::STAGE_BYTES;
+    page_next = page_of(i + C::NST);  // used next iteration: the load's latency is hidden
+    const std::uint8_t* st = my_stages + slot_rd * C::STAGE_BYTES;
+    slot_wr = slot_rd;
+    slot_rd = slot_rd + 1 == C::NST ? 0 : slot_rd + 1;
     const std::uint8_t* sk = st;
     const std::uint8_t* sv = st + kChunk * C::KCB;
     const std::uint8_t* smeta = sv + kChunk * C::VCB;
@@ -437,7 +452,32 @@ __global__ void __launch_bounds__(C::THREADS, 1)
 #pragma unroll
       for (int tp = 0; tp < 2; ++tp) {
         const int p0 = 16 * kk + 4 * tp + t4, p1 = p0 + 8;
-        if constexpr (C::kMagicV) {
+        if constexpr (C::kMagicV && C::VB == 3) {
+          // 48 bits at byte 6 g per token, dim j at bit 3 j. Six 16-bit windows (token a in the low half,
+          // token b in the high half, one PRMT each) hold 2-3 fields at bits k = 0..7; (w & 7 << k) | 0x6400
+          // is the fp16 1024 + c 2^k, and one HFMA2 by (2^-k, -1024 2^-k) gives c exactly.
+          const int bo = 6 * g, ba = bo & ~3, sh = (bo & 3) * 8;
+          const std::uint32_t* pa = reinterpret_cast<const std::uint32_t*>(sv + p0 * C::VCB + ba);
+          const std::uint32_t* pb = reinterpret_cast<const std::uint32_t*>(sv + p1 * C::VCB + ba);
+          const std::uint32_t a0 = pa[0], a1 = pa[1], b0 = pb[0], b1 = pb[1];
+          const std::uint32_t xa = __funnelshift_r(a0, a1, sh), ya = a1 >> sh, za = __funnelshift_r(xa, ya, 24);
+          const std::uint32_t xb = __funnelshift_r(b0, b1, sh), yb = b1 >> sh, zb = __funnelshift_r(xb, yb, 24);
+          // window of dim j: (source, byte offset); field at bit 3 j - 8 (offset) - (24 for z, 32 for y).
+          const std::uint32_t win[6] = {__byte_perm(xa, xb, 0x5410u), __byte_perm(xa, xb, 0x6521u), __byte_perm(xa, xb, 0x7632u),
+                                        __byte_perm(za, zb, 0x5410u), __byte_perm(ya, yb, 0x5410u), __byte_perm(ya, yb, 0x6521u)};
+#pragma unroll
+          for (int j = 0; j < 16; ++j) {
+            constexpr int kWin[16] = {0, 0, 0, 1, 1, 1, 2, 2, 3, 3, 3, 4, 4, 4, 5, 5};
+            constexpr int kBase[6] = {0, 8, 16, 24, 32, 40};
+            const int k = 3 * j - kBase[kWin[j]];
+            const std::uint32_t v = (win[kWin[j]] & (0x00070007u << k)) | 0x64006400u;
+            // fp16 bits of 2^-k (exponent 15 - k) and -2^(10 - k) (sign, exponent 25 - k), in both halves.
+            const std::uint32_t sc2 = ((15u - k) << 10) * 0x10001u, bi2 = (0x8000u | ((25u - k) << 10)) * 0x10001u;
+            const __half2 r = __hfma2(*reinterpret_cast<const __half2*>(&v), *reinterpret_cast<const __half2*>(&sc2),
+                                      *reinterpret_cast<const __half2*>(&bi2));
+            areg[tp][j] = *reinterpret_cast<const std::uint32_t*>(&r);
+          }
+        } else if constexpr (C::kMagicV) {
           // (c_a, c_b) as fp16: low nibble | 0x6400 = 1024 + c, high nibble | 0x5400 = 64 + c.
           const uint2 va = *reinterpret_cast<const uint2*>(sv + p0 * C::VCB + g * 8);
           const uint2 vb = *reinterpret_cast<const uint2*>(sv + p1 * C::VCB + g * 8);
