@@ -14,7 +14,6 @@ namespace detail {
 __global__ void combine_kernel(const DecodeParams p, int NS, const float* __restrict__ part_o,
                                const float* __restrict__ part_lse) {
   extern __shared__ float y[];
-  asm volatile("griddepcontrol.wait;" ::: "memory");  // the decode grid's partials (programmatic launch)
   const int D = p.fmt.head_dim;
   const int row = blockIdx.x;
   const int h = row % p.q_heads, b = row / p.q_heads;
@@ -132,20 +131,9 @@ cudaError_t decode(const DecodeParams& p, cudaStream_t stream) {
     default: break;
   }
   if (e != cudaSuccess) return e;
-  // Programmatic dependent launch: the combine grid is launched while the decode grid runs (the fast
-  // kernel lets it go at its start) and waits in griddepcontrol.wait until that grid has completed and
-  // its writes are visible, so its launch latency is hidden.
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(rows));
-  cfg.blockDim = dim3(128);
-  cfg.dynamicSmemBytes = static_cast<std::size_t>(f.head_dim) * sizeof(float);
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, detail::combine_kernel, p, NS, static_cast<const float*>(po), static_cast<const float*>(pl));
+  detail::combine_kernel<<<static_cast<unsigned>(rows), 128, static_cast<std::size_t>(f.head_dim) * sizeof(float), stream>>>(
+      p, NS, po, pl);
+  return cudaGetLastError();
 }
 
 }  // namespace kvq::cuda

@@ -25,7 +25,7 @@
 namespace kvq::cuda::detail {
 
 #ifndef KVQ_FAST_MAX_STAGES
-#define KVQ_FAST_MAX_STAGES 2  // cp.async stages per warp (3 where shared memory allows; for A/B builds)
+#define KVQ_FAST_MAX_STAGES 3  // cp.async stages per warp where 16 warps fit (2 otherwise; -D...=2 for A/B builds)
 #endif
 
 template <KeyCode KC_, int KB_, ValueCode VC_, int VB_>
@@ -43,8 +43,8 @@ struct FCfg {
   static constexpr int VMB = VC == ValueCode::kTq ? 2 : 4;
   static constexpr int MB = KMB + VMB;
   static constexpr int KENT = KC == KeyCode::kTq ? 1 << (2 * KB) : 0;
-  // Uniform values (integer levels 0 .. 2^VB - 1) are decoded arithmetically (fp16 magic numbers), no table.
-  static constexpr bool kMagicV = VC == ValueCode::kUniform;
+  // 4-bit uniform values are decoded arithmetically (fp16 magic numbers), no table.
+  static constexpr bool kMagicV = VC == ValueCode::kUniform && VB == 4;
   static constexpr int VENT = kMagicV ? 0 : 1 << (2 * VB);
   static constexpr int LUT_BYTES = (KENT > VENT ? KENT : VENT) * 256;  // may be 0; a power of two
   static constexpr int Q_BYTES = 4 * D * 4 + 2 * 16 * 4;  // query [4][D], then centroids [2][16]
@@ -100,8 +100,6 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     decode_fast_kernel(const DecodeParams p, int nsplit, int cps, float* __restrict__ part_o,
                        float* __restrict__ part_lse) {
   extern __shared__ __align__(16) std::uint8_t smem_raw[];
-  // The combine grid may be launched now: it waits for this grid's completion (decode.cu).
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   constexpr int D = C::D;
   const int split = blockIdx.x, kh = blockIdx.y, b = blockIdx.z;
   const int G = p.q_heads / p.fmt.kv_heads;
@@ -452,32 +450,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
 #pragma unroll
       for (int tp = 0; tp < 2; ++tp) {
         const int p0 = 16 * kk + 4 * tp + t4, p1 = p0 + 8;
-        if constexpr (C::kMagicV && C::VB == 3) {
-          // 48 bits at byte 6 g per token, dim j at bit 3 j. Six 16-bit windows (token a in the low half,
-          // token b in the high half, one PRMT each) hold 2-3 fields at bits k = 0..7; (w & 7 << k) | 0x6400
-          // is the fp16 1024 + c 2^k, and one HFMA2 by (2^-k, -1024 2^-k) gives c exactly.
-          const int bo = 6 * g, ba = bo & ~3, sh = (bo & 3) * 8;
-          const std::uint32_t* pa = reinterpret_cast<const std::uint32_t*>(sv + p0 * C::VCB + ba);
-          const std::uint32_t* pb = reinterpret_cast<const std::uint32_t*>(sv + p1 * C::VCB + ba);
-          const std::uint32_t a0 = pa[0], a1 = pa[1], b0 = pb[0], b1 = pb[1];
-          const std::uint32_t xa = __funnelshift_r(a0, a1, sh), ya = a1 >> sh, za = __funnelshift_r(xa, ya, 24);
-          const std::uint32_t xb = __funnelshift_r(b0, b1, sh), yb = b1 >> sh, zb = __funnelshift_r(xb, yb, 24);
-          // window of dim j: (source, byte offset); field at bit 3 j - 8 (offset) - (24 for z, 32 for y).
-          const std::uint32_t win[6] = {__byte_perm(xa, xb, 0x5410u), __byte_perm(xa, xb, 0x6521u), __byte_perm(xa, xb, 0x7632u),
-                                        __byte_perm(za, zb, 0x5410u), __byte_perm(ya, yb, 0x5410u), __byte_perm(ya, yb, 0x6521u)};
-#pragma unroll
-          for (int j = 0; j < 16; ++j) {
-            constexpr int kWin[16] = {0, 0, 0, 1, 1, 1, 2, 2, 3, 3, 3, 4, 4, 4, 5, 5};
-            constexpr int kBase[6] = {0, 8, 16, 24, 32, 40};
-            const int k = 3 * j - kBase[kWin[j]];
-            const std::uint32_t v = (win[kWin[j]] & (0x00070007u << k)) | 0x64006400u;
-            // fp16 bits of 2^-k (exponent 15 - k) and -2^(10 - k) (sign, exponent 25 - k), in both halves.
-            const std::uint32_t sc2 = ((15u - k) << 10) * 0x10001u, bi2 = (0x8000u | ((25u - k) << 10)) * 0x10001u;
-            const __half2 r = __hfma2(*reinterpret_cast<const __half2*>(&v), *reinterpret_cast<const __half2*>(&sc2),
-                                      *reinterpret_cast<const __half2*>(&bi2));
-            areg[tp][j] = *reinterpret_cast<const std::uint32_t*>(&r);
-          }
-        } else if constexpr (C::kMagicV) {
+        if constexpr (C::kMagicV) {
           // (c_a, c_b) as fp16: low nibble | 0x6400 = 1024 + c, high nibble | 0x5400 = 64 + c.
           const uint2 va = *reinterpret_cast<const uint2*>(sv + p0 * C::VCB + g * 8);
           const uint2 vb = *reinterpret_cast<const uint2*>(sv + p1 * C::VCB + g * 8);
