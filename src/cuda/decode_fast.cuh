@@ -6,12 +6,14 @@
 // Differences from the generic kernel (docs/kernels.md, "Decode kernel"):
 //  - 16 warps in one CTA per SM (fewer where shared memory does not fit), registers capped at 128;
 //    a two-stage cp.async ring per warp, the next chunk issued before the current one is used.
-//  - QK: rows 0-3 of the A operand hold the rounded query of heads 0-3, rows 4-7 the same again,
-//    rows 8-15 the rounding residuals, so lanes of row g and g + 4 hold the same scores; the
-//    score fragment is directly the B operand of PV (no shuffle).
-//  - PV with the values as the A operand (16 dims x 16 tokens) and P as B (columns 0-3: P of
-//    heads 0-3 rounded to fp16, columns 4-7: the residuals): half the MMAs and half the
-//    accumulators of the generic kernel.
+//  - QK with the keys as A (16 tokens x 16 dims) and the query as B (columns 2h / 2h + 1: head h
+//    rounded to fp16 / its rounding residual): 16 MMAs per 32 tokens, every row and column used;
+//    lane (g, t4) gets the scores of head t4 for its tokens g + 8 j, sums the two columns, and
+//    keeps the online softmax of head t4 (max over the 8 lanes of the head).
+//  - PV with the values as A (16 dims x 16 tokens) and P as B (columns 2h / 2h + 1 again): P times
+//    the value scale, split into fp16 + residual, goes from the score layout (token by g) to the B
+//    layout (token by t4) through a 512-byte scratch per warp (one 16-byte store, two 8-byte loads
+//    per lane); every accumulator of a lane belongs to head t4, so the rescale needs no shuffle.
 //  - Pair tables laid out [entry][64 words]: key pairs at word `lane`, value pairs at word
 //    32 + lane, so a table address is `entry << 8 | lane << 2` (+128): for 4-bit codes one PRMT
 //    builds it from a byte of codes; value pairs of two tokens are interleaved nibble-wise with one
@@ -21,6 +23,10 @@
 #include "decode.cuh"
 
 namespace kvq::cuda::detail {
+
+#ifndef KVQ_FAST_MAX_STAGES
+#define KVQ_FAST_MAX_STAGES 3  // cp.async stages per warp where 16 warps fit (2 otherwise; -D...=2 for A/B builds)
+#endif
 
 template <KeyCode KC_, int KB_, ValueCode VC_, int VB_>
 struct FCfg {
@@ -43,17 +49,21 @@ struct FCfg {
   static constexpr int LUT_BYTES = (KENT > VENT ? KENT : VENT) * 256;  // may be 0; a power of two
   static constexpr int Q_BYTES = 4 * D * 4 + 2 * 16 * 4;  // query [4][D], then centroids [2][16]
   static constexpr int STAGE_BYTES = align16c(kChunk * (KCB + VCB + MB)) + 16;
-  static constexpr int WFIT = (kSmemBudget - LUT_BYTES - Q_BYTES) / (2 * STAGE_BYTES);
+  static constexpr int SCR_WARP = 512;  // per-warp scratch of the P transpose: [4 heads][8][16 bytes]
+  // cp.async ring depth per warp: 3 stages (two chunks in flight while one is used) where 16 warps fit.
+  static constexpr int AVAIL = kSmemBudget - LUT_BYTES - Q_BYTES - 16 * SCR_WARP;
+  static constexpr int NST = KVQ_FAST_MAX_STAGES >= 3 && AVAIL / (3 * STAGE_BYTES) >= 16 ? 3 : 2;
+  static constexpr int WFIT = AVAIL / (NST * STAGE_BYTES);
   static constexpr int WARPS = WFIT >= 16 ? 16 : (WFIT / 2) * 2;
   static constexpr int THREADS = WARPS * 32;
   static constexpr int RS = D + 3;
   // Layout (lut_pad: bytes from the start of dynamic shared memory to the first shared-window address
   // aligned to LUT_BYTES, so that a table address is (window bits | entry << 8 | word) and one PRMT or
-  // LOP3 builds it, no add): stages of warps [0, nlo) in the pad, the table, the query, the stages of
-  // the other warps.
-  static constexpr int nlo(int lut_pad) { return lut_pad / (2 * STAGE_BYTES) < WARPS ? lut_pad / (2 * STAGE_BYTES) : WARPS; }
+  // LOP3 builds it, no add): stages of warps [0, nlo) in the pad, the table, the query, the warps'
+  // P-transpose scratch, the stages of the other warps.
+  static constexpr int nlo(int lut_pad) { return lut_pad / (NST * STAGE_BYTES) < WARPS ? lut_pad / (NST * STAGE_BYTES) : WARPS; }
   static constexpr int smem(int lut_pad) {
-    const int need = lut_pad + LUT_BYTES + Q_BYTES + (WARPS - nlo(lut_pad)) * 2 * STAGE_BYTES;
+    const int need = lut_pad + LUT_BYTES + Q_BYTES + WARPS * SCR_WARP + (WARPS - nlo(lut_pad)) * NST * STAGE_BYTES;
     const int prot = kMaxGroup * D * 4 + WARPS * kMaxGroup * RS * 4;  // protected split
     const int red = WARPS * 4 * RS * 4;                               // merge of the warps
     const int m = need > prot ? need : prot;
@@ -117,11 +127,6 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     for (int h = tid; h < G; h += C::THREADS) plse[static_cast<std::size_t>(h) * NS] = -INFINITY;
     return;
   }
-  // Token order inside a chunk: logical token x (the MMA's column / k index) is physical token
-  // x ^ ((x >> 1) & 1), so that the value-code loads of the 4 lanes of a quad fall on two bank
-  // groups instead of one.
-  auto phys = [](int x) { return x ^ ((x >> 1) & 1); };
-
   const std::uint32_t sbase = smem_u32(smem_raw);
   const int lut_pad = C::LUT_BYTES > 0 ? static_cast<int>((C::LUT_BYTES - (sbase & (C::LUT_BYTES - 1))) & (C::LUT_BYTES - 1)) : 0;
   {
@@ -137,16 +142,17 @@ __global__ void __launch_bounds__(C::THREADS, 1)
                       voff = p.fmt.page.value_code_off, moff = p.fmt.page.meta_off;
   const std::uint8_t* __restrict__ pool = p.pool;
   const int nloc = (ce - cb - w + C::WARPS - 1) / C::WARPS > 0 ? (ce - cb - w + C::WARPS - 1) / C::WARPS : 0;
-  std::uint8_t* my_stages = w < n_lo ? smem_raw + static_cast<std::size_t>(w) * 2 * C::STAGE_BYTES
-                                     : lut + C::LUT_BYTES + C::Q_BYTES + static_cast<std::size_t>(w - n_lo) * 2 * C::STAGE_BYTES;
+  std::uint8_t* my_stages = w < n_lo ? smem_raw + static_cast<std::size_t>(w) * C::NST * C::STAGE_BYTES
+                                     : lut + C::LUT_BYTES + C::Q_BYTES + C::WARPS * C::SCR_WARP +
+                                           static_cast<std::size_t>(w - n_lo) * C::NST * C::STAGE_BYTES;
   const std::int32_t* bt = p.block_tables + static_cast<std::size_t>(b) * p.max_pages;
 
   auto page_of = [&](int i) { return i < nloc ? bt[(cb + w + i * C::WARPS) >> 1] : 0; };
-  auto issue = [&](int i, int page) {
+  auto issue = [&](int i, int slot_i, int page) {
     const int c = cb + w + i * C::WARPS;
     const int off = (c & 1) * kChunk;
     const std::uint8_t* base = pool + static_cast<std::size_t>(page) * page_bytes;
-    std::uint8_t* dst = my_stages + (i & 1) * C::STAGE_BYTES;
+    std::uint8_t* dst = my_stages + slot_i * C::STAGE_BYTES;
     const std::size_t slot = static_cast<std::size_t>(kh) * 64 + static_cast<std::size_t>(off);
     const std::uint8_t* srck = base + koff + slot * C::KCB;
     const std::uint8_t* srcv = base + voff + slot * C::VCB;
@@ -160,9 +166,13 @@ __global__ void __launch_bounds__(C::THREADS, 1)
       cp_async16(dst + 16 * (nk + lane + 32 * j), srcv + 16 * (lane + 32 * j));
     if (lane < nm) cp_async16(dst + 16 * (nk + nv + lane), srcm + 16 * lane);
   };
-  int page_next = page_of(1);
-  if (nloc > 0) issue(0, page_of(0));
-  cp_async_commit();
+#pragma unroll
+  for (int s = 0; s + 1 < C::NST; ++s) {
+    if (s < nloc) issue(s, s, page_of(s));
+    cp_async_commit();
+  }
+  int page_next = page_of(C::NST - 1);
+  int slot_rd = 0, slot_wr = C::NST - 1;  // ring slots of chunk i and of chunk i + NST - 1
 
   // Query (scaled into the log2 domain, gathered and signed like the keys) and the centroids
   // into shared memory: one round of global loads for both.
@@ -230,91 +240,77 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     for (int i = tid; i < G * D; i += C::THREADS) qs[i] *= sc;
   }
   __syncthreads();
-  // A fragments of the query: rows g and g + 4 = rounded query of head g & 3, rows g + 8 = residual.
-  const int hq = g & 3;
-  std::uint32_t qa[8][4];
+  // B fragments of the query (QK has the keys as A): column n = g is head g >> 1, rounded to fp16
+  // (g even) or its rounding residual (g odd); k pairs 2 t4 (+ 8) of k-tile kt are the dims
+  // 32 t4 + 4 kt + {0, 1} ({2, 3}), the run of codes lane t4 reads per token.
+  const int hq = g >> 1;
+  const bool lo_col = (g & 1) != 0;
+  std::uint32_t qb[8][2];
 #pragma unroll
   for (int kt = 0; kt < 8; ++kt) {
-    const int pr0 = 16 * t4 + 2 * kt;
+    const int d0 = 32 * t4 + 4 * kt;
     std::uint32_t h0 = 0, l0 = 0, h1 = 0, l1 = 0;
     if (hq < G) {
       const float* qq = qs + hq * D;
-      split2<false>(qq[2 * pr0], qq[2 * pr0 + 1], h0, l0);
-      split2<false>(qq[2 * pr0 + 2], qq[2 * pr0 + 3], h1, l1);
+      split2<false>(qq[d0], qq[d0 + 1], h0, l0);
+      split2<false>(qq[d0 + 2], qq[d0 + 3], h1, l1);
     }
-    qa[kt][0] = h0;
-    qa[kt][1] = l0;
-    qa[kt][2] = h1;
-    qa[kt][3] = l1;
+    qb[kt][0] = lo_col ? l0 : h0;
+    qb[kt][1] = lo_col ? l1 : h1;
   }
   const std::uint32_t L4 = static_cast<std::uint32_t>(lane) << 2;
   const std::uint32_t XK = lut_s | L4, XV = lut_s | 128u | L4;  // table address of entry 0 for this lane
-  const bool hi_lane = g < 4;
+  // P transpose scratch of this warp: 16-byte unit (h, x) = (hi, hi, lo, lo) halves of P of head h for
+  // tokens x, x + 8 | x + 16, x + 24, at unit h * 8 + (x ^ 2 h) (the two reads below hit 2 wavefronts).
+  std::uint8_t* const scr = lut + C::LUT_BYTES + C::Q_BYTES + static_cast<std::size_t>(w) * C::SCR_WARP;
+  uint4* const scr_st = reinterpret_cast<uint4*>(scr + 16 * (t4 * 8 + (g ^ (2 * t4))));
+  const uint2* const scr_ld0 = reinterpret_cast<const uint2*>(scr + 16 * (hq * 8 + (t4 ^ (2 * hq))) + 8 * (g & 1));
+  const uint2* const scr_ld1 = reinterpret_cast<const uint2*>(scr + 16 * (hq * 8 + ((t4 + 4) ^ (2 * hq))) + 8 * (g & 1));
+  // Metadata of 6-byte tokens: the lane's tokens g + 8 j start 2 bytes into a word where g is odd.
+  const unsigned msel0 = (g & 1) ? 0x5432u : 0x3210u, msel1 = (g & 1) ? 0x7676u : 0x5454u;
 
+  // o[mt]: rows g / g + 8 = dims 16 g + 2 mt / + 1, columns 2 t4 / 2 t4 + 1 = head t4 from the rounded P /
+  // its residual: everything a lane accumulates belongs to head t4.
   float o[8][4];
 #pragma unroll
   for (int i = 0; i < 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0;
   float m_run = -INFINITY, l_run = 0, z_run = 0;
 
   for (int i = 0; i < nloc; ++i) {
-    cp_async_wait<0>();
+    cp_async_wait<C::NST - 2>();  // chunk i has landed
     __syncwarp();
-    if (i + 1 < nloc) issue(i + 1, page_next);
+    if (i + C::NST - 1 < nloc) issue(i + C::NST - 1, slot_wr, page_next);  // into the slot read last iteration
     cp_async_commit();
-    page_next = page_of(i + 2);  // used next iteration: the load's latency is hidden
-    const std::uint8_t* st = my_stages + (i & 1) * C::STAGE_BYTES;
+    page_next = page_of(i + C::NST);  // used next iteration: the load's latency is hidden
+    const std::uint8_t* st = my_stages + slot_rd * C::STAGE_BYTES;
+    slot_wr = slot_rd;
+    slot_rd = slot_rd + 1 == C::NST ? 0 : slot_rd + 1;
     const std::uint8_t* sk = st;
     const std::uint8_t* sv = st + kChunk * C::KCB;
     const std::uint8_t* smeta = sv + kChunk * C::VCB;
     const int pos0 = (cb + w + i * C::WARPS) * kChunk;
     const bool full = pos0 >= lo && pos0 + kChunk <= hi;
 
-    // Metadata of this lane's 8 tokens (nt * 8 + 2 t4 + e): 16-bit units, 2 * MB / 2 per pair.
-    constexpr int MW = C::MB / 2;  // 16-bit units per token
-    std::uint32_t mraw[4][C::MB / 2];  // per nt: 2 tokens x MB bytes = MB / 2 words
+    // ---- scores: keys as A (m-tile mt, rows g / g + 8 = tokens 16 mt + g / + 8), query as B ----
+    // The lane's tokens are g + 8 j (j = 2 mt + row half); it gets their scores for head t4.
+    float acc[2][4];
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-      const std::uint32_t* mp = reinterpret_cast<const std::uint32_t*>(smeta + (nt * 8 + 2 * t4) * C::MB);
-      if constexpr (C::MB == 4) {
-        const uint2 v = *reinterpret_cast<const uint2*>(mp);
-        mraw[nt][0] = v.x;
-        mraw[nt][1] = v.y;
-      } else {
-#pragma unroll
-        for (int k = 0; k < C::MB / 2; ++k) mraw[nt][k] = mp[k];
-      }
-    }
-    const int esw = t4 & 1;  // logical e -> physical e ^ esw
-    // 16-bit unit k of the lane's logical tokens nt * 8 + 2 t4 + {0, 1} as a float pair: one PRMT picks
-    // the unit of both physical tokens (swapped where esw), one conversion per half.
-    auto meta2 = [&](int nt, int k) -> float2 {
-      const int k0 = k, k1 = MW + k;  // unit of physical token 0 / 1 of the pair
-      const unsigned b0 = 2u * static_cast<unsigned>(k0 & 1), b2 = 4u + 2u * static_cast<unsigned>(k1 & 1);
-      const unsigned s0 = b0 | (b0 + 1) << 4 | b2 << 8 | (b2 + 1) << 12;
-      const unsigned s1 = b2 | (b2 + 1) << 4 | b0 << 8 | (b0 + 1) << 12;
-      const std::uint32_t x = __byte_perm(mraw[nt][k0 >> 1], mraw[nt][k1 >> 1], esw ? s1 : s0);
-      return __half22float2(*reinterpret_cast<const __half2*>(&x));
-    };
-
-    // ---- scores ----
-    float acc[4][4];
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0;
+    for (int mt = 0; mt < 2; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0;
     if constexpr (C::KC == KeyCode::kTq) {
       constexpr int NB = 32 * C::KB, NW = NB / 32, FW = 2 * C::KB;
       std::uint32_t wv[4][NW];
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
-        const std::uint8_t* src = sk + (nt * 8 + phys(g)) * C::KCB + t4 * (NB / 8);
+      for (int j = 0; j < 4; ++j) {
+        const std::uint8_t* src = sk + (g + 8 * j) * C::KCB + t4 * (NB / 8);
         if constexpr (NW == 4) {
           const uint4 v = *reinterpret_cast<const uint4*>(src);
-          wv[nt][0] = v.x;
-          wv[nt][1] = v.y;
-          wv[nt][2] = v.z;
-          wv[nt][3] = v.w;
+          wv[j][0] = v.x;
+          wv[j][1] = v.y;
+          wv[j][2] = v.z;
+          wv[j][3] = v.w;
         } else {
 #pragma unroll
-          for (int k = 0; k < NW; ++k) wv[nt][k] = reinterpret_cast<const std::uint32_t*>(src)[k];
+          for (int k = 0; k < NW; ++k) wv[j][k] = reinterpret_cast<const std::uint32_t*>(src)[k];
         }
       }
       auto kaddr = [&](const std::uint32_t(&ww)[NW], int pair) -> std::uint32_t {
@@ -328,125 +324,132 @@ __global__ void __launch_bounds__(C::THREADS, 1)
 #pragma unroll
       for (int kt = 0; kt < 8; ++kt) {
 #pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-          const std::uint32_t b0 = lds_u32(kaddr(wv[nt], 2 * kt));
-          const std::uint32_t b1 = lds_u32(kaddr(wv[nt], 2 * kt + 1));
-          mma16816<false>(acc[nt], qa[kt], b0, b1);
+        for (int mt = 0; mt < 2; ++mt) {
+          const std::uint32_t a[4] = {lds_u32(kaddr(wv[2 * mt], 2 * kt)), lds_u32(kaddr(wv[2 * mt + 1], 2 * kt)),
+                                      lds_u32(kaddr(wv[2 * mt], 2 * kt + 1)), lds_u32(kaddr(wv[2 * mt + 1], 2 * kt + 1))};
+          mma16816<false>(acc[mt], a, qb[kt][0], qb[kt][1]);
         }
       }
     } else {  // fp8 keys: 32 bytes per lane and token
       std::uint32_t wv[4][8];
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
-        const uint4* src = reinterpret_cast<const uint4*>(sk + (nt * 8 + phys(g)) * C::KCB + t4 * 32);
+      for (int j = 0; j < 4; ++j) {
+        const uint4* src = reinterpret_cast<const uint4*>(sk + (g + 8 * j) * C::KCB + t4 * 32);
         const uint4 v0 = src[0], v1 = src[1];
-        wv[nt][0] = v0.x;
-        wv[nt][1] = v0.y;
-        wv[nt][2] = v0.z;
-        wv[nt][3] = v0.w;
-        wv[nt][4] = v1.x;
-        wv[nt][5] = v1.y;
-        wv[nt][6] = v1.z;
-        wv[nt][7] = v1.w;
+        wv[j][0] = v0.x;
+        wv[j][1] = v0.y;
+        wv[j][2] = v0.z;
+        wv[j][3] = v0.w;
+        wv[j][4] = v1.x;
+        wv[j][5] = v1.y;
+        wv[j][6] = v1.z;
+        wv[j][7] = v1.w;
       }
 #pragma unroll
       for (int kt = 0; kt < 8; ++kt) {
 #pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-          const std::uint32_t x = wv[nt][kt];
-          mma16816<false>(acc[nt], qa[kt], fp8x2_to_half2(x & 0xffffu), fp8x2_to_half2(x >> 16));
+        for (int mt = 0; mt < 2; ++mt) {
+          const std::uint32_t x0 = wv[2 * mt][kt], x1 = wv[2 * mt + 1][kt];
+          const std::uint32_t a[4] = {fp8x2_to_half2(x0 & 0xffffu), fp8x2_to_half2(x1 & 0xffffu), fp8x2_to_half2(x0 >> 16),
+                                      fp8x2_to_half2(x1 >> 16)};
+          mma16816<false>(acc[mt], a, qb[kt][0], qb[kt][1]);
         }
       }
     }
-    float sc[4][2];
+
+    // Metadata of the lane's tokens g + 8 j: key norm (TurboQuant keys), value scale or norm, value zero
+    // (uniform values), as 16-bit units [token][MB / 2].
+    float kn[4], vsc[4], vz[4];
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-      float v0 = acc[nt][0] + acc[nt][2], v1 = acc[nt][1] + acc[nt][3];
-      if constexpr (C::KC == KeyCode::kTq) {
-        const float2 kn = meta2(nt, 0);
-        v0 *= kn.x;
-        v1 *= kn.y;
+    for (int j = 0; j < 4; ++j) {
+      kn[j] = 1.0f;
+      vz[j] = 0.0f;
+      if constexpr (C::MB == 4) {
+        const std::uint32_t x = *reinterpret_cast<const std::uint32_t*>(smeta + (g + 8 * j) * 4);
+        const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&x));
+        if constexpr (C::KMB == 2) {
+          kn[j] = f.x;
+          vsc[j] = f.y;
+        } else {
+          vsc[j] = f.x;
+          vz[j] = f.y;
+        }
+      } else {
+        static_assert(C::MB == 6 && C::KMB == 2, "fast decode: metadata layout");
+        const std::uint32_t* wp = reinterpret_cast<const std::uint32_t*>(smeta + (g + 8 * j) * 6 - 2 * (g & 1));
+        const std::uint32_t w0 = wp[0], w1 = wp[1];
+        const std::uint32_t x = __byte_perm(w0, w1, msel0), y = __byte_perm(w0, w1, msel1);
+        const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&x));
+        kn[j] = f.x;
+        vsc[j] = f.y;
+        vz[j] = __half2float(__ushort_as_half(static_cast<unsigned short>(y & 0xffffu)));
       }
-      sc[nt][0] = v0;
-      sc[nt][1] = v1;
+    }
+    float sc[4];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      sc[2 * mt] = acc[mt][0] + acc[mt][1];
+      sc[2 * mt + 1] = acc[mt][2] + acc[mt][3];
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if constexpr (C::KC == KeyCode::kTq) sc[j] *= kn[j];
     }
     if (!full) {  // warp-uniform: only the first and last chunk of a range can be partial
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int x = pos0 + phys(nt * 8 + 2 * t4 + e);
-          if (x < lo || x >= hi) sc[nt][e] = -INFINITY;
-        }
+      for (int j = 0; j < 4; ++j) {
+        const int x = pos0 + g + 8 * j;
+        if (x < lo || x >= hi) sc[j] = -INFINITY;
       }
     }
 
-    // ---- online softmax (log2 domain), per head over the quad ----
-    float mx = sc[0][0];
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt) mx = fmaxf(mx, fmaxf(sc[nt][0], sc[nt][1]));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    // ---- online softmax (log2 domain) of head t4 over the 8 lanes t4, t4 + 4, ... ----
+    float mx = fmaxf(fmaxf(sc[0], sc[1]), fmaxf(sc[2], sc[3]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
     const float m_new = fmaxf(m_run, mx);
     const float m_use = m_new == -INFINITY ? 0.0f : m_new;
     const float alpha = exp2f(m_run - m_use);
-    float psum = 0;
+    float psum = 0, zsum = 0, pv[4];
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-      sc[nt][0] = exp2f(sc[nt][0] - m_use);
-      sc[nt][1] = exp2f(sc[nt][1] - m_use);
-      psum += sc[nt][0] + sc[nt][1];
+    for (int j = 0; j < 4; ++j) {
+      const float pj = exp2f(sc[j] - m_use);
+      psum += pj;
+      pv[j] = pj > 0 ? pj * vsc[j] : 0.0f;
+      if constexpr (C::VC == ValueCode::kUniform) zsum += pj > 0 ? pj * vz[j] : 0.0f;
     }
+    z_run = z_run * alpha + zsum;
     l_run = l_run * alpha + psum;
     m_run = m_new;
-    z_run *= alpha;
-    // o columns: lanes t4 < 2 hold heads 2 t4, 2 t4 + 1 (rounded P), t4 >= 2 their residual
-    // columns: the scale of column c is alpha of head c & 3, held by the lanes of quad c & 3.
     if (__any_sync(0xffffffffu, alpha != 1.0f)) {
-      const int src0 = ((2 * t4) & 3) * 4, src1 = ((2 * t4 + 1) & 3) * 4;
-      const float al0 = __shfl_sync(0xffffffffu, alpha, src0);
-      const float al1 = __shfl_sync(0xffffffffu, alpha, src1);
 #pragma unroll
       for (int n = 0; n < 8; ++n) {
-        o[n][0] *= al0;
-        o[n][1] *= al1;
-        o[n][2] *= al0;
-        o[n][3] *= al1;
+        o[n][0] *= alpha;
+        o[n][1] *= alpha;
+        o[n][2] *= alpha;
+        o[n][3] *= alpha;
       }
     }
+    // ---- P (times the value scale) to the B layout of PV through the scratch ----
+    {
+      std::uint32_t h01, l01, h23, l23;
+      split2<false>(pv[0], pv[1], h01, l01);
+      split2<false>(pv[2], pv[3], h23, l23);
+      *scr_st = make_uint4(h01, h23, l01, l23);
+    }
+    __syncwarp();
+    const uint2 bx = *scr_ld0, by = *scr_ld1;
 
     // ---- P V: values as A (16 dims x 16 tokens), P as B ----
+    // k pairs of k-block kk: 2 t4 / 2 t4 + 1 = tokens 16 kk + t4 / + 8, 2 t4 + 8 / + 9 = 16 kk + t4 + 4 / + 12.
 #pragma unroll
     for (int kk = 0; kk < 2; ++kk) {
-      float pv[4];
-#pragma unroll
-      for (int tp = 0; tp < 2; ++tp) {
-        const int nt = 2 * kk + tp;
-        const float2 vm = meta2(nt, C::KMB / 2);
-        const float p0 = sc[nt][0], p1 = sc[nt][1];
-        const float t0 = p0 * vm.x, t1 = p1 * vm.y;
-        pv[2 * tp] = p0 > 0 ? t0 : 0.0f;
-        pv[2 * tp + 1] = p1 > 0 ? t1 : 0.0f;
-        if constexpr (C::VC == ValueCode::kUniform) {
-          const float2 vz = meta2(nt, C::KMB / 2 + 1);
-          const float z0 = p0 * vz.x, z1 = p1 * vz.y;
-          z_run += p0 > 0 ? z0 : 0.0f;
-          z_run += p1 > 0 ? z1 : 0.0f;
-        }
-      }
-      std::uint32_t bfr[2];
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        std::uint32_t h, l;
-        split2<false>(pv[2 * j], pv[2 * j + 1], h, l);
-        bfr[j] = hi_lane ? h : l;
-      }
-      // Tokens of this lane's A rows: ta, ta + 1 (k 2t4, 2t4+1) and ta + 8, ta + 9.
-      const int ta = 16 * kk + 2 * t4;
+      const std::uint32_t bfr[2] = {kk == 0 ? bx.x : bx.y, kk == 0 ? by.x : by.y};
       std::uint32_t areg[2][16];  // [token pair][dim j of the lane's 16]
 #pragma unroll
       for (int tp = 0; tp < 2; ++tp) {
-        const int t0 = ta + 8 * tp, p0 = phys(t0), p1 = phys(t0 + 1);
+        const int p0 = 16 * kk + 4 * tp + t4, p1 = p0 + 8;
         if constexpr (C::kMagicV) {
           // (c_a, c_b) as fp16: low nibble | 0x6400 = 1024 + c, high nibble | 0x5400 = 64 + c.
           const uint2 va = *reinterpret_cast<const uint2*>(sv + p0 * C::VCB + g * 8);
@@ -509,38 +512,27 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   }
   cp_async_wait<0>();
 
-  // ---- merge: hi + lo columns, then the warps through shared memory ----
-  l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
-  l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
-  z_run += __shfl_xor_sync(0xffffffffu, z_run, 1);
-  z_run += __shfl_xor_sync(0xffffffffu, z_run, 2);
+  // ---- merge: rounded + residual columns, the lanes of a head, then the warps through shared memory ----
 #pragma unroll
-  for (int n = 0; n < 8; ++n) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) o[n][e] += __shfl_xor_sync(0xffffffffu, o[n][e], 2);
+  for (int s = 4; s < 32; s <<= 1) {
+    l_run += __shfl_xor_sync(0xffffffffu, l_run, s);
+    z_run += __shfl_xor_sync(0xffffffffu, z_run, s);
   }
   __syncthreads();
   constexpr int RS = C::RS;
   float* red = reinterpret_cast<float*>(smem_raw);  // every warp's copies have landed (cp_async_wait above)
-  if (t4 < 2) {
+  if (t4 < G) {
+    float* rr = red + (w * 4 + t4) * RS;
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int h = 2 * t4 + e;
-      if (h < G) {
-        float* rr = red + (w * 4 + h) * RS;
-#pragma unroll
-        for (int mt = 0; mt < 8; ++mt) {
-          rr[16 * g + 2 * mt] = o[mt][e];
-          rr[16 * g + 2 * mt + 1] = o[mt][2 + e];
-        }
-      }
+    for (int mt = 0; mt < 8; ++mt) {
+      rr[16 * g + 2 * mt] = o[mt][0] + o[mt][1];
+      rr[16 * g + 2 * mt + 1] = o[mt][2] + o[mt][3];
     }
-  }
-  if (hi_lane && t4 == 0 && g < G) {
-    float* rr = red + (w * 4 + g) * RS;
-    rr[D] = nloc > 0 ? m_run : -INFINITY;
-    rr[D + 1] = l_run;
-    rr[D + 2] = z_run;
+    if (g == 0) {
+      rr[D] = nloc > 0 ? m_run : -INFINITY;
+      rr[D + 1] = l_run;
+      rr[D + 2] = z_run;
+    }
   }
   __syncthreads();
   for (int idx = tid; idx < G * D; idx += C::THREADS) {
