@@ -46,7 +46,13 @@ __global__ void combine_kernel(const DecodeParams p, int NS, const float* __rest
     __syncthreads();
     const std::int32_t* perm = p.fmt.value_perm + static_cast<std::size_t>(kh) * D;
     const float* sg = p.fmt.value_signs + static_cast<std::size_t>(kh) * D;
-    for (int d = threadIdx.x; d < D; d += blockDim.x) out[perm[d]] = y[d] * sg[d];
+    // Centered values: every row entered as v - value_mean and the weights sum to one, so the
+    // mean comes back once (not for an empty history, whose output stays zero).
+    const float* mu = p.fmt.value_mean && M != -INFINITY ? p.fmt.value_mean + static_cast<std::size_t>(kh) * D : nullptr;
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+      const int c = perm[d];
+      out[c] = mu ? y[d] * sg[d] + mu[c] : y[d] * sg[d];
+    }
   } else {
     for (int d = threadIdx.x; d < D; d += blockDim.x) out[d] = y[d];
   }

@@ -146,9 +146,14 @@ struct Smem {
 template <class C>
 __device__ void protected_split(const float* __restrict__ qin, int q_heads, float scale, const ProtectLayout pr,
                                 const std::uint16_t* __restrict__ prot_rows, const std::int32_t* __restrict__ vperm,
-                                const float* __restrict__ vsigns, int G, int L, int NS, float* po, float* plse,
+                                const float* __restrict__ vsigns, const float* __restrict__ kmean,
+                                const float* __restrict__ vmean, int G, int L, int NS, float* po, float* plse,
                                 std::uint8_t* smem) {
   const int kh = blockIdx.y, b = blockIdx.z, D = C::D;
+  // Centered formats: the rows enter as k - key_mean and v - value_mean, the packed rows' domain
+  // (the combine kernel adds value_mean back once).
+  const float* __restrict__ kmu = kmean ? kmean + static_cast<std::size_t>(kh) * D : nullptr;
+  const float* __restrict__ vmu = vmean ? vmean + static_cast<std::size_t>(kh) * D : nullptr;
   const int tid = threadIdx.x, w = tid >> 5, lane = tid & 31;
   constexpr int J = C::D / 32;
   float* qs = reinterpret_cast<float*>(smem);        // [8][D]
@@ -176,6 +181,8 @@ __device__ void protected_split(const float* __restrict__ qin, int q_heads, floa
     for (int j = 0; j < J; ++j) {
       kv[j] = bf16_bits_to_float(row[lane + 32 * j]);
       vv[j] = bf16_bits_to_float(row[D + lane + 32 * j]);
+      if (kmu) kv[j] -= kmu[lane + 32 * j];
+      if (vmu) vv[j] -= vmu[lane + 32 * j];
     }
 #pragma unroll
     for (int h = 0; h < kMaxGroup; ++h) {
@@ -264,8 +271,8 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   float* plse = part_lse + row0 * NS + split;    // head h: + h * NS
 
   if (split == nsplit) {  // protected rows
-    protected_split<C>(p.q, p.q_heads, p.scale, prl, p.protect_rows, p.fmt.value_perm, p.fmt.value_signs, G, L,
-                       NS, po, plse, smem_raw);
+    protected_split<C>(p.q, p.q_heads, p.scale, prl, p.protect_rows, p.fmt.value_perm, p.fmt.value_signs,
+                       p.fmt.key_mean, p.fmt.value_mean, G, L, NS, po, plse, smem_raw);
     return;
   }
 

@@ -113,8 +113,8 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   float* plse = part_lse + row0 * NS + split;
 
   if (split == nsplit) {
-    protected_split<C>(p.q, p.q_heads, p.scale, prl, p.protect_rows, p.fmt.value_perm, p.fmt.value_signs, G, L,
-                       NS, po, plse, smem_raw);
+    protected_split<C>(p.q, p.q_heads, p.scale, prl, p.protect_rows, p.fmt.value_perm, p.fmt.value_signs,
+                       p.fmt.key_mean, p.fmt.value_mean, G, L, NS, po, plse, smem_raw);
     return;
   }
 

@@ -50,6 +50,13 @@ struct FormatDesc {
   const float* key_edges = nullptr;
   const float* value_centroids = nullptr;
   const float* value_edges = nullptr;
+  // Centering (kvq's calibrated tq-4bit, tq-3bit, tq-3.5bit, tq-2.5bit; docs/formats.md): the
+  // per-channel means subtracted before quantization, [kv_heads][head_dim] in channel order, or
+  // nullptr for an uncentered format. The store subtracts them; decode scores protected rows
+  // against k - key_mean (every score of a query then carries the same shift as the packed rows,
+  // which the softmax ignores) and adds value_mean once to the output.
+  const float* key_mean = nullptr;
+  const float* value_mean = nullptr;
 };
 
 // Device copies of one layer's format constants. Built on the host from make_quantizers(f, g,

@@ -141,7 +141,14 @@ __device__ void encode_tq(const FormatDesc& f, bool is_key, int head, const std:
   const int D = f.head_dim;
   const std::int32_t* perm = (is_key ? f.key_perm : f.value_perm) + static_cast<std::size_t>(head) * D;
   const float* signs = (is_key ? f.key_signs : f.value_signs) + static_cast<std::size_t>(head) * D;
-  for (int i = lane; i < D; i += 32) x[i] = bf16_bits_to_float(row[perm[i]]);
+  // Centered formats subtract the channel mean first (the CPU's x - offset, one float subtraction).
+  const float* mean = is_key ? f.key_mean : f.value_mean;
+  if (mean) {
+    mean += static_cast<std::size_t>(head) * D;
+    for (int i = lane; i < D; i += 32) x[i] = bf16_bits_to_float(row[perm[i]]) - mean[perm[i]];
+  } else {
+    for (int i = lane; i < D; i += 32) x[i] = bf16_bits_to_float(row[perm[i]]);
+  }
   __syncwarp();
   int off = 0, code_off = 0;
   for (int s = 0; s < f.segments; ++s) {
@@ -1078,11 +1085,14 @@ cudaError_t store(const StoreParams& p, cudaStream_t stream) {
   if (!p.key || !p.value || !p.slot_mapping || !p.pool) return cudaErrorInvalidValue;
   bool done = false;
   cudaError_t e = cudaSuccess;
-  switch (f.head_dim) {
-    case 64: e = detail::dispatch_fast<64>(p, stream, done); break;
-    case 128: e = detail::dispatch_fast<128>(p, stream, done); break;
-    case 256: e = detail::dispatch_fast<256>(p, stream, done); break;
-    default: break;
+  // The fast kernel has no centering: centered formats take the generic one.
+  if (!f.key_mean && !f.value_mean) {
+    switch (f.head_dim) {
+      case 64: e = detail::dispatch_fast<64>(p, stream, done); break;
+      case 128: e = detail::dispatch_fast<128>(p, stream, done); break;
+      case 256: e = detail::dispatch_fast<256>(p, stream, done); break;
+      default: break;
+    }
   }
   if (done || e != cudaSuccess) return e;
   const long warps = static_cast<long>(p.n_tokens) * f.kv_heads;

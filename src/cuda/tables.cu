@@ -1,6 +1,7 @@
 // Host side of the CUDA kernels: device copies of a layer's format constants (sign diagonals,
-// outlier-split channel order, codebooks), read off the same kvq_quant quantizers the CPU cache
+// outlier-split channel order, codebooks, centering means), read off the same kvq_quant quantizers the CPU cache
 // uses, and the byte count a decode launch must read.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -95,6 +96,8 @@ LayerTables::LayerTables(const FormatSpec& f, const CacheGeometry& g, int layer,
   std::vector<float> kc(2 * kMaxCodebook, 0.0f), ke(2 * kMaxCodebook, 0.0f), vc(2 * kMaxCodebook, 0.0f),
       ve(2 * kMaxCodebook, 0.0f);
   const std::vector<int> seg_dims = split ? std::vector<int>{n_hi, d - n_hi} : std::vector<int>{d};
+  std::vector<float> km(hd, 0.0f), vm(hd, 0.0f);  // centering means, channel order
+  bool centered = false;
   for (int head = 0; head < h; ++head) {
     const QuantizerPair qp = make_quantizers(f, g, layer, head, outliers);
     for (int which = 0; which < 2; ++which) {
@@ -105,7 +108,11 @@ LayerTables::LayerTables(const FormatSpec& f, const CacheGeometry& g, int layer,
       float* edges = which == 0 ? ke.data() : ve.data();
       std::vector<int> order(static_cast<std::size_t>(d));
       for (int i = 0; i < d; ++i) order[static_cast<std::size_t>(i)] = i;
+      float* mean = (which == 0 ? km.data() : vm.data()) + static_cast<std::size_t>(head) * d;
       if (const auto* os = dynamic_cast<const OutlierSplit*>(&q)) {
+        // Each instance holds the means of its channels, in the order of its channels.
+        const std::vector<float>& mh = os->hi().offset();
+        const std::vector<float>& ml = os->lo().offset();
         std::vector<char> hi(static_cast<std::size_t>(d), 0);
         int k = 0;
         for (int c : os->outliers()) {
@@ -115,6 +122,13 @@ LayerTables::LayerTables(const FormatSpec& f, const CacheGeometry& g, int layer,
         require(k == n_hi, "LayerTables: outlier count differs from the format's");
         for (int c = 0; c < d; ++c)
           if (!hi[static_cast<std::size_t>(c)]) order[static_cast<std::size_t>(k++)] = c;
+        if (!mh.empty() || !ml.empty()) {
+          require(mh.size() == static_cast<std::size_t>(n_hi) && ml.size() == static_cast<std::size_t>(d - n_hi),
+                  "LayerTables: outlier-split means do not cover both instances");
+          for (int i = 0; i < d; ++i)
+            mean[order[static_cast<std::size_t>(i)]] = i < n_hi ? mh[static_cast<std::size_t>(i)] : ml[static_cast<std::size_t>(i - n_hi)];
+          centered = true;
+        }
         extract_signs(q, order, seg_dims, signs);
         const int bits_hi = which == 0 ? fd.key_bits[0] : fd.value_bits[0];
         const int bits_lo = which == 0 ? fd.key_bits[1] : fd.value_bits[1];
@@ -122,6 +136,10 @@ LayerTables::LayerTables(const FormatSpec& f, const CacheGeometry& g, int layer,
         put_codebook(sphere_codebook(d - n_hi, bits_lo), cent + kMaxCodebook, edges + kMaxCodebook);
       } else if (const auto* tq = dynamic_cast<const TurboQuantMse*>(&q)) {
         require(tq->norm_correction(), "LayerTables: TurboQuant without norm correction has no kernel");
+        if (!tq->offset().empty()) {
+          std::copy(tq->offset().begin(), tq->offset().end(), mean);
+          centered = true;
+        }
         extract_signs(q, order, seg_dims, signs);
         put_codebook(tq->codebook(), cent, edges);
       } else if (const auto* ua = dynamic_cast<const UniformAffine*>(&q)) {
@@ -131,8 +149,9 @@ LayerTables::LayerTables(const FormatSpec& f, const CacheGeometry& g, int layer,
       for (int i = 0; i < d; ++i) perm[i] = order[static_cast<std::size_t>(i)];
     }
   }
-  // One allocation: key signs, value signs, key perm, value perm, 4 codebook tables.
-  const std::size_t nf = 2 * hd, ni = 2 * hd, nc = 8 * static_cast<std::size_t>(kMaxCodebook);
+  // One allocation: key signs, value signs, 4 codebook tables, key perm, value perm, key and
+  // value means.
+  const std::size_t nf = 4 * hd, ni = 2 * hd, nc = 8 * static_cast<std::size_t>(kMaxCodebook);
   const std::size_t bytes = (nf + nc) * sizeof(float) + ni * sizeof(std::int32_t);
   if (cudaMalloc(&dev_, bytes) != cudaSuccess) fail("LayerTables: cudaMalloc of " + std::to_string(bytes) + " bytes failed");
   std::vector<std::uint8_t> host(bytes);
@@ -149,6 +168,8 @@ LayerTables::LayerTables(const FormatSpec& f, const CacheGeometry& g, int layer,
   put(ve.data(), kMaxCodebook * 8);
   put(kp.data(), hd * 4);
   put(vp.data(), hd * 4);
+  put(km.data(), hd * 4);
+  put(vm.data(), hd * 4);
   if (cudaMemcpy(dev_, host.data(), bytes, cudaMemcpyHostToDevice) != cudaSuccess) fail("LayerTables: cudaMemcpy failed");
   const auto* base = static_cast<const std::uint8_t*>(dev_);
   fd.key_signs = reinterpret_cast<const float*>(base);
@@ -159,6 +180,10 @@ LayerTables::LayerTables(const FormatSpec& f, const CacheGeometry& g, int layer,
   fd.value_edges = fd.value_centroids + 2 * kMaxCodebook;
   fd.key_perm = reinterpret_cast<const std::int32_t*>(fd.value_edges + 2 * kMaxCodebook);
   fd.value_perm = fd.key_perm + hd;
+  if (centered) {
+    fd.key_mean = reinterpret_cast<const float*>(fd.value_perm + hd);
+    fd.value_mean = fd.key_mean + hd;
+  }
 }
 
 LayerTables::~LayerTables() {

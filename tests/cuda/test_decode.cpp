@@ -37,6 +37,7 @@ struct Case {
   bool fixture = false;
   int sinks = 0, window = 0;
   int splits = 0;
+  bool centered = false;  // per-channel offsets in the rows and calibration means (kvq's own formats)
   unsigned seed = 1;
 };
 
@@ -101,6 +102,10 @@ double run_case(const Case& c) {
         K[b][i] = nd(rng) * chscale[static_cast<std::size_t>(dd)] + 0.3f;
         V[b][i] = nd(rng) * (dd % 17 == 0 ? 3.0f : 1.0f);
       }
+      if (c.centered && !c.fixture) {  // offsets that centering removes: 1-3x the spread per channel
+        K[b][i] += 2.5f * std::sin(0.7f * static_cast<float>(dd + 13 * h));
+        V[b][i] += 1.5f * std::cos(0.3f * static_cast<float>(dd + 7 * h));
+      }
       K[b][i] = round_bf16(K[b][i]);
       V[b][i] = round_bf16(V[b][i]);
     }
@@ -121,6 +126,30 @@ double run_case(const Case& c) {
           }
       oc.key[0].push_back(select_outlier_channels(kr.data(), kr.size() / D, D, cnt));
       oc.value[0].push_back(select_outlier_channels(vr.data(), vr.size() / D, D, cnt));
+    }
+  }
+  // Centering means: the per-channel means of the rows themselves (as calibration measures them).
+  if (c.centered) {
+    check(format_uses_centering(f), c.fmt + ": a centered case needs one of kvq's centered formats");
+    oc.key.resize(1);
+    oc.value.resize(1);
+    oc.key[0].resize(static_cast<std::size_t>(H));
+    oc.value[0].resize(static_cast<std::size_t>(H));
+    oc.key_mean.assign(1, std::vector<std::vector<float>>(static_cast<std::size_t>(H), std::vector<float>(static_cast<std::size_t>(D), 0.0f)));
+    oc.value_mean = oc.key_mean;
+    for (int h = 0; h < H; ++h) {
+      std::vector<double> ks(static_cast<std::size_t>(D), 0.0), vs(static_cast<std::size_t>(D), 0.0);
+      std::size_t n = 0;
+      for (int b = 0; b < B; ++b)
+        for (int t = 0; t < c.lens[static_cast<std::size_t>(b)]; ++t, ++n)
+          for (int dd = 0; dd < D; ++dd) {
+            ks[static_cast<std::size_t>(dd)] += K[b][(static_cast<std::size_t>(t) * H + h) * D + dd];
+            vs[static_cast<std::size_t>(dd)] += V[b][(static_cast<std::size_t>(t) * H + h) * D + dd];
+          }
+      for (int dd = 0; dd < D; ++dd) {
+        oc.key_mean[0][static_cast<std::size_t>(h)][static_cast<std::size_t>(dd)] = static_cast<float>(ks[static_cast<std::size_t>(dd)] / static_cast<double>(n));
+        oc.value_mean[0][static_cast<std::size_t>(h)][static_cast<std::size_t>(dd)] = static_cast<float>(vs[static_cast<std::size_t>(dd)] / static_cast<double>(n));
+      }
     }
   }
   std::vector<QuantizerPair> qp;
@@ -250,7 +279,8 @@ double run_case(const Case& c) {
   const std::string name = c.fmt + " d" + std::to_string(D) + " " + std::to_string(c.hq) + "/" + std::to_string(H) +
                            " B" + std::to_string(B) + " maxL" + std::to_string(maxL) + (c.fixture ? " fixture" : "") +
                            (pr.enabled() ? " S" + std::to_string(c.sinks) + "W" + std::to_string(c.window) : "") +
-                           (c.splits ? " splits" + std::to_string(c.splits) : "");
+                           (c.splits ? " splits" + std::to_string(c.splits) : "") + (c.centered ? " centered" : "");
+  check(!c.centered || (p.fmt.key_mean && p.fmt.value_mean), name + ": centered case without means in the tables");
   const cudaError_t e = cuda::decode(p);
   check(e == cudaSuccess, name + ": decode launch: " + cudaGetErrorString(e));
   KVQ_CUDA_OK(cudaDeviceSynchronize());
@@ -467,7 +497,7 @@ int main(int argc, char** argv) {
   std::vector<Case> cases;
   unsigned seed = 11;
   if (small) {
-    for (const char* fm : {"tq-4bit", "tq-4bit-nc", "tq-3.5bit"}) {
+    for (const char* fm : {"tq-4bit", "tq-4bit-nc", "tq-3.5bit", "tq-3bit"}) {
       Case c;
       c.fmt = fm;
       c.hq = 8;
@@ -475,6 +505,7 @@ int main(int argc, char** argv) {
       c.lens = {70, 33};
       c.sinks = 4;
       c.window = 8;
+      c.centered = c.fmt == "tq-3bit";
       c.seed = seed++;
       cases.push_back(c);
     }
@@ -503,6 +534,30 @@ int main(int argc, char** argv) {
       add(64, 32, 8, {77, 300}, false, 0, 0, 0);
       add(256, 16, 4, {33, 190}, false, 2, 16, 0);
       add(96, 12, 4, {95, 250}, false, 0, 0, 0);
+    }
+    // Centered (calibrated) kvq formats: store with the means subtracted, protected rows scored
+    // and accumulated in the centered domain, the value mean added once by the combine kernel.
+    for (const char* fm : {"tq-4bit", "tq-3bit", "tq-3.5bit", "tq-2.5bit"}) {
+      auto add_c = [&](int d, int hq, int hkv, std::vector<int> lens, bool fix, int s, int w, int splits) {
+        Case c;
+        c.fmt = fm;
+        c.d = d;
+        c.hq = hq;
+        c.hkv = hkv;
+        c.lens = std::move(lens);
+        c.fixture = fix;
+        c.sinks = s;
+        c.window = w;
+        c.splits = splits;
+        c.centered = true;
+        c.seed = seed++;
+        cases.push_back(c);
+      };
+      add_c(128, 32, 8, {1, 100, 257}, false, 0, 0, 0);
+      add_c(128, 8, 2, {2, 40, 333, 1500}, false, 4, 64, 0);  // protection: the rows that need the means
+      add_c(128, 4, 2, {511, 200}, true, 4, 32, 3);          // fixture keys (real channel means)
+      add_c(64, 16, 4, {77, 300}, false, 2, 16, 0);
+      add_c(96, 12, 4, {95, 250}, false, 4, 8, 0);
     }
   }
   for (const auto& c : cases) run_case(c);
