@@ -17,13 +17,16 @@ namespace {
 
 // Sign diagonal of every segment of a TurboQuant-family quantizer, in segment order, read from
 // prepare_query on unit vectors: column i of a Sylvester Hadamard block is positive in the
-// block's first row, so the sign of that output is the sign applied to input i.
+// block's first row, so the sign of that output is the sign applied to input i. Segment s's
+// outputs start at qoffs[s] (a centered instance appends q . mu to its outputs, so the second
+// segment of a centered outlier split starts one place later than its first input).
 void extract_signs(const VectorQuantizer& q, const std::vector<int>& perm, const std::vector<int>& seg_dims,
-                   float* signs) {
+                   const std::vector<int>& qoffs, float* signs) {
   const int d = q.dim();
   std::vector<float> e(static_cast<std::size_t>(d), 0.0f), out(static_cast<std::size_t>(q.query_dim()));
   int seg_off = 0;
-  for (int sd : seg_dims) {
+  for (std::size_t s = 0; s < seg_dims.size(); ++s) {
+    const int sd = seg_dims[s], qoff = qoffs[s];
     const std::vector<int> blocks = hadamard_blocks(sd);
     for (int i = 0; i < sd; ++i) {
       int boff = 0;
@@ -35,7 +38,7 @@ void extract_signs(const VectorQuantizer& q, const std::vector<int>& perm, const
       e[static_cast<std::size_t>(ch)] = 1.0f;
       q.prepare_query(e.data(), out.data());
       e[static_cast<std::size_t>(ch)] = 0.0f;
-      signs[seg_off + i] = out[static_cast<std::size_t>(seg_off + boff)] < 0 ? -1.0f : 1.0f;
+      signs[seg_off + i] = out[static_cast<std::size_t>(qoff + boff)] < 0 ? -1.0f : 1.0f;
     }
     seg_off += sd;
   }
@@ -129,7 +132,7 @@ LayerTables::LayerTables(const FormatSpec& f, const CacheGeometry& g, int layer,
             mean[order[static_cast<std::size_t>(i)]] = i < n_hi ? mh[static_cast<std::size_t>(i)] : ml[static_cast<std::size_t>(i - n_hi)];
           centered = true;
         }
-        extract_signs(q, order, seg_dims, signs);
+        extract_signs(q, order, seg_dims, {0, os->hi().query_dim()}, signs);
         const int bits_hi = which == 0 ? fd.key_bits[0] : fd.value_bits[0];
         const int bits_lo = which == 0 ? fd.key_bits[1] : fd.value_bits[1];
         put_codebook(sphere_codebook(n_hi, bits_hi), cent, edges);
@@ -140,7 +143,7 @@ LayerTables::LayerTables(const FormatSpec& f, const CacheGeometry& g, int layer,
           std::copy(tq->offset().begin(), tq->offset().end(), mean);
           centered = true;
         }
-        extract_signs(q, order, seg_dims, signs);
+        extract_signs(q, order, seg_dims, {0}, signs);
         put_codebook(tq->codebook(), cent, edges);
       } else if (const auto* ua = dynamic_cast<const UniformAffine*>(&q)) {
         require(ua->group() == d, "LayerTables: only per-vector uniform values have a kernel");
