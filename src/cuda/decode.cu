@@ -105,6 +105,11 @@ int decode_splits(const DecodeParams& p) {
   return best;
 }
 
+bool decode_uses_fast_kernel(const DecodeParams& p) {
+  return p.fmt.head_dim == 128 &&
+         detail::decode_fast_d128(p, false, nullptr, 0, 0, nullptr, nullptr, nullptr) == cudaSuccess;
+}
+
 std::size_t decode_workspace_bytes(const DecodeParams& p) {
   const std::size_t ns = static_cast<std::size_t>(decode_splits(p)) + (p.protect.enabled() ? 1 : 0);
   const std::size_t rows = static_cast<std::size_t>(p.batch) * static_cast<std::size_t>(p.q_heads);

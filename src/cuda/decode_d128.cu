@@ -1,5 +1,6 @@
 // Decode kernels for head_dim 128: the fast kernel (decode_fast.cuh) for G <= 4 and the
-// single-segment TurboQuant / fp8 formats, the generic kernel (decode.cuh) for everything else.
+// TurboQuant / fp8 formats (outlier splits included), the generic kernel (decode.cuh) for
+// everything else.
 #include "decode_fast.cuh"
 #include "decode_launch.cuh"
 
@@ -11,15 +12,15 @@ KVQ_DEFINE_DECODE_FN(128, launch_decode_generic_d128, supported_generic_d128)
 bool fast_applies(const DecodeParams& p) {
   const FormatDesc& f = p.fmt;
   return f.head_dim == 128 && f.kv_heads > 0 && p.q_heads % f.kv_heads == 0 && p.q_heads / f.kv_heads <= 4 &&
-         f.segments == 1;
+         (f.segments == 1 || f.segments == 2);
 }
 }  // namespace
 
-#define KVQ_FAST_CASE(KC, KB, VC, VB)                          \
-  if (format_is(p.fmt, KC, KB, 0, VC, VB, 0)) {                \
-    if (warps) *warps = FCfg<KC, KB, VC, VB>::WARPS;           \
-    if (!launch) return cudaSuccess;                           \
-    return launch_decode_fast<FCfg<KC, KB, VC, VB>>(p, nsplit, cps, po, pl, st); \
+#define KVQ_FAST_CASE(KC, KB, VC, VB, KB1, VB1)                                 \
+  if (format_is(p.fmt, KC, KB, KB1, VC, VB, VB1)) {                             \
+    if (warps) *warps = FCfg<KC, KB, VC, VB, KB1, VB1>::WARPS;                  \
+    if (!launch) return cudaSuccess;                                            \
+    return launch_decode_fast<FCfg<KC, KB, VC, VB, KB1, VB1>>(p, nsplit, cps, po, pl, st); \
   }
 
 // Launches the fast kernel when it applies (launch = false: only reports whether it would, and

@@ -1,7 +1,8 @@
 // decode_fast.cuh: the specialized decode kernel for the hot shapes: head_dim 128, G <= 4 query
-// heads per KV head, one segment (no outlier split), TurboQuant or fp8 keys, uniform or
-// TurboQuant values (tq-k8v4, tq-4bit-nc, tq-k3v4-nc, tq-3bit-nc, tq-4bit, tq-3bit). Other shapes
-// and formats take the generic kernel of decode.cuh; the combine kernel is shared.
+// heads per KV head, TurboQuant or fp8 keys, uniform or TurboQuant values (tq-k8v4, tq-4bit-nc,
+// tq-k3v4-nc, tq-3bit-nc, tq-4bit, tq-3bit) and the outlier splits into two segments of 64
+// (tq-3.5bit, tq-2.5bit). Other shapes and formats take the generic kernel of decode.cuh; the
+// combine kernel is shared.
 //
 // Differences from the generic kernel (docs/kernels.md, "Decode kernel"):
 //  - 16 warps in one CTA per SM (fewer where shared memory does not fit), registers capped at 128;
@@ -18,6 +19,11 @@
 //    32 + lane, so a table address is `entry << 8 | lane << 2` (+128): for 4-bit codes one PRMT
 //    builds it from a byte of codes; value pairs of two tokens are interleaved nibble-wise with one
 //    LOP3 per 4 pairs.
+//  - Outlier split (two segments of 64 dims, b+1 and b bits, one norm each): k-tiles 0-3 are
+//    segment 0, 4-7 segment 1, each with its own score accumulators and key norm; PV m-tiles 0-3
+//    are segment 0 (dims 8 g .. 8 g + 7 of the segment for lane quad g), 4-7 segment 1, with P
+//    times the segment's value norm as B (two scratch units per lane). Segment 0's pair table is
+//    aligned to its size, segment 1's follows it (aligned to its own, smaller size).
 #pragma once
 
 #include "decode.cuh"
@@ -28,28 +34,42 @@ namespace kvq::cuda::detail {
 #define KVQ_FAST_MAX_STAGES 3  // cp.async stages per warp where 16 warps fit (2 otherwise; -D...=2 for A/B builds)
 #endif
 
-template <KeyCode KC_, int KB_, ValueCode VC_, int VB_>
+// KB1 / VB1 > 0: outlier split, segment 0 (dims 0-63 in segment order) at KB / VB bits, segment 1
+// (dims 64-127) at KB1 / VB1 bits; TurboQuant keys and values with the same widths on both sides.
+template <KeyCode KC_, int KB_, ValueCode VC_, int VB_, int KB1_ = 0, int VB1_ = 0>
 struct FCfg {
   static constexpr int D = 128;
   static constexpr KeyCode KC = KC_;
   static constexpr ValueCode VC = VC_;
   static constexpr int KB = KB_, VB = VB_;
-  static constexpr int NSEG = 1;
+  static constexpr int NSEG = KB1_ > 0 ? 2 : 1;
+  static_assert(NSEG == 1 || (KC == KeyCode::kTq && VC == ValueCode::kTq && KB == VB && KB1_ == VB1_ && KB1_ < KB),
+                "fast decode: outlier split only for TurboQuant keys and values of equal widths");
   static constexpr bool kBf16 = false;
-  static constexpr int sd(int s) { return s == 0 ? D : 0; }
-  static constexpr int soff(int) { return 0; }
-  static constexpr int KCB = D * KB / 8, VCB = D * VB / 8;
-  static constexpr int KMB = KC == KeyCode::kTq ? 2 : 0;
-  static constexpr int VMB = VC == ValueCode::kTq ? 2 : 4;
+  static constexpr int sd(int s) { return NSEG == 2 ? D / 2 : (s == 0 ? D : 0); }
+  static constexpr int soff(int s) { return s == 0 ? 0 : sd(0); }
+  static constexpr int kb(int s) { return s == 0 ? KB : KB1_; }
+  static constexpr int vb(int s) { return s == 0 ? VB : VB1_; }
+  static constexpr int KCB = NSEG == 2 ? (D / 2) * (KB + KB1_) / 8 : D * KB / 8;
+  static constexpr int VCB = NSEG == 2 ? (D / 2) * (VB + VB1_) / 8 : D * VB / 8;
+  static constexpr int kcoff(int s) { return s == 0 ? 0 : (D / 2) * KB / 8; }  // segment's bytes in a key record
+  static constexpr int vcoff(int s) { return s == 0 ? 0 : (D / 2) * VB / 8; }
+  static constexpr int KMB = KC == KeyCode::kTq ? 2 * NSEG : 0;
+  static constexpr int VMB = VC == ValueCode::kTq ? 2 * NSEG : 4;
   static constexpr int MB = KMB + VMB;
   static constexpr int KENT = KC == KeyCode::kTq ? 1 << (2 * KB) : 0;
   // 4-bit uniform values are decoded arithmetically (fp16 magic numbers), no table.
   static constexpr bool kMagicV = VC == ValueCode::kUniform && VB == 4;
   static constexpr int VENT = kMagicV ? 0 : 1 << (2 * VB);
-  static constexpr int LUT_BYTES = (KENT > VENT ? KENT : VENT) * 256;  // may be 0; a power of two
-  static constexpr int Q_BYTES = 4 * D * 4 + 2 * 16 * 4;  // query [4][D], then centroids [2][16]
+  // Segment 0's table (key and value pairs of segment 0, or of the only segment), aligned to its
+  // size; the split formats' segment 1 table follows it.
+  static constexpr int LUT_ALIGN = (KENT > VENT ? KENT : VENT) * 256;  // may be 0; a power of two
+  static constexpr int LUT1_BYTES = NSEG == 2 ? (1 << (2 * KB1_)) * 256 : 0;
+  static constexpr int LUT_BYTES = LUT_ALIGN + LUT1_BYTES;
+  static constexpr int Q_BYTES = 4 * D * 4 + 2 * NSEG * 16 * 4;  // query [4][D], then centroids [2 NSEG][16]
   static constexpr int STAGE_BYTES = align16c(kChunk * (KCB + VCB + MB)) + 16;
-  static constexpr int SCR_WARP = 512;  // per-warp scratch of the P transpose: [4 heads][8][16 bytes]
+  // per-warp scratch of the P transpose: [segment][4 heads][8][16 bytes]
+  static constexpr int SCR_WARP = 512 * NSEG;
   // cp.async ring depth per warp: 3 stages (two chunks in flight while one is used) where 16 warps fit.
   static constexpr int AVAIL = kSmemBudget - LUT_BYTES - Q_BYTES - 16 * SCR_WARP;
   static constexpr int NST = KVQ_FAST_MAX_STAGES >= 3 && AVAIL / (3 * STAGE_BYTES) >= 16 ? 3 : 2;
@@ -95,6 +115,32 @@ __device__ __forceinline__ std::uint32_t lds32(const std::uint8_t* base, std::ui
   return *reinterpret_cast<const std::uint32_t*>(base + off);
 }
 
+// The NBY bytes at row + o (row 4-byte aligned, o lane-constant) as the low bits of w[0], w[1];
+// bits past them are garbage. NBY = 8 needs o % 8 == 0, NBY = 4 o % 4 == 0, NBY = 2 o even (one
+// word); otherwise (3 or 6 bytes) the run must end within the 8 bytes from o & ~3, which are read.
+template <int NBY>
+__device__ __forceinline__ void load_run(const std::uint8_t* row, int o, std::uint32_t (&w)[2]) {
+  if constexpr (NBY == 8) {
+    const uint2 v = *reinterpret_cast<const uint2*>(row + o);
+    w[0] = v.x;
+    w[1] = v.y;
+  } else if constexpr (NBY == 4) {
+    w[0] = *reinterpret_cast<const std::uint32_t*>(row + o);
+    w[1] = 0;
+  } else {
+    const std::uint32_t* q = reinterpret_cast<const std::uint32_t*>(row + (o & ~3));
+    const int sh = 8 * (o & 3);
+    if constexpr (NBY == 2) {  // o even: never straddles a word
+      w[0] = q[0] >> sh;
+      w[1] = 0;
+    } else {
+      const std::uint32_t lo = q[0], hi = q[1];
+      w[0] = __funnelshift_r(lo, hi, sh);
+      w[1] = hi >> sh;
+    }
+  }
+}
+
 template <class C>
 __global__ void __launch_bounds__(C::THREADS, 1)
     decode_fast_kernel(const DecodeParams p, int nsplit, int cps, float* __restrict__ part_o,
@@ -128,7 +174,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     return;
   }
   const std::uint32_t sbase = smem_u32(smem_raw);
-  const int lut_pad = C::LUT_BYTES > 0 ? static_cast<int>((C::LUT_BYTES - (sbase & (C::LUT_BYTES - 1))) & (C::LUT_BYTES - 1)) : 0;
+  const int lut_pad = C::LUT_ALIGN > 0 ? static_cast<int>((C::LUT_ALIGN - (sbase & (C::LUT_ALIGN - 1))) & (C::LUT_ALIGN - 1)) : 0;
   {
     std::uint32_t dyn;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
@@ -141,6 +187,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   const std::uint64_t page_bytes = p.fmt.page.page_bytes, koff = p.fmt.page.key_code_off,
                       voff = p.fmt.page.value_code_off, moff = p.fmt.page.meta_off;
   const std::uint8_t* __restrict__ pool = p.pool;
+  constexpr int NSEG = C::NSEG;
   const int nloc = (ce - cb - w + C::WARPS - 1) / C::WARPS > 0 ? (ce - cb - w + C::WARPS - 1) / C::WARPS : 0;
   std::uint8_t* my_stages = w < n_lo ? smem_raw + static_cast<std::size_t>(w) * C::NST * C::STAGE_BYTES
                                      : lut + C::LUT_BYTES + C::Q_BYTES + C::WARPS * C::SCR_WARP +
@@ -158,13 +205,26 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     const std::uint8_t* srcv = base + voff + slot * C::VCB;
     const std::uint8_t* srcm = base + moff + slot * C::MB;
     constexpr int nk = kChunk * C::KCB / 16, nv = kChunk * C::VCB / 16, nm = kChunk * C::MB / 16;
-    static_assert(nk % 32 == 0 && nv % 32 == 0 && nm <= 32, "chunk regions");
+    if constexpr (nk % 32 == 0 && nv % 32 == 0) {
+      static_assert(nm <= 32, "chunk regions");
 #pragma unroll
-    for (int j = 0; j < nk / 32; ++j) cp_async16(dst + 16 * (lane + 32 * j), srck + 16 * (lane + 32 * j));
+      for (int j = 0; j < nk / 32; ++j) cp_async16(dst + 16 * (lane + 32 * j), srck + 16 * (lane + 32 * j));
 #pragma unroll
-    for (int j = 0; j < nv / 32; ++j)
-      cp_async16(dst + 16 * (nk + lane + 32 * j), srcv + 16 * (lane + 32 * j));
-    if (lane < nm) cp_async16(dst + 16 * (nk + nv + lane), srcm + 16 * lane);
+      for (int j = 0; j < nv / 32; ++j)
+        cp_async16(dst + 16 * (nk + lane + 32 * j), srcv + 16 * (lane + 32 * j));
+      if (lane < nm) cp_async16(dst + 16 * (nk + nv + lane), srcm + 16 * lane);
+    } else {
+      // Regions not in whole warps (the split formats: 112 + 112 + 16 or 80 + 80 + 16 units): unit
+      // q = lane + 32 j of the stage, its source picked by a select where a warp's units straddle two
+      // regions.
+      constexpr int nt = nk + nv + nm;
+#pragma unroll
+      for (int j = 0; j < (nt + 31) / 32; ++j) {
+        const int q = lane + 32 * j;
+        const std::uint8_t* src = q < nk ? srck + 16 * q : (q < nk + nv ? srcv + 16 * (q - nk) : srcm + 16 * (q - nk - nv));
+        if (32 * j + 32 <= nt || q < nt) cp_async16(dst + 16 * q, src);
+      }
+    }
   };
 #pragma unroll
   for (int s = 0; s + 1 < C::NST; ++s) {
@@ -180,7 +240,14 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   {
     const float qscale = p.scale * kLog2e;
     const float* qg = p.q + row0 * D;
-    if (tid < 32) {
+    if constexpr (NSEG == 2) {
+      // [32 s, 32 s + 16): key centroids of segment s, [32 s + 16, 32 s + 32): value centroids.
+      if (tid < 64) {
+        const int k = tid & 15, s = tid >> 5;
+        const float* cs = ((tid & 16) ? p.fmt.value_centroids : p.fmt.key_centroids) + s * kMaxCodebook;
+        cent[tid] = k < (1 << (s == 0 ? C::kb(0) : C::kb(1))) ? cs[k] : 0.0f;
+      }
+    } else if (tid < 32) {
       const int k = tid & 15;
       float c = 0;
       if (tid < 16) {
@@ -203,7 +270,17 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     __syncthreads();
   }
   // Pair tables: row e (256 bytes) = 32 copies of the key pair e, then 32 of the value pair e.
-  {
+  if constexpr (NSEG == 2) {
+    // Segment 0's rows, then segment 1's (entry = first code | second code << bits of the segment).
+    constexpr int NE0 = C::LUT_ALIGN / 256, NE = C::LUT_BYTES / 256;
+#pragma unroll 4
+    for (int i = tid; i < NE * 64; i += C::THREADS) {
+      const int r = i >> 6, half = (i >> 5) & 1;
+      const int s = r < NE0 ? 0 : 1, e = r < NE0 ? r : r - NE0, bits = s == 0 ? C::kb(0) : C::kb(1);
+      const float* cs = cent + 32 * s + 16 * half;
+      reinterpret_cast<std::uint32_t*>(lut)[i] = pack2<false>(cs[e & ((1 << bits) - 1)], cs[e >> bits]);
+    }
+  } else {
     constexpr int NE = C::LUT_BYTES / 256;
 #pragma unroll 4
     for (int i = tid; i < NE * 64; i += C::THREADS) {
@@ -222,10 +299,11 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     }
   }
   // Rotation of the query: FWHT of size 128 per head (stages h = 1 .. 64, sums and differences,
-  // then 1 / sqrt(128)), the same operations as smem_fwht for one block.
+  // then 1 / sqrt(128)), the same operations as smem_fwht for one block; for the split, stages
+  // h = 1 .. 32 (pairs never cross the segments' 64-blocks) and 1 / sqrt(64): one FWHT per segment.
   if constexpr (C::KC == KeyCode::kTq) {
 #pragma unroll 1
-    for (int h = 1; h < D; h <<= 1) {
+    for (int h = 1; h < C::sd(0); h <<= 1) {
       for (int i = tid; i < G * (D / 2); i += C::THREADS) {
         const int v = i / (D / 2), r = i % (D / 2);
         const int j = ((r & ~(h - 1)) << 1) | (r & (h - 1));
@@ -236,19 +314,20 @@ __global__ void __launch_bounds__(C::THREADS, 1)
       }
       __syncthreads();
     }
-    const float sc = static_cast<float>(1.0 / sqrt(static_cast<double>(D)));
+    const float sc = static_cast<float>(1.0 / sqrt(static_cast<double>(C::sd(0))));
     for (int i = tid; i < G * D; i += C::THREADS) qs[i] *= sc;
   }
   __syncthreads();
   // B fragments of the query (QK has the keys as A): column n = g is head g >> 1, rounded to fp16
   // (g even) or its rounding residual (g odd); k pairs 2 t4 (+ 8) of k-tile kt are the dims
-  // 32 t4 + 4 kt + {0, 1} ({2, 3}), the run of codes lane t4 reads per token.
+  // 32 t4 + 4 kt + {0, 1} ({2, 3}), the run of codes lane t4 reads per token. Split: k-tile kt is
+  // segment kt / 4, dims 64 (kt / 4) + 16 t4 + 4 (kt % 4) + {0, 1} ({2, 3}).
   const int hq = g >> 1;
   const bool lo_col = (g & 1) != 0;
   std::uint32_t qb[8][2];
 #pragma unroll
   for (int kt = 0; kt < 8; ++kt) {
-    const int d0 = 32 * t4 + 4 * kt;
+    const int d0 = NSEG == 2 ? 64 * (kt >> 2) + 16 * t4 + 4 * (kt & 3) : 32 * t4 + 4 * kt;
     std::uint32_t h0 = 0, l0 = 0, h1 = 0, l1 = 0;
     if (hq < G) {
       const float* qq = qs + hq * D;
@@ -260,6 +339,8 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   }
   const std::uint32_t L4 = static_cast<std::uint32_t>(lane) << 2;
   const std::uint32_t XK = lut_s | L4, XV = lut_s | 128u | L4;  // table address of entry 0 for this lane
+  const std::uint32_t lut1_s = lut_s + static_cast<std::uint32_t>(C::LUT_ALIGN);  // split: segment 1's table
+  const std::uint32_t XK1 = lut1_s | L4, XV1 = lut1_s | 128u | L4;
   // P transpose scratch of this warp: 16-byte unit (h, x) = (hi, hi, lo, lo) halves of P of head h for
   // tokens x, x + 8 | x + 16, x + 24, at unit h * 8 + (x ^ 2 h) (the two reads below hit 2 wavefronts).
   std::uint8_t* const scr = lut + C::LUT_BYTES + C::Q_BYTES + static_cast<std::size_t>(w) * C::SCR_WARP;
@@ -269,7 +350,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   // Metadata of 6-byte tokens: the lane's tokens g + 8 j start 2 bytes into a word where g is odd.
   const unsigned msel0 = (g & 1) ? 0x5432u : 0x3210u, msel1 = (g & 1) ? 0x7676u : 0x5454u;
 
-  // o[mt]: rows g / g + 8 = dims 16 g + 2 mt / + 1, columns 2 t4 / 2 t4 + 1 = head t4 from the rounded P /
+  // o[mt]: rows g / g + 8 = dims 16 g + 2 mt / + 1 (split: 64 (mt / 4) + 8 g + 2 (mt % 4) / + 1), columns 2 t4 / 2 t4 + 1 = head t4 from the rounded P /
   // its residual: everything a lane accumulates belongs to head t4.
   float o[8][4];
 #pragma unroll
@@ -293,6 +374,55 @@ __global__ void __launch_bounds__(C::THREADS, 1)
 
     // ---- scores: keys as A (m-tile mt, rows g / g + 8 = tokens 16 mt + g / + 8), query as B ----
     // The lane's tokens are g + 8 j (j = 2 mt + row half); it gets their scores for head t4.
+    float sc[4], vsc[NSEG][4], vz[4];
+    if constexpr (NSEG == 2) {
+      // Per segment s: the lane's run of codes (dims 16 t4 .. 16 t4 + 15 of the segment: 2 kb(s) bytes at
+      // kcoff(s) + 2 kb(s) t4) of each of its 4 tokens, 4 k-tiles, own accumulators.
+      float acc[2][2][4];
+#pragma unroll
+      for (int s = 0; s < 2; ++s)
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) acc[s][mt][0] = acc[s][mt][1] = acc[s][mt][2] = acc[s][mt][3] = 0;
+#pragma unroll
+      for (int s = 0; s < 2; ++s) {
+        constexpr int KB0 = C::kb(0), KB1 = C::kb(1);
+        const int bs = s == 0 ? KB0 : KB1;  // compile-time after unrolling
+        const std::uint32_t xk = s == 0 ? XK : XK1;
+        std::uint32_t wv[4][2];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const std::uint8_t* row = sk + (g + 8 * j) * C::KCB;
+          if (s == 0) load_run<2 * KB0>(row, C::kcoff(0) + 2 * KB0 * t4, wv[j]);
+          else load_run<2 * KB1>(row, C::kcoff(1) + 2 * KB1 * t4, wv[j]);
+        }
+        auto kaddr = [&](const std::uint32_t(&ww)[2], int pair) -> std::uint32_t {
+          const int fw = 2 * bs, pos = pair * fw;
+          if (fw == 8) return __byte_perm(ww[pos >> 5], xk, 0x7604u | (static_cast<unsigned>((pos & 31) >> 3) << 4));
+          return (field_at(ww, pos, fw, 8) & (((1u << fw) - 1u) << 8)) | xk;
+        };
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+          for (int mt = 0; mt < 2; ++mt) {
+            const std::uint32_t a[4] = {lds_u32(kaddr(wv[2 * mt], 2 * kk)), lds_u32(kaddr(wv[2 * mt + 1], 2 * kk)),
+                                        lds_u32(kaddr(wv[2 * mt], 2 * kk + 1)), lds_u32(kaddr(wv[2 * mt + 1], 2 * kk + 1))};
+            mma16816<false>(acc[s][mt], a, qb[4 * s + kk][0], qb[4 * s + kk][1]);
+          }
+        }
+      }
+      // Metadata [token][4 x fp16]: key norms of segments 0, 1, value norms of segments 0, 1.
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint2 x = *reinterpret_cast<const uint2*>(smeta + (g + 8 * j) * 8);
+        const float2 kn = __half22float2(*reinterpret_cast<const __half2*>(&x.x));
+        const float2 vn = __half22float2(*reinterpret_cast<const __half2*>(&x.y));
+        const int mt = j >> 1, r = 2 * (j & 1);
+        sc[j] = (acc[0][mt][r] + acc[0][mt][r + 1]) * kn.x + (acc[1][mt][r] + acc[1][mt][r + 1]) * kn.y;
+        vsc[0][j] = vn.x;
+        vsc[1][j] = vn.y;
+        vz[j] = 0.0f;
+      }
+    } else {
     float acc[2][4];
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0;
@@ -359,7 +489,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
 
     // Metadata of the lane's tokens g + 8 j: key norm (TurboQuant keys), value scale or norm, value zero
     // (uniform values), as 16-bit units [token][MB / 2].
-    float kn[4], vsc[4], vz[4];
+    float kn[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       kn[j] = 1.0f;
@@ -369,9 +499,9 @@ __global__ void __launch_bounds__(C::THREADS, 1)
         const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&x));
         if constexpr (C::KMB == 2) {
           kn[j] = f.x;
-          vsc[j] = f.y;
+          vsc[0][j] = f.y;
         } else {
-          vsc[j] = f.x;
+          vsc[0][j] = f.x;
           vz[j] = f.y;
         }
       } else {
@@ -381,11 +511,10 @@ __global__ void __launch_bounds__(C::THREADS, 1)
         const std::uint32_t x = __byte_perm(w0, w1, msel0), y = __byte_perm(w0, w1, msel1);
         const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&x));
         kn[j] = f.x;
-        vsc[j] = f.y;
+        vsc[0][j] = f.y;
         vz[j] = __half2float(__ushort_as_half(static_cast<unsigned short>(y & 0xffffu)));
       }
     }
-    float sc[4];
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
       sc[2 * mt] = acc[mt][0] + acc[mt][1];
@@ -395,6 +524,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     for (int j = 0; j < 4; ++j) {
       if constexpr (C::KC == KeyCode::kTq) sc[j] *= kn[j];
     }
+    }  // NSEG == 1
     if (!full) {  // warp-uniform: only the first and last chunk of a range can be partial
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
@@ -411,12 +541,13 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     const float m_new = fmaxf(m_run, mx);
     const float m_use = m_new == -INFINITY ? 0.0f : m_new;
     const float alpha = exp2f(m_run - m_use);
-    float psum = 0, zsum = 0, pv[4];
+    float psum = 0, zsum = 0, pv[NSEG][4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const float pj = exp2f(sc[j] - m_use);
       psum += pj;
-      pv[j] = pj > 0 ? pj * vsc[j] : 0.0f;
+#pragma unroll
+      for (int s = 0; s < NSEG; ++s) pv[s][j] = pj > 0 ? pj * vsc[s][j] : 0.0f;
       if constexpr (C::VC == ValueCode::kUniform) zsum += pj > 0 ? pj * vz[j] : 0.0f;
     }
     z_run = z_run * alpha + zsum;
@@ -431,26 +562,77 @@ __global__ void __launch_bounds__(C::THREADS, 1)
         o[n][3] *= alpha;
       }
     }
-    // ---- P (times the value scale) to the B layout of PV through the scratch ----
-    {
+    // ---- P (times the value scale; per segment for the split) to the B layout of PV through the scratch ----
+#pragma unroll
+    for (int s = 0; s < NSEG; ++s) {
       std::uint32_t h01, l01, h23, l23;
-      split2<false>(pv[0], pv[1], h01, l01);
-      split2<false>(pv[2], pv[3], h23, l23);
-      *scr_st = make_uint4(h01, h23, l01, l23);
+      split2<false>(pv[s][0], pv[s][1], h01, l01);
+      split2<false>(pv[s][2], pv[s][3], h23, l23);
+      scr_st[32 * s] = make_uint4(h01, h23, l01, l23);  // segment s: + 512 s bytes
     }
     __syncwarp();
-    const uint2 bx = *scr_ld0, by = *scr_ld1;
+    uint2 bx[NSEG], by[NSEG];
+#pragma unroll
+    for (int s = 0; s < NSEG; ++s) {
+      bx[s] = scr_ld0[64 * s];
+      by[s] = scr_ld1[64 * s];
+    }
 
     // ---- P V: values as A (16 dims x 16 tokens), P as B ----
     // k pairs of k-block kk: 2 t4 / 2 t4 + 1 = tokens 16 kk + t4 / + 8, 2 t4 + 8 / + 9 = 16 kk + t4 + 4 / + 12.
 #pragma unroll
     for (int kk = 0; kk < 2; ++kk) {
-      const std::uint32_t bfr[2] = {kk == 0 ? bx.x : bx.y, kk == 0 ? by.x : by.y};
+      std::uint32_t bfr[NSEG][2];
+#pragma unroll
+      for (int s = 0; s < NSEG; ++s) {
+        bfr[s][0] = kk == 0 ? bx[s].x : bx[s].y;
+        bfr[s][1] = kk == 0 ? by[s].x : by[s].y;
+      }
       std::uint32_t areg[2][16];  // [token pair][dim j of the lane's 16]
 #pragma unroll
       for (int tp = 0; tp < 2; ++tp) {
         const int p0 = 16 * kk + 4 * tp + t4, p1 = p0 + 8;
-        if constexpr (C::kMagicV) {
+        if constexpr (NSEG == 2) {
+          // Split: j = 8 s + jj is dim 64 s + 8 g + jj (segment s's dims 8 g .. 8 g + 7: vb(s) bytes at
+          // vcoff(s) + vb(s) g). Pair fields c_a | c_b << b, even dims from E, odd dims from O.
+#pragma unroll
+          for (int s = 0; s < 2; ++s) {
+            constexpr int VB0 = C::vb(0), VB1 = C::vb(1);
+            const int bs = s == 0 ? VB0 : VB1;
+            const std::uint32_t xv = s == 0 ? XV : XV1;
+            std::uint32_t ra[2], rb[2];
+            if (s == 0) {
+              load_run<VB0>(sv + p0 * C::VCB, C::vcoff(0) + VB0 * g, ra);
+              load_run<VB0>(sv + p1 * C::VCB, C::vcoff(0) + VB0 * g, rb);
+            } else {
+              load_run<VB1>(sv + p0 * C::VCB, C::vcoff(1) + VB1 * g, ra);
+              load_run<VB1>(sv + p1 * C::VCB, C::vcoff(1) + VB1 * g, rb);
+            }
+            const std::uint32_t A = ra[0], B = rb[0];
+            if (bs == 4) {
+              const std::uint32_t E = (A & 0x0f0f0f0fu) | ((B << 4) & 0xf0f0f0f0u);
+              const std::uint32_t O = ((A >> 4) & 0x0f0f0f0fu) | (B & 0xf0f0f0f0u);
+#pragma unroll
+              for (int k = 0; k < 4; ++k) {
+                const unsigned sel = 0x7604u | (static_cast<unsigned>(k) << 4);
+                areg[tp][8 * s + 2 * k] = lds_u32(__byte_perm(E, xv, sel));
+                areg[tp][8 * s + 2 * k + 1] = lds_u32(__byte_perm(O, xv, sel));
+              }
+            } else {
+              const std::uint32_t m1 = (1u << bs) - 1u;
+              const std::uint32_t Me = m1 | (m1 << (2 * bs)) | (m1 << (4 * bs)) | (m1 << (6 * bs));  // dims 2 m
+              const std::uint32_t E = (A & Me) | ((B << bs) & (Me << bs));
+              const std::uint32_t O = ((A >> bs) & Me) | (B & (Me << bs));
+#pragma unroll
+              for (int jj = 0; jj < 8; ++jj) {
+                const int f = 2 * bs * (jj >> 1);
+                const std::uint32_t X = (jj & 1) ? O : E;
+                const std::uint32_t x = f >= 8 ? X >> (f - 8) : X << (8 - f);
+                areg[tp][8 * s + jj] = lds_u32((x & (((1u << (2 * bs)) - 1u) << 8)) | xv);
+              }
+            }
+          }
+        } else if constexpr (C::kMagicV) {
           // (c_a, c_b) as fp16: low nibble | 0x6400 = 1024 + c, high nibble | 0x5400 = 64 + c.
           const uint2 va = *reinterpret_cast<const uint2*>(sv + p0 * C::VCB + g * 8);
           const uint2 vb = *reinterpret_cast<const uint2*>(sv + p1 * C::VCB + g * 8);
@@ -506,7 +688,8 @@ __global__ void __launch_bounds__(C::THREADS, 1)
 #pragma unroll
       for (int mt = 0; mt < 8; ++mt) {
         const std::uint32_t a[4] = {areg[0][2 * mt], areg[0][2 * mt + 1], areg[1][2 * mt], areg[1][2 * mt + 1]};
-        mma16816<false>(o[mt], a, bfr[0], bfr[1]);
+        const int s = NSEG == 2 ? mt >> 2 : 0;  // split: m-tiles 0-3 segment 0, 4-7 segment 1
+        mma16816<false>(o[mt], a, bfr[s][0], bfr[s][1]);
       }
     }
   }
@@ -525,8 +708,10 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     float* rr = red + (w * 4 + t4) * RS;
 #pragma unroll
     for (int mt = 0; mt < 8; ++mt) {
-      rr[16 * g + 2 * mt] = o[mt][0] + o[mt][1];
-      rr[16 * g + 2 * mt + 1] = o[mt][2] + o[mt][3];
+      // dim of row g: 16 g + 2 mt (split: 64 (mt / 4) + 8 g + 2 (mt % 4)); row g + 8: the next one
+      const int d = NSEG == 2 ? 64 * (mt >> 2) + 8 * g + 2 * (mt & 3) : 16 * g + 2 * mt;
+      rr[d] = o[mt][0] + o[mt][1];
+      rr[d + 1] = o[mt][2] + o[mt][3];
     }
     if (g == 0) {
       rr[D] = nloc > 0 ? m_run : -INFINITY;
@@ -554,21 +739,24 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   }
 }
 
-// (key code, key bits, value code, value bits) of the formats the fast kernel serves.
-#define KVQ_FAST_FORMATS(X)                   \
-  X(KeyCode::kFp8, 8, ValueCode::kUniform, 4) \
-  X(KeyCode::kTq, 4, ValueCode::kUniform, 4)  \
-  X(KeyCode::kTq, 3, ValueCode::kUniform, 4)  \
-  X(KeyCode::kTq, 3, ValueCode::kUniform, 3)  \
-  X(KeyCode::kTq, 4, ValueCode::kTq, 4)       \
-  X(KeyCode::kTq, 3, ValueCode::kTq, 3)
+// (key code, key bits, value code, value bits, segment 1's key / value bits or 0) of the formats the
+// fast kernel serves.
+#define KVQ_FAST_FORMATS(X)                         \
+  X(KeyCode::kFp8, 8, ValueCode::kUniform, 4, 0, 0) \
+  X(KeyCode::kTq, 4, ValueCode::kUniform, 4, 0, 0)  \
+  X(KeyCode::kTq, 3, ValueCode::kUniform, 4, 0, 0)  \
+  X(KeyCode::kTq, 3, ValueCode::kUniform, 3, 0, 0)  \
+  X(KeyCode::kTq, 4, ValueCode::kTq, 4, 0, 0)       \
+  X(KeyCode::kTq, 3, ValueCode::kTq, 3, 0, 0)       \
+  X(KeyCode::kTq, 4, ValueCode::kTq, 4, 3, 3)       \
+  X(KeyCode::kTq, 3, ValueCode::kTq, 3, 2, 2)
 
 template <class C>
 cudaError_t launch_decode_fast(const DecodeParams& p, int nsplit, int cps, float* po, float* pl, cudaStream_t st) {
   const PageLayout& pg = p.fmt.page;
   if (pg.tokens != 64 || pg.key_code_bytes != static_cast<std::uint32_t>(C::KCB) ||
       pg.value_code_bytes != static_cast<std::uint32_t>(C::VCB) || pg.meta_bytes != static_cast<std::uint32_t>(C::MB) ||
-      pg.key_meta_bytes != static_cast<std::uint32_t>(C::KMB))
+      pg.key_meta_bytes != static_cast<std::uint32_t>(C::KMB) || (C::NSEG == 2 && p.fmt.seg_dims[0] != C::sd(0)))
     return cudaErrorInvalidValue;
   // Dynamic shared memory starts after the per-block reserved bytes (1 KB on sm_90; the kernel has no
   // static shared memory); the kernel checks the layout against the size it got and traps otherwise.
@@ -576,7 +764,7 @@ cudaError_t launch_decode_fast(const DecodeParams& p, int nsplit, int cps, float
   cudaError_t e = cudaGetDevice(&dev);
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev);
   if (e != cudaSuccess) return e;
-  const int pad = C::LUT_BYTES > 0 ? (C::LUT_BYTES - reserved % C::LUT_BYTES) % C::LUT_BYTES : 0;
+  const int pad = C::LUT_ALIGN > 0 ? (C::LUT_ALIGN - reserved % C::LUT_ALIGN) % C::LUT_ALIGN : 0;
   const int smem = C::smem(pad);
   if (smem > kSmemBudget + 2 * 1024) return cudaErrorInvalidValue;
   e = cudaFuncSetAttribute(decode_fast_kernel<C>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);

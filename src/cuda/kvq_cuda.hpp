@@ -127,6 +127,9 @@ struct DecodeParams {
 int decode_splits(const DecodeParams& p);
 std::size_t decode_workspace_bytes(const DecodeParams& p);
 cudaError_t decode(const DecodeParams& p, cudaStream_t stream = nullptr);
+// True when decode(p) runs the fast kernel of decode_fast.cuh (head_dim 128, G <= 4, the TurboQuant
+// and fp8 formats including the outlier splits), false when it runs the generic one.
+bool decode_uses_fast_kernel(const DecodeParams& p);
 
 // Bytes the decode kernel must read for one launch (codes, metadata, protected bf16 rows and
 // block tables), the figure the benchmark divides by time.
