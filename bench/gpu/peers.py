@@ -25,6 +25,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from peer_common import add_common_args, flush_buffer, flush_l2
 
 VLLM_PRESETS = {  # name: (key bits (8 = fp8), value bits, norm correction)
     "tq-k8v4": (8, 4, False),
@@ -32,13 +33,6 @@ VLLM_PRESETS = {  # name: (key bits (8 = fp8), value bits, norm correction)
     "tq-k3v4-nc": (3, 4, True),
     "tq-3bit-nc": (3, 3, True),
 }
-
-
-def flush_l2(flush, mode, i):
-    if mode == "write":
-        flush.fill_(i & 0xFF)
-    else:
-        flush.view(torch.int32).sum()  # read-only pass; the scalar result is discarded
 
 
 def timed(fn, reps, warmup, flush, mode):
@@ -59,20 +53,14 @@ def timed(fn, reps, warmup, flush, mode):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--batch", default="8,32")
-    ap.add_argument("--context", default="4096,16384,65536")
+    add_common_args(ap, batch="8,32", context="4096,16384,65536", reps=60, warmup=5)
     ap.add_argument("--q-heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--reps", type=int, default=60)
-    ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--vllm-splits", type=int, default=32)
-    ap.add_argument("--flush", choices=["read", "write"], default="read")
     args, _ = ap.parse_known_args()
     dev = torch.device("cuda")
-    props = torch.cuda.get_device_properties(dev)
-    l2 = getattr(props, "L2_cache_size", 60 << 20)
-    flush = torch.empty(max(4 * l2, 256 << 20), dtype=torch.uint8, device=dev)
+    flush, l2 = flush_buffer(dev)
     versions = {"torch": torch.__version__, "vllm_triton": None}
     try:
         from vllm.v1.attention.ops import triton_turboquant_decode as tqd  # noqa: PLC0415

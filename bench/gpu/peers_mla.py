@@ -19,28 +19,16 @@ import statistics
 import sys
 
 import torch
-
-
-def flush_l2(buf, mode, i):
-    if mode == "write":
-        buf.fill_(i & 0xFF)
-    else:
-        buf.view(torch.int32).sum()  # read-only pass; the scalar result is discarded
+from peer_common import add_common_args, flush_buffer, flush_l2
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--batch", default="8,32")
-    ap.add_argument("--context", default="4096,32768,131072")
+    add_common_args(ap, batch="8,32", context="4096,32768,131072", reps=30, warmup=3)
     ap.add_argument("--heads", default="16,128")
-    ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--flush", choices=["read", "write"], default="read")
     args, _ = ap.parse_known_args()
     dev = torch.device("cuda")
-    props = torch.cuda.get_device_properties(dev)
-    l2 = getattr(props, "L2_cache_size", 60 << 20)
-    flush = torch.empty(max(4 * l2, 256 << 20), dtype=torch.uint8, device=dev)
+    flush, _ = flush_buffer(dev)
     versions = {"torch": torch.__version__, "flashmla": None}
     try:
         import flash_mla  # noqa: PLC0415

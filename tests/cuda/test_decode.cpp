@@ -500,68 +500,49 @@ int main(int argc, char** argv) {
                                             "tq-4bit", "tq-3bit", "tq-3.5bit",  "tq-2.5bit"};
   std::vector<Case> cases;
   unsigned seed = 11;
+  // One case per call; the seeds follow the order of the calls.
+  auto add = [&](const std::string& fm, bool centered, int d, int hq, int hkv, std::vector<int> lens, bool fix, int s,
+                 int w, int splits) {
+    Case c;
+    c.fmt = fm;
+    c.d = d;
+    c.hq = hq;
+    c.hkv = hkv;
+    c.lens = std::move(lens);
+    c.fixture = fix;
+    c.sinks = s;
+    c.window = w;
+    c.splits = splits;
+    c.centered = centered;
+    c.seed = seed++;
+    cases.push_back(c);
+  };
   if (small) {
+    // A centered single-segment and a centered split format among them.
     for (const char* fm : {"tq-4bit", "tq-4bit-nc", "tq-3.5bit", "tq-2.5bit", "tq-3bit"}) {
-      Case c;
-      c.fmt = fm;
-      c.hq = 8;
-      c.hkv = 2;
-      c.lens = {70, 33};
-      c.sinks = 4;
-      c.window = 8;
-      c.centered = c.fmt == "tq-3bit" || c.fmt == "tq-2.5bit";  // a centered single-segment and split format
-      c.seed = seed++;
-      cases.push_back(c);
+      const std::string name = fm;
+      add(name, name == "tq-3bit" || name == "tq-2.5bit", 128, 8, 2, {70, 33}, false, 4, 8, 0);
     }
   } else {
     for (const auto& fm : formats) {
-      auto add = [&](int d, int hq, int hkv, std::vector<int> lens, bool fix, int s, int w, int splits) {
-        Case c;
-        c.fmt = fm;
-        c.d = d;
-        c.hq = hq;
-        c.hkv = hkv;
-        c.lens = std::move(lens);
-        c.fixture = fix;
-        c.sinks = s;
-        c.window = w;
-        c.splits = splits;
-        c.seed = seed++;
-        cases.push_back(c);
-      };
-      add(128, 32, 8, {1, 100, 257}, false, 0, 0, 0);
-      add(128, 4, 2, {512, 300}, true, 0, 0, 0);              // tiny-gqa fixture, G = 2
-      add(128, 16, 2, {64, 65, 1000, 7}, false, 0, 0, 0);     // G = 8, mixed lengths
-      add(128, 2, 2, {129, 3000}, false, 0, 0, 5);             // G = 1, forced splits
-      add(128, 8, 2, {2, 40, 333, 1500}, false, 4, 64, 0);    // protection, lengths below and above S + W
-      add(128, 4, 2, {511, 200}, true, 4, 32, 3);             // fixture with protection
-      add(64, 32, 8, {77, 300}, false, 0, 0, 0);
-      add(256, 16, 4, {33, 190}, false, 2, 16, 0);
-      add(96, 12, 4, {95, 250}, false, 0, 0, 0);
+      add(fm, false, 128, 32, 8, {1, 100, 257}, false, 0, 0, 0);
+      add(fm, false, 128, 4, 2, {512, 300}, true, 0, 0, 0);              // tiny-gqa fixture, G = 2
+      add(fm, false, 128, 16, 2, {64, 65, 1000, 7}, false, 0, 0, 0);     // G = 8, mixed lengths
+      add(fm, false, 128, 2, 2, {129, 3000}, false, 0, 0, 5);             // G = 1, forced splits
+      add(fm, false, 128, 8, 2, {2, 40, 333, 1500}, false, 4, 64, 0);    // protection, lengths below and above S + W
+      add(fm, false, 128, 4, 2, {511, 200}, true, 4, 32, 3);             // fixture with protection
+      add(fm, false, 64, 32, 8, {77, 300}, false, 0, 0, 0);
+      add(fm, false, 256, 16, 4, {33, 190}, false, 2, 16, 0);
+      add(fm, false, 96, 12, 4, {95, 250}, false, 0, 0, 0);
     }
     // Centered (calibrated) kvq formats: store with the means subtracted, protected rows scored
     // and accumulated in the centered domain, the value mean added once by the combine kernel.
     for (const char* fm : {"tq-4bit", "tq-3bit", "tq-3.5bit", "tq-2.5bit"}) {
-      auto add_c = [&](int d, int hq, int hkv, std::vector<int> lens, bool fix, int s, int w, int splits) {
-        Case c;
-        c.fmt = fm;
-        c.d = d;
-        c.hq = hq;
-        c.hkv = hkv;
-        c.lens = std::move(lens);
-        c.fixture = fix;
-        c.sinks = s;
-        c.window = w;
-        c.splits = splits;
-        c.centered = true;
-        c.seed = seed++;
-        cases.push_back(c);
-      };
-      add_c(128, 32, 8, {1, 100, 257}, false, 0, 0, 0);
-      add_c(128, 8, 2, {2, 40, 333, 1500}, false, 4, 64, 0);  // protection: the rows that need the means
-      add_c(128, 4, 2, {511, 200}, true, 4, 32, 3);          // fixture keys (real channel means)
-      add_c(64, 16, 4, {77, 300}, false, 2, 16, 0);
-      add_c(96, 12, 4, {95, 250}, false, 4, 8, 0);
+      add(fm, true, 128, 32, 8, {1, 100, 257}, false, 0, 0, 0);
+      add(fm, true, 128, 8, 2, {2, 40, 333, 1500}, false, 4, 64, 0);  // protection: the rows that need the means
+      add(fm, true, 128, 4, 2, {511, 200}, true, 4, 32, 3);          // fixture keys (real channel means)
+      add(fm, true, 64, 16, 4, {77, 300}, false, 2, 16, 0);
+      add(fm, true, 96, 12, 4, {95, 250}, false, 4, 8, 0);
     }
   }
   for (const auto& c : cases) run_case(c);

@@ -1,0 +1,27 @@
+"""Pieces shared by the peer benchmarks (peers.py, peers_mla.py): their common options and the L2
+flush, the same two methods as `kvq bench` (tools/kvq/bench_gpu.hpp)."""
+import torch
+
+
+def add_common_args(ap, batch, context, reps, warmup):
+    ap.add_argument("--batch", default=batch)
+    ap.add_argument("--context", default=context)
+    ap.add_argument("--reps", type=int, default=reps)
+    ap.add_argument("--warmup", type=int, default=warmup)
+    ap.add_argument("--flush", choices=["read", "write"], default="read")
+
+
+def flush_buffer(dev):
+    """(buffer of max(4 x L2, 256 MiB) bytes, L2 bytes)."""
+    props = torch.cuda.get_device_properties(dev)
+    l2 = getattr(props, "L2_cache_size", 60 << 20)
+    return torch.empty(max(4 * l2, 256 << 20), dtype=torch.uint8, device=dev), l2
+
+
+def flush_l2(buf, mode, i):
+    """read: a read-only reduction over the buffer (the L2 keeps only clean lines); write: a memset
+    of it (the earlier method, whose dirty lines are written back during the timed run)."""
+    if mode == "write":
+        buf.fill_(i & 0xFF)
+    else:
+        buf.view(torch.int32).sum()  # the scalar result is discarded
