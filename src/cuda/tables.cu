@@ -1,6 +1,6 @@
 // Host side of the CUDA kernels: device copies of a layer's format constants (sign diagonals,
-// outlier-split channel order, codebooks, centering means), read off the same kvq_quant quantizers the CPU cache
-// uses, and the byte count a decode launch must read.
+// outlier-split channel order, codebooks, centering means), read off the same kvq_quant
+// quantizers the CPU cache uses, and the byte count a decode launch must read.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
