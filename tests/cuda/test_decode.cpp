@@ -66,6 +66,18 @@ bool same_record(const PageLayout& pl, const std::vector<std::uint8_t>& a_pool, 
          std::memcmp(a + pl.key_meta(h, off), b + pl.key_meta(h, off), pl.meta_bytes) == 0;
 }
 
+// The CPU oracle's record of (slot, head): key and value codes and metadata, metadata padding
+// zeroed. Returns the page base.
+std::uint8_t* pack_record(const PageLayout& pl, const QuantizerPair& q, const float* k, const float* v,
+                          std::vector<std::uint8_t>& pool, std::int64_t slot, int h) {
+  std::uint8_t* base = pool.data() + static_cast<std::size_t>(slot / 64) * pl.page_bytes;
+  const int off = static_cast<int>(slot % 64);
+  q.key->encode(k, base + pl.key_code(h, off), base + pl.key_meta(h, off));
+  q.value->encode(v, base + pl.value_code(h, off), base + pl.value_meta(h, off));
+  for (std::uint32_t i = pl.key_meta_bytes + pl.value_meta_bytes; i < pl.meta_bytes; ++i) base[pl.key_meta(h, off) + i] = 0;
+  return base;
+}
+
 double run_case(const Case& c) {
   const FormatSpec& f = find_format(c.fmt);
   CacheGeometry g;
@@ -188,15 +200,13 @@ double run_case(const Case& c) {
     Vd[b].resize(V[b].size());
     for (int t = 0; t < L; ++t) {
       const int page = bt[static_cast<std::size_t>(b) * max_pages + t / 64], off = t % 64;
-      std::uint8_t* base = pool.data() + static_cast<std::size_t>(page) * pl.page_bytes;
-      slots.push_back(static_cast<std::int64_t>(page) * 64 + off);
+      const std::int64_t slot = static_cast<std::int64_t>(page) * 64 + off;
+      slots.push_back(slot);
       positions.push_back(t);
       seq_ids.push_back(b);
       for (int h = 0; h < H; ++h) {
         const std::size_t r = (static_cast<std::size_t>(t) * H + h) * D;
-        qp[static_cast<std::size_t>(h)].key->encode(&K[b][r], base + pl.key_code(h, off), base + pl.key_meta(h, off));
-        qp[static_cast<std::size_t>(h)].value->encode(&V[b][r], base + pl.value_code(h, off), base + pl.value_meta(h, off));
-        for (std::uint32_t i = pl.key_meta_bytes + pl.value_meta_bytes; i < pl.meta_bytes; ++i) base[pl.key_meta(h, off) + i] = 0;
+        const std::uint8_t* base = pack_record(pl, qp[static_cast<std::size_t>(h)], &K[b][r], &V[b][r], pool, slot, h);
         qp[static_cast<std::size_t>(h)].key->decode(base + pl.key_code(h, off), base + pl.key_meta(h, off), &Kd[b][r]);
         qp[static_cast<std::size_t>(h)].value->decode(base + pl.value_code(h, off), base + pl.value_meta(h, off), &Vd[b][r]);
         for (int dd = 0; dd < D; ++dd) {
@@ -439,13 +449,9 @@ void test_store_edges(const std::string& fmt, int D, int H, int n_tok, unsigned 
   for (int t = 0; t < n_tok; ++t) {
     const std::int64_t sl = slots[static_cast<std::size_t>(t)];
     if (sl < 0) continue;
-    std::uint8_t* base = pool.data() + static_cast<std::size_t>(sl / 64) * pl.page_bytes;
-    const int off = static_cast<int>(sl % 64);
     for (int h = 0; h < H; ++h) {
       const std::size_t r = static_cast<std::size_t>(t) * stride + static_cast<std::size_t>(h) * D;
-      qp[static_cast<std::size_t>(h)].key->encode(&K[r], base + pl.key_code(h, off), base + pl.key_meta(h, off));
-      qp[static_cast<std::size_t>(h)].value->encode(&Vv[r], base + pl.value_code(h, off), base + pl.value_meta(h, off));
-      for (std::uint32_t i = pl.key_meta_bytes + pl.value_meta_bytes; i < pl.meta_bytes; ++i) base[pl.key_meta(h, off) + i] = 0;
+      pack_record(pl, qp[static_cast<std::size_t>(h)], &K[r], &Vv[r], pool, sl, h);
     }
   }
   cuda::LayerTables tabs(f, g, 0, &oc);

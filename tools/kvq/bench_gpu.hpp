@@ -44,16 +44,11 @@ inline double median(std::vector<double> v) {
 
 class L2Flush {
  public:
-  // mode: "read" or "write" (anything else is an error).
-  L2Flush(const std::string& mode, cudaStream_t stream) : stream_(stream) {
+  // mode: "read" or "write" (anything else is an error); l2_bytes: the device's L2 size.
+  L2Flush(const std::string& mode, std::size_t l2_bytes, cudaStream_t stream) : stream_(stream) {
     if (mode != "read" && mode != "write") fail("--flush must be 'read' or 'write', not '" + mode + "'");
     write_ = mode == "write";
-    int dev = 0;
-    ok(cudaGetDevice(&dev), "cudaGetDevice");
-    int l2 = 0;
-    ok(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev), "L2 size");
-    l2_bytes_ = static_cast<std::size_t>(l2);
-    bytes_ = std::max<std::size_t>(4 * l2_bytes_, std::size_t{256} << 20);
+    bytes_ = std::max<std::size_t>(4 * l2_bytes, std::size_t{256} << 20);
     ok(cudaMalloc(&buf_, bytes_), "cudaMalloc (flush)");
     ok(cudaMemsetAsync(buf_, 0, bytes_, stream_), "flush init");
   }
@@ -65,13 +60,12 @@ class L2Flush {
     if (write_) ok(cudaMemsetAsync(buf_, rep & 0xff, bytes_, stream_), "flush (memset)");
     else ok(cuda::flush_l2_read(static_cast<std::uint8_t*>(buf_), bytes_, stream_), "flush (read)");
   }
-  std::size_t l2_bytes() const { return l2_bytes_; }
   const char* mode() const { return write_ ? "write" : "read"; }
 
  private:
   cudaStream_t stream_;
   bool write_ = false;
-  std::size_t l2_bytes_ = 0, bytes_ = 0;
+  std::size_t bytes_ = 0;
   void* buf_ = nullptr;
 };
 

@@ -56,7 +56,7 @@ void run_decode_bench(const BenchOptions& o) {
   cudaDeviceProp prop{};
   ok(cudaGetDeviceProperties(&prop, dev), "cudaGetDeviceProperties");
   const std::size_t l2 = static_cast<std::size_t>(prop.l2CacheSize);
-  const L2Flush flush(o.flush, nullptr);
+  const L2Flush flush(o.flush, l2, nullptr);
   const double copy_gbps = gpu::copy_gbps(nullptr, flush);
 
   std::map<PeerKey, double> peer_us;

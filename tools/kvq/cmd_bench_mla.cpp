@@ -108,7 +108,7 @@ void run_mla_bench(const MlaBenchOptions& o) {
   const std::size_t l2 = static_cast<std::size_t>(prop.l2CacheSize);
   cudaStream_t st;
   ok(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "stream");
-  const L2Flush flush(o.flush, st);
+  const L2Flush flush(o.flush, l2, st);
   const double copy_gbps = gpu::copy_gbps(st, flush);
 
   // FlashMLA's times, when a peers file is given; it must use this run's flush method.
