@@ -433,6 +433,32 @@ TEST(PagedCache, ExpandedMlaEqualsAbsorbedEveryFormat) {
   EXPECT_FALSE(c.attend_expanded(0, 0, 10, 0, 0.1f, up.view(), q.data(), out.data()));
 }
 
+// Both attention forms name an unknown sequence or layer instead of reading past their tables.
+TEST(PagedCache, AttendRejectsUnknownSequenceOrLayer) {
+  const UpProj up(512);
+  CacheOptions o;
+  o.format = "c4r4";
+  PagedCache c(mla(), o, 2);
+  fill(c, 0, {10}, 5);
+  c.set_attention_path(AttentionPath::kFast);
+  std::vector<float> qabs(10 * 4 * 576), lat(10 * 4 * 512), q(10 * 4 * 128), out(10 * 4 * 64);
+  // The error must come from the argument check (it names the range), not from a later read.
+  auto rejects = [](auto&& call) {
+    try {
+      call();
+    } catch (const Error& e) {
+      return std::string(e.what()).find("out of range") != std::string::npos;
+    }
+    return false;
+  };
+  for (const auto& [seq, layer] : {std::pair{2, 0}, std::pair{-1, 0}, std::pair{0, 2}, std::pair{0, -1}}) {
+    EXPECT_TRUE(rejects([&] { c.attend(seq, layer, 10, 0, 4, 0.1f, qabs.data(), lat.data()); })) << seq << " " << layer;
+    EXPECT_TRUE(rejects([&] { c.attend_expanded(seq, layer, 10, 0, 0.1f, up.view(), q.data(), out.data()); }))
+        << seq << " " << layer;
+  }
+  EXPECT_NO_THROW(c.attend(0, 1, 10, 0, 4, 0.1f, qabs.data(), lat.data()));
+}
+
 // Real latent rows (tiny-mla layer 2), protection on, two chunks; the band rows of the second
 // chunk reach back into the first chunk's window (ring rows).
 TEST(PagedCache, ExpandedMlaRealFixtureRows) {
