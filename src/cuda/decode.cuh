@@ -5,8 +5,8 @@
 // range of 32-token chunks (half pages) and all G <= 8 query heads of that head's group, so each
 // packed byte is read from HBM once per group. Each warp streams its own chunks through a
 // cp.async ring in shared memory and keeps its own online softmax; warps merge at the end and
-// write one partial (normalized output + log2-sum-exp) per split; decode.cu's combine kernel
-// merges the splits and applies the inverse value rotation once.
+// write one partial (normalized output + log2-sum-exp) per split; the last CTA of each (sequence,
+// KV head) merges the splits and applies the inverse value rotation once (finish_group).
 //
 // Tensor cores (mma.m16n8k16, fp32 accumulate) do both products with the query heads as rows:
 //  - QK: rows g < G hold the rotated query rounded to fp16 (bf16 for the bf16 cache), rows g + 8
@@ -19,7 +19,7 @@
 // The dims of a head are permuted inside the MMA (keys: each lane reads one contiguous run of
 // codes per token; values: lane group g owns a contiguous run of dims); queries and outputs use
 // the same permutation, so no data is shuffled. Accumulation stays in the rotated domain for
-// TurboQuant values (decode.cu rotates back once per output row).
+// TurboQuant values (finish_group rotates back once per output row).
 #pragma once
 
 #include <cstdint>
@@ -35,6 +35,102 @@ inline constexpr int kSmemBudget = 225 * 1024;     // dynamic shared memory per 
 inline constexpr int kMaxGroup = 8;                // query heads per KV head
 
 constexpr int align16c(int x) { return (x + 15) / 16 * 16; }
+
+// Per-launch arguments of the split kernels besides DecodeParams (decode.cu fills them).
+struct SplitArgs {
+  int nsplit = 0;                           // splits of the packed range (the protected split is one more)
+  int cps = 0;                              // 32-token chunks per split
+  float* part_o = nullptr;                  // [batch * q_heads][NS][head_dim] normalized partial outputs
+  float* part_lse = nullptr;                // [batch * q_heads][NS] their log2-sum-exp
+  unsigned long long* counters = nullptr;   // [batch][kv_heads]: epoch << 32 | CTAs of the group done
+  unsigned epoch = 0;                       // this launch's tag, never 0
+};
+
+// threadIdx.x, read where it is used: code after a kernel's main loop that computes its indices
+// from it cannot be hoisted above the loop (see finish_group).
+__device__ __forceinline__ int tid_after_loop() {
+  int t;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+  return t;
+}
+
+// Counts a CTA of a (sequence, KV head) group in; true for the group's last one. The word holds
+// the launch's epoch in its high half, so a word left by another launch, or never written, counts
+// as zero; the last CTA resets it to 0 (a replayed CUDA graph keeps its epoch). The first CAS
+// guesses the reset state, so the common case costs one round trip.
+__device__ __forceinline__ bool arrive_last(unsigned long long* c, unsigned epoch, int n) {
+  const unsigned long long tag = static_cast<unsigned long long>(epoch) << 32;
+  unsigned long long cur = 0;
+  for (;;) {
+    const unsigned long long nv = (cur >> 32) == epoch ? cur + 1 : tag + 1;
+    const unsigned long long prev = atomicCAS(c, cur, nv);
+    if (prev == cur) return static_cast<int>(nv & 0xffffffffu) == n;
+    cur = prev;
+  }
+}
+
+// The end of every CTA of the split kernels, after it wrote its partial (every exit path calls it,
+// with all threads). The group's last CTA merges the NS partials of its G query heads by their
+// log2-sum-exp (one softmax over all splits; nothing is normalized separately), rotates TurboQuant
+// values back to the model's basis (inverse block FWHT per segment, sign diagonal, outlier-split
+// scatter), adds the value mean of centered formats (not to an empty history, whose output stays
+// zero) and writes the output rows. smem: G * D + G floats that no thread uses any more. The thread
+// index is read again here (volatile): from threadIdx.x, ptxas hoisted this tail's index arithmetic
+// above the fast kernel's main loop, which then held it in registers (~45 more SASS instructions
+// per chunk for the 3-bit-key formats); a call instead of inlining cost stack and spills.
+template <int THREADS, int D>
+__device__ __forceinline__ void finish_group(const DecodeParams& p, const SplitArgs& a, int NS, int G, int kh, int b,
+                                             float* smem) {
+  const int tid = tid_after_loop();
+  __threadfence();  // this thread's partial stores are visible device-wide before the CTA counts in
+  bool last = false;
+  if (tid == 0) last = arrive_last(a.counters + static_cast<std::size_t>(b) * p.fmt.kv_heads + kh, a.epoch, NS);
+  if (!__syncthreads_or(last)) return;
+  __threadfence();
+  const std::size_t row0 = static_cast<std::size_t>(b) * p.q_heads + static_cast<std::size_t>(kh) * G;
+  float* y = smem;
+  float* live = smem + G * D;  // 1 where the row has any history
+  for (int i = tid; i < G * D; i += THREADS) {
+    const int h = i / D, d = i - h * D;
+    const float* lse = a.part_lse + (row0 + h) * NS;
+    const float* po = a.part_o + (row0 + h) * NS * D + d;
+    float M = -INFINITY;
+    for (int s = 0; s < NS; ++s) M = fmaxf(M, __ldcg(lse + s));
+    float sw = 0, acc = 0;
+    if (M != -INFINITY) {
+      for (int s = 0; s < NS; ++s) {
+        const float l = __ldcg(lse + s);
+        if (l == -INFINITY) continue;
+        const float wgt = exp2f(l - M);
+        sw += wgt;
+        acc += wgt * __ldcg(po + static_cast<std::size_t>(s) * D);
+      }
+    }
+    y[i] = sw > 0 ? acc / sw : 0.0f;
+    if (d == 0) live[h] = M != -INFINITY ? 1.0f : 0.0f;
+  }
+  __syncthreads();
+  float* out = p.out + row0 * D;
+  if (p.fmt.value == ValueCode::kTq) {
+    int off = 0;
+    for (int s = 0; s < p.fmt.segments; ++s) {
+      smem_fwht(y + off, p.fmt.seg_dims[s], G, D, tid, THREADS);
+      off += p.fmt.seg_dims[s];
+    }
+    __syncthreads();
+    const std::int32_t* perm = p.fmt.value_perm + static_cast<std::size_t>(kh) * D;
+    const float* sg = p.fmt.value_signs + static_cast<std::size_t>(kh) * D;
+    const float* mu = p.fmt.value_mean ? p.fmt.value_mean + static_cast<std::size_t>(kh) * D : nullptr;
+    for (int i = tid; i < G * D; i += THREADS) {
+      const int h = i / D, d = i - h * D;
+      const int c = perm[d];
+      out[h * D + c] = mu && live[h] != 0.0f ? y[i] * sg[d] + mu[c] : y[i] * sg[d];
+    }
+  } else {
+    for (int i = tid; i < G * D; i += THREADS) out[i] = y[i];
+  }
+  if (tid == 0) a.counters[static_cast<std::size_t>(b) * p.fmt.kv_heads + kh] = 0;
+}
 
 template <int D_, KeyCode KC_, int KB0, int KB1, ValueCode VC_, int VB0, int VB1>
 struct Cfg {
@@ -151,7 +247,7 @@ __device__ void protected_split(const float* __restrict__ qin, int q_heads, floa
                                 std::uint8_t* smem) {
   const int kh = blockIdx.y, b = blockIdx.z, D = C::D;
   // Centered formats: the rows enter as k - key_mean and v - value_mean, the packed rows' domain
-  // (the combine kernel adds value_mean back once).
+  // (finish_group adds value_mean back once).
   const float* __restrict__ kmu = kmean ? kmean + static_cast<std::size_t>(kh) * D : nullptr;
   const float* __restrict__ vmu = vmean ? vmean + static_cast<std::size_t>(kh) * D : nullptr;
   const int tid = threadIdx.x, w = tid >> 5, lane = tid & 31;
@@ -255,8 +351,11 @@ __device__ void protected_split(const float* __restrict__ qin, int q_heads, floa
 
 template <class C>
 __global__ void __launch_bounds__(C::THREADS, 1)
-    decode_kernel(const DecodeParams p, int nsplit, int cps, float* __restrict__ part_o, float* __restrict__ part_lse) {
+    decode_kernel(const DecodeParams p, const SplitArgs a) {
   extern __shared__ __align__(16) std::uint8_t smem_raw[];
+  const int nsplit = a.nsplit, cps = a.cps;
+  float* __restrict__ part_o = a.part_o;
+  float* __restrict__ part_lse = a.part_lse;
   constexpr int D = C::D;
   constexpr bool kB = C::kBf16;
   const int split = blockIdx.x, kh = blockIdx.y, b = blockIdx.z;
@@ -273,6 +372,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   if (split == nsplit) {  // protected rows
     protected_split<C>(p.q, p.q_heads, p.scale, prl, p.protect_rows, p.fmt.value_perm, p.fmt.value_signs,
                        p.fmt.key_mean, p.fmt.value_mean, G, L, NS, po, plse, smem_raw);
+    finish_group<C::THREADS, C::D>(p, a, NS, G, kh, b, reinterpret_cast<float*>(smem_raw));
     return;
   }
 
@@ -283,6 +383,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   const int cb = max(c_lo, split * cps), ce = min(c_hi, (split + 1) * cps);
   if (cb >= ce) {
     for (int h = tid; h < G; h += C::THREADS) plse[static_cast<std::size_t>(h) * NS] = -INFINITY;
+    finish_group<C::THREADS, C::D>(p, a, NS, G, kh, b, reinterpret_cast<float*>(smem_raw));
     return;
   }
 
@@ -616,6 +717,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     po[static_cast<std::size_t>(h) * NS * D + d] = sum > 0 ? acc / sum : 0.0f;
     if (d == 0) plse[static_cast<std::size_t>(h) * NS] = sum > 0 ? M + log2f(sum) : -INFINITY;
   }
+  finish_group<C::THREADS, C::D>(p, a, NS, G, kh, b, reinterpret_cast<float*>(smem_raw));
 }
 
 }  // namespace kvq::cuda::detail

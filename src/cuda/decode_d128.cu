@@ -11,8 +11,11 @@ KVQ_DEFINE_DECODE_FN(128, launch_decode_generic_d128, supported_generic_d128)
 
 bool fast_applies(const DecodeParams& p) {
   const FormatDesc& f = p.fmt;
+  // The prologue reads the key permutation and signs as 16-byte vectors (LayerTables' layout is).
+  const bool aligned = f.key != KeyCode::kTq || ((reinterpret_cast<std::uintptr_t>(f.key_perm) |
+                                                  reinterpret_cast<std::uintptr_t>(f.key_signs)) & 15u) == 0;
   return f.head_dim == 128 && f.kv_heads > 0 && p.q_heads % f.kv_heads == 0 && p.q_heads / f.kv_heads <= 4 &&
-         (f.segments == 1 || f.segments == 2);
+         (f.segments == 1 || f.segments == 2) && aligned;
 }
 }  // namespace
 
@@ -20,23 +23,22 @@ bool fast_applies(const DecodeParams& p) {
   if (format_is(p.fmt, KC, KB, KB1, VC, VB, VB1)) {                             \
     if (warps) *warps = FCfg<KC, KB, VC, VB, KB1, VB1>::WARPS;                  \
     if (!launch) return cudaSuccess;                                            \
-    return launch_decode_fast<FCfg<KC, KB, VC, VB, KB1, VB1>>(p, nsplit, cps, po, pl, st); \
+    return launch_decode_fast<FCfg<KC, KB, VC, VB, KB1, VB1>>(p, a, st);     \
   }
 
 // Launches the fast kernel when it applies (launch = false: only reports whether it would, and
 // its warps per CTA); cudaErrorNotSupported when it does not apply.
-cudaError_t decode_fast_d128(const DecodeParams& p, bool launch, int* warps, int nsplit, int cps, float* po, float* pl,
-                             cudaStream_t st) {
+cudaError_t decode_fast_d128(const DecodeParams& p, bool launch, int* warps, const SplitArgs& a, cudaStream_t st) {
   if (!fast_applies(p)) return cudaErrorNotSupported;
   KVQ_FAST_FORMATS(KVQ_FAST_CASE)
   return cudaErrorNotSupported;
 }
 #undef KVQ_FAST_CASE
 
-cudaError_t launch_decode_d128(const DecodeParams& p, int nsplit, int cps, float* po, float* pl, cudaStream_t st) {
-  const cudaError_t e = decode_fast_d128(p, true, nullptr, nsplit, cps, po, pl, st);
+cudaError_t launch_decode_d128(const DecodeParams& p, const SplitArgs& a, cudaStream_t st) {
+  const cudaError_t e = decode_fast_d128(p, true, nullptr, a, st);
   if (e != cudaErrorNotSupported) return e;
-  return launch_decode_generic_d128(p, nsplit, cps, po, pl, st);
+  return launch_decode_generic_d128(p, a, st);
 }
 bool supported_d128(const FormatDesc& f) { return supported_generic_d128(f); }
 

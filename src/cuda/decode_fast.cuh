@@ -2,7 +2,7 @@
 // heads per KV head, TurboQuant or fp8 keys, uniform or TurboQuant values (tq-k8v4, tq-4bit-nc,
 // tq-k3v4-nc, tq-3bit-nc, tq-4bit, tq-3bit) and the outlier splits into two segments of 64
 // (tq-3.5bit, tq-2.5bit). Other shapes and formats take the generic kernel of decode.cuh; the
-// combine kernel is shared.
+// split merge (finish_group) is shared.
 //
 // Differences from the generic kernel (docs/kernels.md, "Decode kernel"):
 //  - 16 warps in one CTA per SM (fewer where shared memory does not fit), registers capped at 128;
@@ -85,7 +85,7 @@ struct FCfg {
   static constexpr int smem(int lut_pad) {
     const int need = lut_pad + LUT_BYTES + Q_BYTES + WARPS * SCR_WARP + (WARPS - nlo(lut_pad)) * NST * STAGE_BYTES;
     const int prot = kMaxGroup * D * 4 + WARPS * kMaxGroup * RS * 4;  // protected split
-    const int red = WARPS * 4 * RS * 4;                               // merge of the warps
+    const int red = WARPS * 4 * RS * 4 + (4 * WARPS + 4) * 4;         // merge of the warps, its weights
     const int m = need > prot ? need : prot;
     return m > red ? m : red;
   }
@@ -141,11 +141,55 @@ __device__ __forceinline__ void load_run(const std::uint8_t* row, int o, std::ui
   }
 }
 
+// The merge of the warps' online softmaxes (red: per warp and head the D unnormalized outputs, max,
+// sum and zero term, RS floats apart) into the CTA's partial: the weights of the warps per head are
+// computed once by warp h (lane ww: warp ww's values): c_ww = 2^(m_ww - M) / sum and the constant
+// sum_ww c_ww z_ww; a warp without tokens has weight 0. Then every output is one dot product over
+// the warps. Its thread index is read after the loop (tid_after_loop: from threadIdx.x its address
+// arithmetic was hoisted above the main loop and cost the loop registers).
+template <class C>
+__device__ __forceinline__ void merge_warps(float* red, float* po, float* plse, int NS, int G) {
+  constexpr int D = C::D, RS = C::RS;
+  const int tid = tid_after_loop(), w = tid >> 5, lane = tid & 31;
+  float* const coef = red + C::WARPS * 4 * RS;  // [4][WARPS] weights, then [4] constants
+  if (w < G) {
+    const float* rr = red + (lane * 4 + w) * RS;
+    const float mw = lane < C::WARPS ? rr[D] : -INFINITY;
+    const float lw = lane < C::WARPS ? rr[D + 1] : 0.0f, zw = lane < C::WARPS ? rr[D + 2] : 0.0f;
+    float M = mw;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+    const float f = mw == -INFINITY ? 0.0f : exp2f(mw - M);
+    float sum = f * lw;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    const float c = sum > 0 ? f / sum : 0.0f;
+    float zc = c * zw;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) zc += __shfl_xor_sync(0xffffffffu, zc, o);
+    if (lane < C::WARPS) coef[w * C::WARPS + lane] = c;
+    if (lane == 0) {
+      coef[4 * C::WARPS + w] = zc;
+      plse[static_cast<std::size_t>(w) * NS] = sum > 0 ? M + log2f(sum) : -INFINITY;
+    }
+  }
+  __syncthreads();
+  for (int idx = tid; idx < G * D; idx += C::THREADS) {
+    const int h = idx / D, d = idx % D;
+    float acc = coef[4 * C::WARPS + h];
+#pragma unroll
+    for (int ww = 0; ww < C::WARPS; ++ww) acc += coef[h * C::WARPS + ww] * red[(ww * 4 + h) * RS + d];
+    po[static_cast<std::size_t>(h) * NS * D + d] = acc;
+  }
+}
+
 template <class C>
 __global__ void __launch_bounds__(C::THREADS, 1)
-    decode_fast_kernel(const DecodeParams p, int nsplit, int cps, float* __restrict__ part_o,
-                       float* __restrict__ part_lse) {
+    decode_fast_kernel(const DecodeParams p, const SplitArgs a) {
   extern __shared__ __align__(16) std::uint8_t smem_raw[];
+  const int nsplit = a.nsplit, cps = a.cps;
+  float* __restrict__ part_o = a.part_o;
+  float* __restrict__ part_lse = a.part_lse;
   constexpr int D = C::D;
   const int split = blockIdx.x, kh = blockIdx.y, b = blockIdx.z;
   const int G = p.q_heads / p.fmt.kv_heads;
@@ -161,7 +205,41 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   if (split == nsplit) {
     protected_split<C>(p.q, p.q_heads, p.scale, prl, p.protect_rows, p.fmt.value_perm, p.fmt.value_signs,
                        p.fmt.key_mean, p.fmt.value_mean, G, L, NS, po, plse, smem_raw);
+    finish_group<C::THREADS, C::D>(p, a, NS, G, kh, b, reinterpret_cast<float*>(smem_raw));
     return;
+  }
+
+  // Query and centroid loads first: independent of the sequence length, so they are in flight
+  // with it and with the block-table loads below (one round trip of the prologue instead of
+  // three). Thread i holds the raw query element i; warp h < G holds dims 4 lane .. 4 lane + 3 of
+  // the key permutation and signs for head h's rotation.
+  constexpr int QPT = (4 * D + C::THREADS - 1) / C::THREADS;
+  const float* qg = p.q + row0 * D;
+  float qraw[QPT];
+#pragma unroll
+  for (int k = 0; k < QPT; ++k) qraw[k] = tid + k * C::THREADS < G * D ? qg[tid + k * C::THREADS] : 0.0f;
+  int4 qperm = make_int4(0, 0, 0, 0);
+  float4 qsign = make_float4(0, 0, 0, 0);
+  if constexpr (C::KC == KeyCode::kTq) {
+    if (w < G) {
+      qperm = reinterpret_cast<const int4*>(p.fmt.key_perm + static_cast<std::size_t>(kh) * D)[lane];
+      qsign = reinterpret_cast<const float4*>(p.fmt.key_signs + static_cast<std::size_t>(kh) * D)[lane];
+    }
+  }
+  float cent_v = 0;  // centroid table entry tid (layout below)
+  if constexpr (C::NSEG == 2) {
+    if (tid < 64) {
+      const int k = tid & 15, s = tid >> 5;
+      const float* cs = ((tid & 16) ? p.fmt.value_centroids : p.fmt.key_centroids) + s * kMaxCodebook;
+      cent_v = k < (1 << (s == 0 ? C::kb(0) : C::kb(1))) ? cs[k] : 0.0f;
+    }
+  } else if (tid < 32) {
+    const int k = tid & 15;
+    if (tid < 16) {
+      if constexpr (C::KENT > 0) cent_v = k < (1 << C::KB) ? p.fmt.key_centroids[k] : 0.0f;
+    } else {
+      if constexpr (C::VENT > 0) cent_v = k < (1 << C::VB) ? p.fmt.value_centroids[k] : 0.0f;
+    }
   }
 
   const int lo = prot ? static_cast<int>(prl.packed_begin(L)) : 0;
@@ -171,6 +249,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   const int cb = max(c_lo, split * cps), ce = min(c_hi, (split + 1) * cps);
   if (cb >= ce) {
     for (int h = tid; h < G; h += C::THREADS) plse[static_cast<std::size_t>(h) * NS] = -INFINITY;
+    finish_group<C::THREADS, C::D>(p, a, NS, G, kh, b, reinterpret_cast<float*>(smem_raw));
     return;
   }
   const std::uint32_t sbase = smem_u32(smem_raw);
@@ -235,87 +314,86 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   int slot_rd = 0, slot_wr = C::NST - 1;  // ring slots of chunk i and of chunk i + NST - 1
 
   // Query (scaled into the log2 domain, gathered and signed like the keys) and the centroids
-  // into shared memory: one round of global loads for both.
-  float* const cent = qs + 4 * D;  // [0, 16): key centroids, [16, 32): value centroids
-  {
-    const float qscale = p.scale * kLog2e;
-    const float* qg = p.q + row0 * D;
-    if constexpr (NSEG == 2) {
-      // [32 s, 32 s + 16): key centroids of segment s, [32 s + 16, 32 s + 32): value centroids.
-      if (tid < 64) {
-        const int k = tid & 15, s = tid >> 5;
-        const float* cs = ((tid & 16) ? p.fmt.value_centroids : p.fmt.key_centroids) + s * kMaxCodebook;
-        cent[tid] = k < (1 << (s == 0 ? C::kb(0) : C::kb(1))) ? cs[k] : 0.0f;
-      }
-    } else if (tid < 32) {
-      const int k = tid & 15;
-      float c = 0;
-      if (tid < 16) {
-        if constexpr (C::KENT > 0) c = k < (1 << C::KB) ? p.fmt.key_centroids[k] : 0.0f;
-      } else {
-        if constexpr (C::VENT > 0) c = k < (1 << C::VB) ? p.fmt.value_centroids[k] : 0.0f;
-      }
-      cent[tid] = c;
+  // into shared memory; the raw query goes through the P-transpose scratch (unused until the loop)
+  // for the gather.
+  float* const cent = qs + 4 * D;  // [0, 16): key centroids, [16, 32): value centroids (split: per segment)
+  float* const qraw_s = reinterpret_cast<float*>(lut + C::LUT_BYTES + C::Q_BYTES);
+  const float qscale = p.scale * kLog2e;
+  if (tid < 32 * NSEG) cent[tid] = cent_v;
+#pragma unroll
+  for (int k = 0; k < QPT; ++k) {
+    const int i = tid + k * C::THREADS;
+    if (i < G * D) {
+      if constexpr (C::KC == KeyCode::kTq) qraw_s[i] = qraw[k];
+      else qs[i] = qraw[k] * qscale;
     }
-    if constexpr (C::KC == KeyCode::kTq) {
-      const std::int32_t* perm = p.fmt.key_perm + static_cast<std::size_t>(kh) * D;
-      const float* sg = p.fmt.key_signs + static_cast<std::size_t>(kh) * D;
-      for (int i = tid; i < G * D; i += C::THREADS) {
-        const int h = i / D, d = i % D;
-        qs[i] = qg[h * D + perm[d]] * qscale * sg[d];
-      }
-    } else {
-      for (int i = tid; i < G * D; i += C::THREADS) qs[i] = qg[i] * qscale;
-    }
-    __syncthreads();
   }
-  // Pair tables: row e (256 bytes) = 32 copies of the key pair e, then 32 of the value pair e.
-  if constexpr (NSEG == 2) {
-    // Segment 0's rows, then segment 1's (entry = first code | second code << bits of the segment).
-    constexpr int NE0 = C::LUT_ALIGN / 256, NE = C::LUT_BYTES / 256;
-#pragma unroll 4
-    for (int i = tid; i < NE * 64; i += C::THREADS) {
-      const int r = i >> 6, half = (i >> 5) & 1;
-      const int s = r < NE0 ? 0 : 1, e = r < NE0 ? r : r - NE0, bits = s == 0 ? C::kb(0) : C::kb(1);
-      const float* cs = cent + 32 * s + 16 * half;
-      reinterpret_cast<std::uint32_t*>(lut)[i] = pack2<false>(cs[e & ((1 << bits) - 1)], cs[e >> bits]);
-    }
-  } else {
+  __syncthreads();
+  // Pair tables: row e (256 bytes) = 32 copies of the key pair e, then 32 of the value pair e; one
+  // thread per (row, half) writes its 128 bytes as 8 16-byte stores, rotated by the thread index so
+  // that the 8 threads of a store phase hit 8 different bank groups. Split formats: segment 0's rows,
+  // then segment 1's (entry = first code | second code << bits of the segment).
+  if constexpr (C::LUT_BYTES > 0) {
     constexpr int NE = C::LUT_BYTES / 256;
-#pragma unroll 4
-    for (int i = tid; i < NE * 64; i += C::THREADS) {
-      const int e = i >> 6, half = (i >> 5) & 1;
+#pragma unroll 1
+    for (int u = tid; u < 2 * NE; u += C::THREADS) {
+      const int r = u >> 1, half = u & 1;
       std::uint32_t v = 0;
-      if (half == 0) {
+      if constexpr (NSEG == 2) {
+        constexpr int NE0 = C::LUT_ALIGN / 256;
+        const int s = r < NE0 ? 0 : 1, e = r < NE0 ? r : r - NE0, bits = s == 0 ? C::kb(0) : C::kb(1);
+        const float* cs = cent + 32 * s + 16 * half;
+        v = pack2<false>(cs[e & ((1 << bits) - 1)], cs[e >> bits]);
+      } else if (half == 0) {
         if constexpr (C::KENT > 0) {
-          if (e < C::KENT) v = pack2<false>(cent[e & ((1 << C::KB) - 1)], cent[e >> C::KB]);
+          if (r < C::KENT) v = pack2<false>(cent[r & ((1 << C::KB) - 1)], cent[r >> C::KB]);
         }
       } else {
         if constexpr (C::VENT > 0) {
-          if (e < C::VENT) v = pack2<false>(cent[16 + (e & ((1 << C::VB) - 1))], cent[16 + (e >> C::VB)]);
+          if (r < C::VENT) v = pack2<false>(cent[16 + (r & ((1 << C::VB) - 1))], cent[16 + (r >> C::VB)]);
         }
       }
-      reinterpret_cast<std::uint32_t*>(lut)[i] = v;
+      const uint4 vv = make_uint4(v, v, v, v);
+      uint4* row = reinterpret_cast<uint4*>(lut + r * 256 + half * 128);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) row[(k + u) & 7] = vv;
     }
   }
-  // Rotation of the query: FWHT of size 128 per head (stages h = 1 .. 64, sums and differences,
-  // then 1 / sqrt(128)), the same operations as smem_fwht for one block; for the split, stages
-  // h = 1 .. 32 (pairs never cross the segments' 64-blocks) and 1 / sqrt(64): one FWHT per segment.
+  // Rotation of the query in registers: warp h < G gathers dims 4 lane .. 4 lane + 3 of head h
+  // (permutation, signs, scale), then the FWHT stages 1, 2 within the lane and 4 .. 64 by shuffles
+  // (each stage: lower index a + b, upper a - b; the stage order and arithmetic of smem_fwht, so the
+  // result is the same), then 1 / sqrt(128); split: stages up to 32 (one FWHT per 64-dim segment)
+  // and 1 / sqrt(64).
   if constexpr (C::KC == KeyCode::kTq) {
-#pragma unroll 1
-    for (int h = 1; h < C::sd(0); h <<= 1) {
-      for (int i = tid; i < G * (D / 2); i += C::THREADS) {
-        const int v = i / (D / 2), r = i % (D / 2);
-        const int j = ((r & ~(h - 1)) << 1) | (r & (h - 1));
-        float* x = qs + v * D;
-        const float a = x[j], bb = x[j + h];
-        x[j] = a + bb;
-        x[j + h] = a - bb;
+    if (w < G) {
+      const float* src = qraw_s + w * D;
+      float x[4] = {src[qperm.x] * qscale * qsign.x, src[qperm.y] * qscale * qsign.y, src[qperm.z] * qscale * qsign.z,
+                    src[qperm.w] * qscale * qsign.w};
+      float t0 = x[0], t1 = x[1];
+      x[0] = t0 + t1;
+      x[1] = t0 - t1;
+      t0 = x[2];
+      t1 = x[3];
+      x[2] = t0 + t1;
+      x[3] = t0 - t1;
+      t0 = x[0];
+      t1 = x[1];
+      x[0] = t0 + x[2];
+      x[1] = t1 + x[3];
+      x[2] = t0 - x[2];
+      x[3] = t1 - x[3];
+#pragma unroll
+      for (int m = 1; 4 * m < C::sd(0); m <<= 1) {
+        const bool upper = (lane & m) != 0;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float y = __shfl_xor_sync(0xffffffffu, x[j], m);
+          x[j] = upper ? y - x[j] : x[j] + y;
+        }
       }
-      __syncthreads();
+      const float sc = static_cast<float>(1.0 / sqrt(static_cast<double>(C::sd(0))));
+      reinterpret_cast<float4*>(qs + w * D)[lane] = make_float4(x[0] * sc, x[1] * sc, x[2] * sc, x[3] * sc);
     }
-    const float sc = static_cast<float>(1.0 / sqrt(static_cast<double>(C::sd(0))));
-    for (int i = tid; i < G * D; i += C::THREADS) qs[i] *= sc;
   }
   __syncthreads();
   // B fragments of the query (QK has the keys as A): column n = g is head g >> 1, rounded to fp16
@@ -720,23 +798,8 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     }
   }
   __syncthreads();
-  for (int idx = tid; idx < G * D; idx += C::THREADS) {
-    const int h = idx / D, d = idx % D;
-    float M = -INFINITY;
-    for (int ww = 0; ww < C::WARPS; ++ww) M = fmaxf(M, red[(ww * 4 + h) * RS + D]);
-    float sum = 0, a = 0;
-    if (M != -INFINITY) {
-      for (int ww = 0; ww < C::WARPS; ++ww) {
-        const float* rr = red + (ww * 4 + h) * RS;
-        if (rr[D] == -INFINITY) continue;
-        const float f = exp2f(rr[D] - M);
-        sum += f * rr[D + 1];
-        a += f * (rr[d] + rr[D + 2]);
-      }
-    }
-    po[static_cast<std::size_t>(h) * NS * D + d] = sum > 0 ? a / sum : 0.0f;
-    if (d == 0) plse[static_cast<std::size_t>(h) * NS] = sum > 0 ? M + log2f(sum) : -INFINITY;
-  }
+  merge_warps<C>(red, po, plse, NS, G);
+  finish_group<C::THREADS, C::D>(p, a, NS, G, kh, b, reinterpret_cast<float*>(smem_raw));
 }
 
 // (key code, key bits, value code, value bits, segment 1's key / value bits or 0) of the formats the
@@ -752,7 +815,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   X(KeyCode::kTq, 3, ValueCode::kTq, 3, 2, 2)
 
 template <class C>
-cudaError_t launch_decode_fast(const DecodeParams& p, int nsplit, int cps, float* po, float* pl, cudaStream_t st) {
+cudaError_t launch_decode_fast(const DecodeParams& p, const SplitArgs& a, cudaStream_t st) {
   const PageLayout& pg = p.fmt.page;
   if (pg.tokens != 64 || pg.key_code_bytes != static_cast<std::uint32_t>(C::KCB) ||
       pg.value_code_bytes != static_cast<std::uint32_t>(C::VCB) || pg.meta_bytes != static_cast<std::uint32_t>(C::MB) ||
@@ -769,9 +832,9 @@ cudaError_t launch_decode_fast(const DecodeParams& p, int nsplit, int cps, float
   if (smem > kSmemBudget + 2 * 1024) return cudaErrorInvalidValue;
   e = cudaFuncSetAttribute(decode_fast_kernel<C>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != cudaSuccess) return e;
-  const dim3 grid(static_cast<unsigned>(nsplit + (p.protect.enabled() ? 1 : 0)), static_cast<unsigned>(p.fmt.kv_heads),
+  const dim3 grid(static_cast<unsigned>(a.nsplit + (p.protect.enabled() ? 1 : 0)), static_cast<unsigned>(p.fmt.kv_heads),
                   static_cast<unsigned>(p.batch));
-  decode_fast_kernel<C><<<grid, C::THREADS, static_cast<std::size_t>(smem), st>>>(p, nsplit, cps, po, pl);
+  decode_fast_kernel<C><<<grid, C::THREADS, static_cast<std::size_t>(smem), st>>>(p, a);
   return cudaGetLastError();
 }
 

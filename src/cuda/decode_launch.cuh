@@ -20,7 +20,7 @@ namespace kvq::cuda::detail {
   X(D, KeyCode::kTq, 3, 2, ValueCode::kTq, 3, 2)
 
 template <class C>
-cudaError_t launch_decode(const DecodeParams& p, int nsplit, int cps, float* po, float* pl, cudaStream_t st) {
+cudaError_t launch_decode(const DecodeParams& p, const SplitArgs& a, cudaStream_t st) {
   const PageLayout& pg = p.fmt.page;
   if (pg.tokens != 64 || pg.key_code_bytes != static_cast<std::uint32_t>(C::KCB) ||
       pg.value_code_bytes != static_cast<std::uint32_t>(C::VCB) || pg.meta_bytes != static_cast<std::uint32_t>(C::MB) ||
@@ -28,9 +28,9 @@ cudaError_t launch_decode(const DecodeParams& p, int nsplit, int cps, float* po,
     return cudaErrorInvalidValue;
   cudaError_t e = cudaFuncSetAttribute(decode_kernel<C>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
   if (e != cudaSuccess) return e;
-  const dim3 grid(static_cast<unsigned>(nsplit + (p.protect.enabled() ? 1 : 0)), static_cast<unsigned>(p.fmt.kv_heads),
+  const dim3 grid(static_cast<unsigned>(a.nsplit + (p.protect.enabled() ? 1 : 0)), static_cast<unsigned>(p.fmt.kv_heads),
                   static_cast<unsigned>(p.batch));
-  decode_kernel<C><<<grid, C::THREADS, C::SMEM, st>>>(p, nsplit, cps, po, pl);
+  decode_kernel<C><<<grid, C::THREADS, C::SMEM, st>>>(p, a);
   return cudaGetLastError();
 }
 
@@ -41,10 +41,10 @@ inline bool format_is(const FormatDesc& f, KeyCode kc, int kb0, int kb1, ValueCo
 
 #define KVQ_DECODE_CASE(D, KC, KB0, KB1, VC, VB0, VB1) \
   if (format_is(fmt, KC, KB0, KB1, VC, VB0, VB1))      \
-    return launch_decode<Cfg<D, KC, KB0, KB1, VC, VB0, VB1>>(p, nsplit, cps, po, pl, st);
+    return launch_decode<Cfg<D, KC, KB0, KB1, VC, VB0, VB1>>(p, a, st);
 
 #define KVQ_DEFINE_DECODE_FN(D, LAUNCH, SUPPORTED)                                                           \
-  cudaError_t LAUNCH(const DecodeParams& p, int nsplit, int cps, float* po, float* pl, cudaStream_t st) {        \
+  cudaError_t LAUNCH(const DecodeParams& p, const SplitArgs& a, cudaStream_t st) {                               \
     const FormatDesc& fmt = p.fmt;                                                                               \
     KVQ_DECODE_FORMATS(KVQ_DECODE_CASE, D)                                                                      \
     return cudaErrorInvalidValue;                                                                               \
@@ -57,14 +57,13 @@ inline bool format_is(const FormatDesc& f, KeyCode kc, int kb0, int kb1, ValueCo
 #define KVQ_SUPPORTED_CASE(D, KC, KB0, KB1, VC, VB0, VB1) \
   if (format_is(fmt, KC, KB0, KB1, VC, VB0, VB1)) return true;
 
-cudaError_t launch_decode_d64(const DecodeParams&, int, int, float*, float*, cudaStream_t);
-cudaError_t launch_decode_d96(const DecodeParams&, int, int, float*, float*, cudaStream_t);
-cudaError_t launch_decode_d128(const DecodeParams&, int, int, float*, float*, cudaStream_t);
-cudaError_t launch_decode_d256(const DecodeParams&, int, int, float*, float*, cudaStream_t);
+cudaError_t launch_decode_d64(const DecodeParams&, const SplitArgs&, cudaStream_t);
+cudaError_t launch_decode_d96(const DecodeParams&, const SplitArgs&, cudaStream_t);
+cudaError_t launch_decode_d128(const DecodeParams&, const SplitArgs&, cudaStream_t);
+cudaError_t launch_decode_d256(const DecodeParams&, const SplitArgs&, cudaStream_t);
 // head_dim 128: the fast kernel (decode_fast.cuh) where it applies; cudaErrorNotSupported where
 // not. launch = false only reports its warps per CTA (for the split count).
-cudaError_t decode_fast_d128(const DecodeParams& p, bool launch, int* warps, int nsplit, int cps, float* po,
-                             float* pl, cudaStream_t st);
+cudaError_t decode_fast_d128(const DecodeParams& p, bool launch, int* warps, const SplitArgs& a, cudaStream_t st);
 bool supported_d64(const FormatDesc&);
 bool supported_d96(const FormatDesc&);
 bool supported_d128(const FormatDesc&);

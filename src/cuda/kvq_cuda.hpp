@@ -118,6 +118,9 @@ struct DecodeParams {
   float scale = 0;               // softmax scale
   ProtectLayout protect;                          // sinks + window (0 + 0: none)
   const std::uint16_t* protect_rows = nullptr;    // required when protect.enabled()
+  // decode_workspace_bytes(p) bytes, 16-byte aligned, any contents; one launch at a time per
+  // workspace (it holds the splits' partials and the per-group arrival counters, which each
+  // launch tags with its own epoch and leaves at zero).
   void* workspace = nullptr;
   std::size_t workspace_bytes = 0;
   std::int32_t num_splits = 0;   // 0: chosen from batch x heads x length to fill the SMs

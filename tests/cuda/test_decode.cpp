@@ -309,6 +309,35 @@ double run_case(const Case& c) {
   check(std::isfinite(nmse) && nmse <= 1e-5, name + ": decode NMSE " + std::to_string(nmse));
   std::printf("  %-58s %-7s splits %3d  NMSE %.2e\n", name.c_str(), want_fast ? "fast" : "generic",
               cuda::decode_splits(p), nmse);
+  // The splits are merged by the last CTA of each group, counted in through per-group counters in
+  // the workspace that every launch tags with its own epoch and leaves at zero: a second launch on
+  // the same workspace, and two replays of one captured graph (the same epoch twice), must give
+  // the same bits.
+  {
+    auto again = [&](const std::string& what, auto&& launch) {
+      KVQ_CUDA_OK(cudaMemset(dout, 0xff, q.size() * sizeof(float)));
+      launch();
+      KVQ_CUDA_OK(cudaDeviceSynchronize());
+      std::vector<float> out2(q.size());
+      KVQ_CUDA_OK(cudaMemcpy(out2.data(), dout, out2.size() * sizeof(float), cudaMemcpyDeviceToHost));
+      check(std::memcmp(out2.data(), out.data(), out.size() * sizeof(float)) == 0, name + ": " + what + " differs");
+    };
+    again("second launch on the same workspace", [&] { check(cuda::decode(p) == cudaSuccess, name + ": relaunch"); });
+    cudaStream_t gs = nullptr;
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    KVQ_CUDA_OK(cudaStreamCreate(&gs));
+    KVQ_CUDA_OK(cudaStreamBeginCapture(gs, cudaStreamCaptureModeThreadLocal));
+    const cudaError_t ge = cuda::decode(p, gs);
+    KVQ_CUDA_OK(cudaStreamEndCapture(gs, &graph));
+    check(ge == cudaSuccess, name + ": decode under graph capture");
+    KVQ_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int r = 0; r < 2; ++r)
+      again("graph replay " + std::to_string(r + 1), [&] { KVQ_CUDA_OK(cudaGraphLaunch(exec, gs)); });
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaStreamDestroy(gs);
+  }
 
   // Store kernel: the same rows packed on the GPU must give the CPU's bytes.
   if (!pr.enabled() || c.sinks > 0) {
@@ -542,7 +571,7 @@ int main(int argc, char** argv) {
       add(fm, false, 96, 12, 4, {95, 250}, false, 0, 0, 0);
     }
     // Centered (calibrated) kvq formats: store with the means subtracted, protected rows scored
-    // and accumulated in the centered domain, the value mean added once by the combine kernel.
+    // and accumulated in the centered domain, the value mean added once by the split merge.
     for (const char* fm : {"tq-4bit", "tq-3bit", "tq-3.5bit", "tq-2.5bit"}) {
       add(fm, true, 128, 32, 8, {1, 100, 257}, false, 0, 0, 0);
       add(fm, true, 128, 8, 2, {2, 40, 333, 1500}, false, 4, 64, 0);  // protection: the rows that need the means

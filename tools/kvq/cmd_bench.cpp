@@ -3,9 +3,10 @@
 // SDPA with the FlashAttention backend on a bf16 cache, vLLM's Triton TurboQuant decode) into
 // one table or JSON object (bench/results/decode-gqa-*.json).
 //
-// Method (docs/kernels.md): CUDA events around each launch (decode + combine), warm-up, median of
-// --reps runs, L2 flushed before every run (--flush: a read-only pass by default, bench_gpu.hpp),
-// and enough copies of the cache that the inputs rotated over are >= 4x L2. GB/s counts every byte the format must read
+// Method (docs/kernels.md): CUDA events around each decode launch (one kernel: the last CTA of
+// each group merges the splits), warm-up, median of --reps runs, L2 flushed before every run
+// (--flush: a read-only pass by default, bench_gpu.hpp), and enough copies of the cache that the
+// inputs rotated over are >= 4x L2. GB/s counts every byte the format must read
 // (codes, metadata, block tables). copy_gbps: (read + written) / time of a 4 GiB device copy.
 #include <fmt/core.h>
 
