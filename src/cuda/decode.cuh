@@ -53,6 +53,17 @@ __device__ __forceinline__ int tid_after_loop() {
   asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
   return t;
 }
+// blockIdx.y, blockIdx.z likewise (the tail's table pointers derive from them).
+__device__ __forceinline__ int ctaid_y_after_loop() {
+  int t;
+  asm volatile("mov.u32 %0, %%ctaid.y;" : "=r"(t));
+  return t;
+}
+__device__ __forceinline__ int ctaid_z_after_loop() {
+  int t;
+  asm volatile("mov.u32 %0, %%ctaid.z;" : "=r"(t));
+  return t;
+}
 
 // Counts a CTA of a (sequence, KV head) group in; true for the group's last one. The word holds
 // the launch's epoch in its high half, so a word left by another launch, or never written, counts
@@ -69,25 +80,14 @@ __device__ __forceinline__ bool arrive_last(unsigned long long* c, unsigned epoc
   }
 }
 
-// The end of every CTA of the split kernels, after it wrote its partial (every exit path calls it,
-// with all threads). The group's last CTA merges the NS partials of its G query heads by their
-// log2-sum-exp (one softmax over all splits; nothing is normalized separately), rotates TurboQuant
-// values back to the model's basis (inverse block FWHT per segment, sign diagonal, outlier-split
-// scatter), adds the value mean of centered formats (not to an empty history, whose output stays
-// zero) and writes the output rows. smem: G * D + G floats that no thread uses any more. The thread
-// index is read again here (volatile): from threadIdx.x, ptxas hoisted this tail's index arithmetic
-// above the fast kernel's main loop, which then held it in registers (~45 more SASS instructions
-// per chunk for the 3-bit-key formats); a call instead of inlining cost stack and spills.
+// finish_group's merge through shared memory (smem: G * D + G floats), for the shapes without a
+// warp per query head at head_dim 128.
 template <int THREADS, int D>
-__device__ __forceinline__ void finish_group(const DecodeParams& p, const SplitArgs& a, int NS, int G, int kh, int b,
-                                             float* smem) {
-  const int tid = tid_after_loop();
-  __threadfence();  // this thread's partial stores are visible device-wide before the CTA counts in
-  bool last = false;
-  if (tid == 0) last = arrive_last(a.counters + static_cast<std::size_t>(b) * p.fmt.kv_heads + kh, a.epoch, NS);
-  if (!__syncthreads_or(last)) return;
-  __threadfence();
-  const std::size_t row0 = static_cast<std::size_t>(b) * p.q_heads + static_cast<std::size_t>(kh) * G;
+__device__ __forceinline__ void finish_group_smem(const DecodeParams& p, const SplitArgs& a, int NS, int G, int kh,
+                                               std::size_t row0, int tid, unsigned long long* ctr, float* smem) {
+  const std::int32_t* perm = p.fmt.value_perm + static_cast<std::size_t>(kh) * D;
+  const float* sg = p.fmt.value_signs + static_cast<std::size_t>(kh) * D;
+  const float* mu = p.fmt.value_mean ? p.fmt.value_mean + static_cast<std::size_t>(kh) * D : nullptr;
   float* y = smem;
   float* live = smem + G * D;  // 1 where the row has any history
   for (int i = tid; i < G * D; i += THREADS) {
@@ -118,9 +118,6 @@ __device__ __forceinline__ void finish_group(const DecodeParams& p, const SplitA
       off += p.fmt.seg_dims[s];
     }
     __syncthreads();
-    const std::int32_t* perm = p.fmt.value_perm + static_cast<std::size_t>(kh) * D;
-    const float* sg = p.fmt.value_signs + static_cast<std::size_t>(kh) * D;
-    const float* mu = p.fmt.value_mean ? p.fmt.value_mean + static_cast<std::size_t>(kh) * D : nullptr;
     for (int i = tid; i < G * D; i += THREADS) {
       const int h = i / D, d = i - h * D;
       const int c = perm[d];
@@ -129,7 +126,102 @@ __device__ __forceinline__ void finish_group(const DecodeParams& p, const SplitA
   } else {
     for (int i = tid; i < G * D; i += THREADS) out[i] = y[i];
   }
-  if (tid == 0) a.counters[static_cast<std::size_t>(b) * p.fmt.kv_heads + kh] = 0;
+  if (tid == 0) *ctr = 0;  // ready for the next launch (a replayed graph keeps its epoch)
+}
+
+// The end of every CTA of the split kernels, after it wrote its partial (every exit path calls it,
+// with all threads). The group's last CTA merges the NS partials of its G query heads by their
+// log2-sum-exp (one softmax over all splits; nothing is normalized separately), rotates TurboQuant
+// values back to the model's basis (inverse block FWHT per segment, sign diagonal, outlier-split
+// scatter), adds the value mean of centered formats (not to an empty history, whose output stays
+// zero) and writes the output rows.
+//  - head_dim 128 with a warp per query head: warp h merges row h in registers (lane l: dims
+//    4 l .. 4 l + 3), the FWHT by shuffles (warp_fwht4); the permutation and signs are loaded before
+//    the CTA counts in, so only the partials' loads are left after it.
+//  - otherwise through shared memory (smem: G * D + G floats that no thread uses any more);
+//    kSmemPath = false leaves that path out (the fast kernel, which always has a warp per head and
+//    16-byte aligned tables: decode_fast_d128 checks).
+// The thread and block indices are read again here (volatile): from threadIdx / blockIdx, ptxas
+// hoisted this tail's index and pointer arithmetic above the fast kernel's main loop, which then held
+// it in registers (~45 more SASS instructions per chunk for the 3-bit-key formats, 8 more registers
+// for tq-4bit); a call instead of inlining cost stack and spills.
+template <int THREADS, int D, bool kSmemPath = true>
+__device__ __forceinline__ void finish_group(const DecodeParams& p, const SplitArgs& a, int NS, int G, float* smem) {
+  const int tid = tid_after_loop(), kh = ctaid_y_after_loop(), b = ctaid_z_after_loop();  // grid (split, kv head, sequence)
+  const std::size_t row0 = static_cast<std::size_t>(b) * p.q_heads + static_cast<std::size_t>(kh) * G;
+  const bool tq = p.fmt.value == ValueCode::kTq;
+  const std::int32_t* perm = p.fmt.value_perm + static_cast<std::size_t>(kh) * D;
+  const float* sg = p.fmt.value_signs + static_cast<std::size_t>(kh) * D;
+  const float* mu = p.fmt.value_mean ? p.fmt.value_mean + static_cast<std::size_t>(kh) * D : nullptr;
+  constexpr bool kRegPath = D == 128 && THREADS >= 128;
+  const bool reg = kRegPath && G <= THREADS / 32 &&
+                   ((reinterpret_cast<std::uintptr_t>(perm) | reinterpret_cast<std::uintptr_t>(sg)) & 15u) == 0;
+  const int w = tid >> 5, lane = tid & 31;
+  int4 vp = make_int4(0, 0, 0, 0);
+  float4 vs = make_float4(0, 0, 0, 0);
+  if (kRegPath && reg && tq && w < G) {
+    vp = reinterpret_cast<const int4*>(perm)[lane];
+    vs = reinterpret_cast<const float4*>(sg)[lane];
+  }
+  unsigned long long* const ctr = a.counters + static_cast<std::size_t>(b) * p.fmt.kv_heads + kh;
+  // Every thread's partial stores are visible device-wide (fence) and done (barrier) before thread 0
+  // counts the CTA in; without the barrier a last CTA elsewhere could read this CTA's partial while
+  // its other threads were still writing it.
+  __threadfence();
+  __syncthreads();
+  bool last = false;
+  if (tid == 0) last = arrive_last(ctr, a.epoch, NS);
+  if (!__syncthreads_or(last)) return;
+  __threadfence();
+  if constexpr (kRegPath) {
+    if (reg) {
+      if (w < G) {
+        const float* lse = a.part_lse + (row0 + w) * NS;
+        const float4* po = reinterpret_cast<const float4*>(a.part_o + (row0 + w) * NS * D) + lane;
+        // Lane s holds split s's log2-sum-exp (splits >= 32 are read in the loop); the partials'
+        // loads do not wait for the weights, so the loop's loads are in flight together.
+        const float l_lane = lane < NS ? __ldcg(lse + lane) : -INFINITY;
+        float M = l_lane;
+        for (int s = lane + 32; s < NS; s += 32) M = fmaxf(M, __ldcg(lse + s));
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+        float x[4] = {0, 0, 0, 0}, sw = 0;
+        if (M != -INFINITY) {
+#pragma unroll 4
+          for (int s = 0; s < NS; ++s) {
+            const float4 v = __ldcg(po + static_cast<std::size_t>(s) * (D / 4));
+            const float l = s < 32 ? __shfl_sync(0xffffffffu, l_lane, s) : __ldcg(lse + s);
+            const float wgt = l == -INFINITY ? 0.0f : exp2f(l - M);  // an empty split wrote no partial
+            sw += wgt;
+            x[0] += wgt == 0.0f ? 0.0f : wgt * v.x;
+            x[1] += wgt == 0.0f ? 0.0f : wgt * v.y;
+            x[2] += wgt == 0.0f ? 0.0f : wgt * v.z;
+            x[3] += wgt == 0.0f ? 0.0f : wgt * v.w;
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) x[j] = sw > 0 ? x[j] / sw : 0.0f;
+        float* out = p.out + (row0 + w) * D;
+        if (tq) {
+          const int n = p.fmt.seg_dims[0];  // 128, or 64 + 64 for the outlier splits
+          warp_fwht4(x, lane, n);
+          const float sc = static_cast<float>(1.0 / sqrt(static_cast<double>(n)));
+          const int c[4] = {vp.x, vp.y, vp.z, vp.w};
+          const float sgn[4] = {vs.x, vs.y, vs.z, vs.w};
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const float y = x[j] * sc * sgn[j];
+            out[c[j]] = mu && M != -INFINITY ? y + mu[c[j]] : y;
+          }
+        } else {
+          reinterpret_cast<float4*>(out)[lane] = make_float4(x[0], x[1], x[2], x[3]);
+        }
+      }
+      if (tid == 0) *ctr = 0;
+      return;
+    }
+  }
+  if constexpr (kSmemPath) finish_group_smem<THREADS, D>(p, a, NS, G, kh, row0, tid, ctr, smem);
 }
 
 template <int D_, KeyCode KC_, int KB0, int KB1, ValueCode VC_, int VB0, int VB1>
@@ -372,7 +464,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   if (split == nsplit) {  // protected rows
     protected_split<C>(p.q, p.q_heads, p.scale, prl, p.protect_rows, p.fmt.value_perm, p.fmt.value_signs,
                        p.fmt.key_mean, p.fmt.value_mean, G, L, NS, po, plse, smem_raw);
-    finish_group<C::THREADS, C::D>(p, a, NS, G, kh, b, reinterpret_cast<float*>(smem_raw));
+    finish_group<C::THREADS, C::D>(p, a, NS, G, reinterpret_cast<float*>(smem_raw));
     return;
   }
 
@@ -383,7 +475,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   const int cb = max(c_lo, split * cps), ce = min(c_hi, (split + 1) * cps);
   if (cb >= ce) {
     for (int h = tid; h < G; h += C::THREADS) plse[static_cast<std::size_t>(h) * NS] = -INFINITY;
-    finish_group<C::THREADS, C::D>(p, a, NS, G, kh, b, reinterpret_cast<float*>(smem_raw));
+    finish_group<C::THREADS, C::D>(p, a, NS, G, reinterpret_cast<float*>(smem_raw));
     return;
   }
 
@@ -717,7 +809,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     po[static_cast<std::size_t>(h) * NS * D + d] = sum > 0 ? acc / sum : 0.0f;
     if (d == 0) plse[static_cast<std::size_t>(h) * NS] = sum > 0 ? M + log2f(sum) : -INFINITY;
   }
-  finish_group<C::THREADS, C::D>(p, a, NS, G, kh, b, reinterpret_cast<float*>(smem_raw));
+  finish_group<C::THREADS, C::D>(p, a, NS, G, reinterpret_cast<float*>(smem_raw));
 }
 
 }  // namespace kvq::cuda::detail

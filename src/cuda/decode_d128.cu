@@ -11,9 +11,13 @@ KVQ_DEFINE_DECODE_FN(128, launch_decode_generic_d128, supported_generic_d128)
 
 bool fast_applies(const DecodeParams& p) {
   const FormatDesc& f = p.fmt;
-  // The prologue reads the key permutation and signs as 16-byte vectors (LayerTables' layout is).
-  const bool aligned = f.key != KeyCode::kTq || ((reinterpret_cast<std::uintptr_t>(f.key_perm) |
-                                                  reinterpret_cast<std::uintptr_t>(f.key_signs)) & 15u) == 0;
+  // The prologue reads the key permutation and signs, the split merge the value permutation and
+  // signs as 16-byte vectors (LayerTables' layout is aligned so).
+  const auto a16 = [](const void* x, const void* y) {
+    return ((reinterpret_cast<std::uintptr_t>(x) | reinterpret_cast<std::uintptr_t>(y)) & 15u) == 0;
+  };
+  const bool aligned = (f.key != KeyCode::kTq || a16(f.key_perm, f.key_signs)) &&
+                       (f.value != ValueCode::kTq || a16(f.value_perm, f.value_signs));
   return f.head_dim == 128 && f.kv_heads > 0 && p.q_heads % f.kv_heads == 0 && p.q_heads / f.kv_heads <= 4 &&
          (f.segments == 1 || f.segments == 2) && aligned;
 }

@@ -205,7 +205,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   if (split == nsplit) {
     protected_split<C>(p.q, p.q_heads, p.scale, prl, p.protect_rows, p.fmt.value_perm, p.fmt.value_signs,
                        p.fmt.key_mean, p.fmt.value_mean, G, L, NS, po, plse, smem_raw);
-    finish_group<C::THREADS, C::D>(p, a, NS, G, kh, b, reinterpret_cast<float*>(smem_raw));
+    finish_group<C::THREADS, C::D, false>(p, a, NS, G, reinterpret_cast<float*>(smem_raw));
     return;
   }
 
@@ -249,7 +249,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   const int cb = max(c_lo, split * cps), ce = min(c_hi, (split + 1) * cps);
   if (cb >= ce) {
     for (int h = tid; h < G; h += C::THREADS) plse[static_cast<std::size_t>(h) * NS] = -INFINITY;
-    finish_group<C::THREADS, C::D>(p, a, NS, G, kh, b, reinterpret_cast<float*>(smem_raw));
+    finish_group<C::THREADS, C::D, false>(p, a, NS, G, reinterpret_cast<float*>(smem_raw));
     return;
   }
   const std::uint32_t sbase = smem_u32(smem_raw);
@@ -360,37 +360,14 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     }
   }
   // Rotation of the query in registers: warp h < G gathers dims 4 lane .. 4 lane + 3 of head h
-  // (permutation, signs, scale), then the FWHT stages 1, 2 within the lane and 4 .. 64 by shuffles
-  // (each stage: lower index a + b, upper a - b; the stage order and arithmetic of smem_fwht, so the
-  // result is the same), then 1 / sqrt(128); split: stages up to 32 (one FWHT per 64-dim segment)
-  // and 1 / sqrt(64).
+  // (permutation, signs, scale), then the FWHT of size 128 by shuffles (warp_fwht4; split: one per
+  // 64-dim segment) and 1 / sqrt(128) (split: 1 / sqrt(64)).
   if constexpr (C::KC == KeyCode::kTq) {
     if (w < G) {
       const float* src = qraw_s + w * D;
       float x[4] = {src[qperm.x] * qscale * qsign.x, src[qperm.y] * qscale * qsign.y, src[qperm.z] * qscale * qsign.z,
                     src[qperm.w] * qscale * qsign.w};
-      float t0 = x[0], t1 = x[1];
-      x[0] = t0 + t1;
-      x[1] = t0 - t1;
-      t0 = x[2];
-      t1 = x[3];
-      x[2] = t0 + t1;
-      x[3] = t0 - t1;
-      t0 = x[0];
-      t1 = x[1];
-      x[0] = t0 + x[2];
-      x[1] = t1 + x[3];
-      x[2] = t0 - x[2];
-      x[3] = t1 - x[3];
-#pragma unroll
-      for (int m = 1; 4 * m < C::sd(0); m <<= 1) {
-        const bool upper = (lane & m) != 0;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float y = __shfl_xor_sync(0xffffffffu, x[j], m);
-          x[j] = upper ? y - x[j] : x[j] + y;
-        }
-      }
+      warp_fwht4(x, lane, C::sd(0));
       const float sc = static_cast<float>(1.0 / sqrt(static_cast<double>(C::sd(0))));
       reinterpret_cast<float4*>(qs + w * D)[lane] = make_float4(x[0] * sc, x[1] * sc, x[2] * sc, x[3] * sc);
     }
@@ -799,7 +776,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   }
   __syncthreads();
   merge_warps<C>(red, po, plse, NS, G);
-  finish_group<C::THREADS, C::D>(p, a, NS, G, kh, b, reinterpret_cast<float*>(smem_raw));
+  finish_group<C::THREADS, C::D, false>(p, a, NS, G, reinterpret_cast<float*>(smem_raw));
 }
 
 // (key code, key bits, value code, value bits, segment 1's key / value bits or 0) of the formats the

@@ -127,4 +127,34 @@ __device__ inline void smem_fwht(float* x, int n, int count, int stride, int tid
   }
 }
 
+// Unnormalized FWHT of size n (a power of two, 8 <= n <= 128) on a warp's 4 n / 4 / 32 blocks:
+// lane l holds elements 4 l .. 4 l + 3 in x; blocks of n are lanes [k n / 4, (k + 1) n / 4). Stages
+// 1, 2 in the lane, then 4 .. n / 2 by shuffles, each with the lower index a + b and the upper a - b:
+// the stage order and arithmetic of smem_fwht, so the results are the same bits.
+__device__ __forceinline__ void warp_fwht4(float (&x)[4], int lane, int n) {
+  float t0 = x[0], t1 = x[1];
+  x[0] = t0 + t1;
+  x[1] = t0 - t1;
+  t0 = x[2];
+  t1 = x[3];
+  x[2] = t0 + t1;
+  x[3] = t0 - t1;
+  t0 = x[0];
+  t1 = x[1];
+  x[0] = t0 + x[2];
+  x[1] = t1 + x[3];
+  x[2] = t0 - x[2];
+  x[3] = t1 - x[3];
+#pragma unroll
+  for (int m = 1; m < 32; m <<= 1) {
+    if (4 * m >= n) break;
+    const bool upper = (lane & m) != 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float y = __shfl_xor_sync(0xffffffffu, x[j], m);
+      x[j] = upper ? y - x[j] : x[j] + y;
+    }
+  }
+}
+
 }  // namespace kvq::cuda::detail
