@@ -154,7 +154,7 @@ __device__ __forceinline__ void finish_group(const DecodeParams& p, const SplitA
   const float* sg = p.fmt.value_signs + static_cast<std::size_t>(kh) * D;
   const float* mu = p.fmt.value_mean ? p.fmt.value_mean + static_cast<std::size_t>(kh) * D : nullptr;
   constexpr bool kRegPath = D == 128 && THREADS >= 128;
-  const bool reg = kRegPath && G <= THREADS / 32 &&
+  const bool reg = kRegPath && G <= THREADS / 32 && (p.fmt.segments == 1 || 2 * p.fmt.seg_dims[0] == D) &&
                    ((reinterpret_cast<std::uintptr_t>(perm) | reinterpret_cast<std::uintptr_t>(sg)) & 15u) == 0;
   const int w = tid >> 5, lane = tid & 31;
   int4 vp = make_int4(0, 0, 0, 0);
@@ -166,7 +166,8 @@ __device__ __forceinline__ void finish_group(const DecodeParams& p, const SplitA
   unsigned long long* const ctr = a.counters + static_cast<std::size_t>(b) * p.fmt.kv_heads + kh;
   // Every thread's partial stores are visible device-wide (fence) and done (barrier) before thread 0
   // counts the CTA in; without the barrier a last CTA elsewhere could read this CTA's partial while
-  // its other threads were still writing it.
+  // its other threads were still writing it. (Fencing in thread 0 alone after the barrier, the
+  // release pattern of CUTLASS's semaphore, measured the same.)
   __threadfence();
   __syncthreads();
   bool last = false;
@@ -222,6 +223,7 @@ __device__ __forceinline__ void finish_group(const DecodeParams& p, const SplitA
     }
   }
   if constexpr (kSmemPath) finish_group_smem<THREADS, D>(p, a, NS, G, kh, row0, tid, ctr, smem);
+  else __trap();  // unreachable: the fast kernel's launcher checks the shape and the table alignment
 }
 
 template <int D_, KeyCode KC_, int KB0, int KB1, ValueCode VC_, int VB0, int VB1>
