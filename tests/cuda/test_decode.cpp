@@ -532,6 +532,67 @@ void test_store_edges(const std::string& fmt, int D, int H, int n_tok, unsigned 
 
 }  // namespace
 
+// decode() refuses a bad launch with cudaErrorInvalidValue and launches nothing: a workspace one
+// byte too small or not 16-byte aligned (the arrival counters are 8-byte atomics, the partials
+// 16-byte vectors), a missing pointer, more than 8 query heads per KV head. The same parameters
+// with the workspace as asked for decode (the check that the test is not refusing everything).
+void test_decode_rejects() {
+  const FormatSpec& f = find_format("tq-4bit");
+  CacheGeometry g;
+  g.n_layers = 1;
+  g.n_kv_heads = 2;
+  g.head_dim = 128;
+  g.v_head_dim = 128;
+  cuda::LayerTables tabs(f, g, 0);
+  const std::size_t page_bytes = tabs.desc().page.page_bytes;
+  std::uint8_t* dpool = upload(std::vector<std::uint8_t>(page_bytes, 0));
+  std::int32_t* dbt = upload(std::vector<std::int32_t>{0});
+  std::int32_t* dlens = upload(std::vector<std::int32_t>{10});
+  float* dq = upload(std::vector<float>(8 * 128, 0.5f));
+  float* dout = nullptr;
+  KVQ_CUDA_OK(cudaMalloc(&dout, 8 * 128 * sizeof(float)));
+  cuda::DecodeParams p;
+  p.fmt = tabs.desc();
+  p.pool = dpool;
+  p.block_tables = dbt;
+  p.max_pages = 1;
+  p.seq_lens = dlens;
+  p.batch = 1;
+  p.q_heads = 8;
+  p.max_seq_len = 10;
+  p.q = dq;
+  p.out = dout;
+  p.scale = 0.088f;
+  p.workspace_bytes = cuda::decode_workspace_bytes(p);
+  std::uint8_t* ws = nullptr;
+  KVQ_CUDA_OK(cudaMalloc(&ws, p.workspace_bytes + 64));
+  p.workspace = ws;
+  check(cuda::decode(p) == cudaSuccess, "rejects: the valid launch");
+  KVQ_CUDA_OK(cudaDeviceSynchronize());
+  auto refused = [&](const std::string& what, cuda::DecodeParams bad) {
+    check(cuda::decode(bad) == cudaErrorInvalidValue, "rejects: " + what);
+  };
+  cuda::DecodeParams bad = p;
+  bad.workspace_bytes = p.workspace_bytes - 1;
+  refused("workspace one byte short", bad);
+  bad = p;
+  bad.workspace = ws + 8;  // enough bytes, 8-byte aligned only
+  refused("workspace not 16-byte aligned", bad);
+  bad = p;
+  bad.pool = nullptr;
+  refused("no pool", bad);
+  bad = p;
+  bad.q_heads = 18;  // 9 query heads per KV head
+  refused("more than 8 query heads per KV head", bad);
+  KVQ_CUDA_OK(cudaGetLastError());
+  cudaFree(ws);
+  cudaFree(dpool);
+  cudaFree(dbt);
+  cudaFree(dlens);
+  cudaFree(dq);
+  cudaFree(dout);
+}
+
 int main(int argc, char** argv) {
   if (!kvq::cudatest::gpu_present()) return 0;
   const bool small = argc > 1 && std::string(argv[1]) == "--small";
@@ -585,6 +646,7 @@ int main(int argc, char** argv) {
     }
   }
   for (const auto& c : cases) run_case(c);
+  test_decode_rejects();
   if (small) {
     test_store_edges("tq-3.5bit", 128, 2, 45, 3);
   } else {
