@@ -141,15 +141,17 @@ __device__ __forceinline__ void finish_group_smem(const DecodeParams& p, const S
 //  - otherwise through shared memory (smem: G * D + G floats that no thread uses any more);
 //    kSmemPath = false leaves that path out (the fast kernel, which always has a warp per head and
 //    16-byte aligned tables: decode_fast_d128 checks).
+// kValueTq: the kernel's values are TurboQuant codes (known at compile time, so a kernel with
+// uniform values carries no rotation code in its tail).
 // The thread and block indices are read again here (volatile): from threadIdx / blockIdx, ptxas
 // hoisted this tail's index and pointer arithmetic above the fast kernel's main loop, which then held
 // it in registers (~45 more SASS instructions per chunk for the 3-bit-key formats, 8 more registers
 // for tq-4bit); a call instead of inlining cost stack and spills.
-template <int THREADS, int D, bool kSmemPath = true>
+template <int THREADS, int D, bool kValueTq, bool kSmemPath = true>
 __device__ __forceinline__ void finish_group(const DecodeParams& p, const SplitArgs& a, int NS, int G, float* smem) {
   const int tid = tid_after_loop(), kh = ctaid_y_after_loop(), b = ctaid_z_after_loop();  // grid (split, kv head, sequence)
   const std::size_t row0 = static_cast<std::size_t>(b) * p.q_heads + static_cast<std::size_t>(kh) * G;
-  const bool tq = p.fmt.value == ValueCode::kTq;
+  constexpr bool tq = kValueTq;  // the kernel's value code (TurboQuant values need the inverse rotation)
   const std::int32_t* perm = p.fmt.value_perm + static_cast<std::size_t>(kh) * D;
   const float* sg = p.fmt.value_signs + static_cast<std::size_t>(kh) * D;
   const float* mu = p.fmt.value_mean ? p.fmt.value_mean + static_cast<std::size_t>(kh) * D : nullptr;
@@ -203,7 +205,7 @@ __device__ __forceinline__ void finish_group(const DecodeParams& p, const SplitA
 #pragma unroll
         for (int j = 0; j < 4; ++j) x[j] = sw > 0 ? x[j] / sw : 0.0f;
         float* out = p.out + (row0 + w) * D;
-        if (tq) {
+        if constexpr (tq) {
           const int n = p.fmt.seg_dims[0];  // 128, or 64 + 64 for the outlier splits
           warp_fwht4(x, lane, n);
           const float sc = static_cast<float>(1.0 / sqrt(static_cast<double>(n)));
@@ -466,7 +468,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   if (split == nsplit) {  // protected rows
     protected_split<C>(p.q, p.q_heads, p.scale, prl, p.protect_rows, p.fmt.value_perm, p.fmt.value_signs,
                        p.fmt.key_mean, p.fmt.value_mean, G, L, NS, po, plse, smem_raw);
-    finish_group<C::THREADS, C::D>(p, a, NS, G, reinterpret_cast<float*>(smem_raw));
+    finish_group<C::THREADS, C::D, C::VC == ValueCode::kTq>(p, a, NS, G, reinterpret_cast<float*>(smem_raw));
     return;
   }
 
@@ -477,7 +479,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   const int cb = max(c_lo, split * cps), ce = min(c_hi, (split + 1) * cps);
   if (cb >= ce) {
     for (int h = tid; h < G; h += C::THREADS) plse[static_cast<std::size_t>(h) * NS] = -INFINITY;
-    finish_group<C::THREADS, C::D>(p, a, NS, G, reinterpret_cast<float*>(smem_raw));
+    finish_group<C::THREADS, C::D, C::VC == ValueCode::kTq>(p, a, NS, G, reinterpret_cast<float*>(smem_raw));
     return;
   }
 
@@ -811,7 +813,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     po[static_cast<std::size_t>(h) * NS * D + d] = sum > 0 ? acc / sum : 0.0f;
     if (d == 0) plse[static_cast<std::size_t>(h) * NS] = sum > 0 ? M + log2f(sum) : -INFINITY;
   }
-  finish_group<C::THREADS, C::D>(p, a, NS, G, reinterpret_cast<float*>(smem_raw));
+  finish_group<C::THREADS, C::D, C::VC == ValueCode::kTq>(p, a, NS, G, reinterpret_cast<float*>(smem_raw));
 }
 
 }  // namespace kvq::cuda::detail

@@ -205,7 +205,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   if (split == nsplit) {
     protected_split<C>(p.q, p.q_heads, p.scale, prl, p.protect_rows, p.fmt.value_perm, p.fmt.value_signs,
                        p.fmt.key_mean, p.fmt.value_mean, G, L, NS, po, plse, smem_raw);
-    finish_group<C::THREADS, C::D, false>(p, a, NS, G, reinterpret_cast<float*>(smem_raw));
+    finish_group<C::THREADS, C::D, C::VC == ValueCode::kTq, false>(p, a, NS, G, reinterpret_cast<float*>(smem_raw));
     return;
   }
 
@@ -249,7 +249,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   const int cb = max(c_lo, split * cps), ce = min(c_hi, (split + 1) * cps);
   if (cb >= ce) {
     for (int h = tid; h < G; h += C::THREADS) plse[static_cast<std::size_t>(h) * NS] = -INFINITY;
-    finish_group<C::THREADS, C::D, false>(p, a, NS, G, reinterpret_cast<float*>(smem_raw));
+    finish_group<C::THREADS, C::D, C::VC == ValueCode::kTq, false>(p, a, NS, G, reinterpret_cast<float*>(smem_raw));
     return;
   }
   const std::uint32_t sbase = smem_u32(smem_raw);
@@ -776,7 +776,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   }
   __syncthreads();
   merge_warps<C>(red, po, plse, NS, G);
-  finish_group<C::THREADS, C::D, false>(p, a, NS, G, reinterpret_cast<float*>(smem_raw));
+  finish_group<C::THREADS, C::D, C::VC == ValueCode::kTq, false>(p, a, NS, G, reinterpret_cast<float*>(smem_raw));
 }
 
 // (key code, key bits, value code, value bits, segment 1's key / value bits or 0) of the formats the
