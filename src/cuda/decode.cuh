@@ -145,8 +145,8 @@ __device__ __forceinline__ void finish_group_smem(const DecodeParams& p, const S
 // uniform values carries no rotation code in its tail).
 // The thread and block indices are read again here (volatile): from threadIdx / blockIdx, ptxas
 // hoisted this tail's index and pointer arithmetic above the fast kernel's main loop, which then held
-// it in registers (~45 more SASS instructions per chunk for the 3-bit-key formats, 8 more registers
-// for tq-4bit); a call instead of inlining cost stack and spills.
+// it in registers (~45 more SASS instructions per chunk for the 3-bit-key formats); a call instead
+// of inlining cost stack and spills.
 template <int THREADS, int D, bool kValueTq, bool kSmemPath = true>
 __device__ __forceinline__ void finish_group(const DecodeParams& p, const SplitArgs& a, int NS, int G, float* smem) {
   const int tid = tid_after_loop(), kh = ctaid_y_after_loop(), b = ctaid_z_after_loop();  // grid (split, kv head, sequence)
