@@ -81,13 +81,12 @@ __device__ __forceinline__ bool arrive_last(unsigned long long* c, unsigned epoc
 }
 
 // finish_group's merge through shared memory (smem: G * D + G floats), for the shapes without a
-// warp per query head at head_dim 128.
+// warp per query head at head_dim 128;
+// perm, sg, mu: the KV head's value permutation, signs and mean (nullptr: uncentered).
 template <int THREADS, int D>
-__device__ __forceinline__ void finish_group_smem(const DecodeParams& p, const SplitArgs& a, int NS, int G, int kh,
-                                               std::size_t row0, int tid, unsigned long long* ctr, float* smem) {
-  const std::int32_t* perm = p.fmt.value_perm + static_cast<std::size_t>(kh) * D;
-  const float* sg = p.fmt.value_signs + static_cast<std::size_t>(kh) * D;
-  const float* mu = p.fmt.value_mean ? p.fmt.value_mean + static_cast<std::size_t>(kh) * D : nullptr;
+__device__ __forceinline__ void finish_group_smem(const DecodeParams& p, const SplitArgs& a, int NS, int G,
+                                                  std::size_t row0, int tid, const std::int32_t* perm, const float* sg,
+                                                  const float* mu, unsigned long long* ctr, float* smem) {
   float* y = smem;
   float* live = smem + G * D;  // 1 where the row has any history
   for (int i = tid; i < G * D; i += THREADS) {
@@ -161,7 +160,7 @@ __device__ __forceinline__ void finish_group(const DecodeParams& p, const SplitA
   const int w = tid >> 5, lane = tid & 31;
   int4 vp = make_int4(0, 0, 0, 0);
   float4 vs = make_float4(0, 0, 0, 0);
-  if (kRegPath && reg && tq && w < G) {
+  if (reg && tq && w < G) {
     vp = reinterpret_cast<const int4*>(perm)[lane];
     vs = reinterpret_cast<const float4*>(sg)[lane];
   }
@@ -224,7 +223,7 @@ __device__ __forceinline__ void finish_group(const DecodeParams& p, const SplitA
       return;
     }
   }
-  if constexpr (kSmemPath) finish_group_smem<THREADS, D>(p, a, NS, G, kh, row0, tid, ctr, smem);
+  if constexpr (kSmemPath) finish_group_smem<THREADS, D>(p, a, NS, G, row0, tid, perm, sg, mu, ctr, smem);
   else __trap();  // unreachable: the fast kernel's launcher checks the shape and the table alignment
 }
 
