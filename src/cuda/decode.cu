@@ -12,10 +12,8 @@ namespace kvq::cuda {
 namespace detail {
 
 int device_sms() {
-  int dev = 0, n = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
-    return 132;
-  return n;
+  DeviceFacts f;
+  return device_facts(f) == cudaSuccess && f.sms > 0 ? f.sms : 132;
 }
 
 }  // namespace detail

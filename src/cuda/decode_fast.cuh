@@ -800,14 +800,14 @@ cudaError_t launch_decode_fast(const DecodeParams& p, const SplitArgs& a, cudaSt
     return cudaErrorInvalidValue;
   // Dynamic shared memory starts after the per-block reserved bytes (1 KB on sm_90; the kernel has no
   // static shared memory); the kernel checks the layout against the size it got and traps otherwise.
-  int dev = 0, reserved = 0;
-  cudaError_t e = cudaGetDevice(&dev);
-  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev);
+  DeviceFacts dv;
+  cudaError_t e = device_facts(dv);
   if (e != cudaSuccess) return e;
+  const int reserved = dv.reserved_smem;
   const int pad = C::LUT_ALIGN > 0 ? (C::LUT_ALIGN - reserved % C::LUT_ALIGN) % C::LUT_ALIGN : 0;
   const int smem = C::smem(pad);
   if (smem > kSmemBudget + 2 * 1024) return cudaErrorInvalidValue;
-  e = cudaFuncSetAttribute(decode_fast_kernel<C>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  e = smem_limit_once<decode_fast_kernel<C>>(smem);
   if (e != cudaSuccess) return e;
   const dim3 grid(static_cast<unsigned>(a.nsplit + (p.protect.enabled() ? 1 : 0)), static_cast<unsigned>(p.fmt.kv_heads),
                   static_cast<unsigned>(p.batch));

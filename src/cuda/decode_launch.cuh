@@ -26,7 +26,7 @@ cudaError_t launch_decode(const DecodeParams& p, const SplitArgs& a, cudaStream_
       pg.value_code_bytes != static_cast<std::uint32_t>(C::VCB) || pg.meta_bytes != static_cast<std::uint32_t>(C::MB) ||
       pg.key_meta_bytes != static_cast<std::uint32_t>(C::KMB) || p.fmt.seg_dims[0] != C::sd(0))
     return cudaErrorInvalidValue;
-  cudaError_t e = cudaFuncSetAttribute(decode_kernel<C>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
+  cudaError_t e = smem_limit_once<decode_kernel<C>>(C::SMEM);
   if (e != cudaSuccess) return e;
   const dim3 grid(static_cast<unsigned>(a.nsplit + (p.protect.enabled() ? 1 : 0)), static_cast<unsigned>(p.fmt.kv_heads),
                   static_cast<unsigned>(p.batch));

@@ -1,15 +1,60 @@
 // device.cuh: small device helpers shared by the store and decode kernels: tensor-core mma,
 // cp.async, bf16 pair min / max, fp16/bf16 packing, the block-diagonal Walsh-Hadamard transform
-// over shared memory.
+// over shared memory; host: per-device launch facts queried once.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
+#include <atomic>
 #include <cstdint>
 
 namespace kvq::cuda::detail {
+
+// ---- host: what a launcher asks the runtime on every launch, asked once per device ----------
+struct DeviceFacts {
+  int sms = 0;            // multiprocessors
+  int reserved_smem = 0;  // shared memory reserved per block (1 KB on sm_90)
+};
+// The current device's facts (devices 0..63 cached; others queried every time).
+inline cudaError_t device_facts(DeviceFacts& out) {
+  static DeviceFacts facts[64];
+  static std::atomic<int> state[64];  // 0: unknown, 1: being written, 2: ready
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  const bool cached = dev >= 0 && dev < 64;
+  if (cached && state[dev].load(std::memory_order_acquire) == 2) {
+    out = facts[dev];
+    return cudaSuccess;
+  }
+  DeviceFacts f;
+  e = cudaDeviceGetAttribute(&f.sms, cudaDevAttrMultiProcessorCount, dev);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&f.reserved_smem, cudaDevAttrReservedSharedMemoryPerBlock, dev);
+  if (e != cudaSuccess) return e;
+  int expect = 0;
+  if (cached && state[dev].compare_exchange_strong(expect, 1, std::memory_order_acq_rel)) {
+    facts[dev] = f;
+    state[dev].store(2, std::memory_order_release);
+  }
+  out = f;
+  return cudaSuccess;
+}
+// Raises Kernel's dynamic shared-memory limit to `bytes` on the current device, calling the runtime
+// only the first time per device (bytes must be the same on every call for one device).
+template <auto Kernel>
+cudaError_t smem_limit_once(int bytes) {
+  static std::atomic<unsigned long long> done{0};
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  const unsigned long long bit = dev >= 0 && dev < 64 ? 1ull << dev : 0ull;
+  if (bit != 0 && (done.load(std::memory_order_acquire) & bit) != 0) return cudaSuccess;
+  e = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (e == cudaSuccess && bit != 0) done.fetch_or(bit, std::memory_order_acq_rel);
+  return e;
+}
 
 // D = A * B + D, m16n8k16, fp16 or bf16 operands, fp32 accumulators (PTX ISA fragment layout:
 // a0..a3 rows g / g+8 and k pairs 2t..2t+1 / 2t+8..; b0, b1 k pairs of column g; c0, c1 row g,

@@ -109,6 +109,12 @@ using detail::split2;
 constexpr int kDc = 512, kD = 576, kPT = 64, kHG = 16, kNW = 8, kNT = 32 * kNW;
 constexpr int kSmemMax = 115712;  // two CTAs per SM: (228 KB - 2 x 1 KB reserved) / 2
 constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+// The partial output's staging in shared memory at the end of a split: row h (head) of kOutRow
+// floats, dim d at column out_col(d) = d + d / 32. With a row stride of 530 (18 mod 32 banks) the
+// fragment scatter (lane (g, t): head g or g + 8, dims 16 t + i of its group) hits 32 different
+// banks per store (bf16's dim order: 2 ways), and the row read-back is conflict-free.
+constexpr int kOutRow = 530;
+__host__ __device__ constexpr int out_col(int d) { return d + (d >> 5); }
 
 // Lane (g, t) holds sixteen content dims of its group; word k of its fragment (k = 0..7) holds
 // two of them, e = 0 (low half) and e = 1: the order the cheapest dequantization produces. The
@@ -401,6 +407,7 @@ struct Cfg {
   static constexpr int NS = NS0 > 8 ? 8 : NS0;
   static constexpr int kSmem = NS * kStage + kTail;
   static_assert(NS >= 4, "at least four stages");
+  static_assert(kHG * kOutRow * 4 <= NS * kStage, "the partial output is staged in the stages");
 };
 
 // One CTA (8 warps; two per SM) = one sequence x 16 heads x a contiguous range of tiles (a
@@ -763,18 +770,28 @@ __global__ void __launch_bounds__(kNT, 2) mla_decode_kernel(const __grid_constan
     }
   }
   cp_async_wait<0>();
-  // Partial state of this split: unnormalized output, max (natural log units), sum.
-  const std::size_t r0 = (static_cast<std::size_t>(b) * p.heads + hg * kHG + g) * wk.nsplit + split;
-  const std::size_t r1 = r0 + 8 * static_cast<std::size_t>(wk.nsplit);
-  float* out0 = wk.opart + r0 * kDc + 64 * gq;
-  float* out1 = wk.opart + r1 * kDc + 64 * gq;
+  // Partial state of this split: unnormalized output, max (natural log units), sum. The output
+  // goes through shared memory (the stages are free now) so that the global stores are whole
+  // 128-byte lines: the fragments scatter each lane's values over 8 head rows.
+  __syncthreads();
+  {
+    float* so = reinterpret_cast<float*>(stages);
+    const int c0 = 64 * gq + (gq << 1);  // out_col of the group's first dim
 #pragma unroll
-  for (int n = 0; n < 8; ++n) {
-    const int d0 = wdim<CB>(t, n, 0), d1 = wdim<CB>(t, n, 1);
-    out0[d0] = o[n][0];
-    out0[d1] = o[n][1];
-    out1[d0] = o[n][2];
-    out1[d1] = o[n][3];
+    for (int n = 0; n < 8; ++n) {
+      const int d0 = wdim<CB>(t, n, 0), d1 = wdim<CB>(t, n, 1);
+      so[g * kOutRow + c0 + d0 + (d0 >> 5)] = o[n][0];
+      so[g * kOutRow + c0 + d1 + (d1 >> 5)] = o[n][1];
+      so[(g + 8) * kOutRow + c0 + d0 + (d0 >> 5)] = o[n][2];
+      so[(g + 8) * kOutRow + c0 + d1 + (d1 >> 5)] = o[n][3];
+    }
+    __syncthreads();
+    float* dst = wk.opart + ((static_cast<std::size_t>(b) * p.heads + hg * kHG) * wk.nsplit + split) * kDc;
+#pragma unroll 8
+    for (int j = 0; j < 2 * kHG; ++j) {
+      const int h = j >> 1, d = (j & 1) * (kDc / 2) + tid;
+      dst[static_cast<std::size_t>(h) * wk.nsplit * kDc + d] = so[h * kOutRow + out_col(d)];
+    }
   }
   if (w < kHG / HPW) {
 #pragma unroll
@@ -831,29 +848,47 @@ __global__ void __launch_bounds__(128) mla_tq_rotate_kernel(const __grid_constan
 }
 
 // out[b][h] = sum_s e^(m_s - M) O_s / sum_s e^(m_s - M) l_s over the splits s (mla-tq: then
-// Pi^T = D H applied to it). With few CTAs the combine is latency-bound: the loops are unrolled so
-// that several splits' loads are in flight.
+// Pi^T = D H applied to it). With few CTAs the combine is latency-bound, so it makes one pass with
+// a running maximum and issues the loads of kBatch splits together (a round trip per kBatch
+// splits instead of two per 8).
 template <bool kTq>
 __global__ void __launch_bounds__(128) mla_combine_kernel(const float* __restrict__ opart, const float* __restrict__ ml,
                                                           int nsl, float* __restrict__ out, const __grid_constant__ TqSigns sg) {
+  constexpr int kBatch = 16;
   const std::size_t bh = static_cast<std::size_t>(blockIdx.y) * gridDim.x + blockIdx.x;
   const float2* m = reinterpret_cast<const float2*>(ml + bh * nsl * 2);
   const float4* v = reinterpret_cast<const float4*>(opart + bh * nsl * kDc) + threadIdx.x;
-  float M = -INFINITY;
-#pragma unroll 8
-  for (int s = 0; s < nsl; ++s) M = fmaxf(M, m[s].x);
+  float M = -INFINITY, den = 0.0f;
   float4 acc = make_float4(0, 0, 0, 0);
-  float den = 0.0f;
-#pragma unroll 8
-  for (int s = 0; s < nsl; ++s) {
-    const float2 ms = m[s];
-    const float e = ms.x == -INFINITY ? 0.0f : expf(ms.x - M);  // empty splits hold zeros
-    const float4 x = v[static_cast<std::size_t>(s) * (kDc / 4)];
-    den += e * ms.y;
-    acc.x += e * x.x;
-    acc.y += e * x.y;
-    acc.z += e * x.z;
-    acc.w += e * x.w;
+  for (int s0 = 0; s0 < nsl; s0 += kBatch) {
+    float2 ms[kBatch];
+    float4 x[kBatch];
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const bool in = s0 + i < nsl;
+      ms[i] = in ? m[s0 + i] : make_float2(-INFINITY, 0.0f);
+      x[i] = in ? v[static_cast<std::size_t>(s0 + i) * (kDc / 4)] : make_float4(0, 0, 0, 0);
+    }
+    float mx = M;
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) mx = fmaxf(mx, ms[i].x);
+    if (mx == -INFINITY) continue;  // only empty splits so far (they hold zeros)
+    const float a = M == mx ? 1.0f : expf(M - mx);  // M = -inf: 0
+    den *= a;
+    acc.x *= a;
+    acc.y *= a;
+    acc.z *= a;
+    acc.w *= a;
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const float e = ms[i].x == -INFINITY ? 0.0f : expf(ms[i].x - mx);
+      den += e * ms[i].y;
+      acc.x += e * x[i].x;
+      acc.y += e * x[i].y;
+      acc.z += e * x[i].z;
+      acc.w += e * x[i].w;
+    }
+    M = mx;
   }
   const float inv = den > 0.0f ? 1.0f / den : 0.0f;
   float r[4] = {acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv};
@@ -867,9 +902,8 @@ __global__ void __launch_bounds__(128) mla_combine_kernel(const float* __restric
 
 int sm_count_of(const MlaDecodeParams& p) {
   if (p.sm_count > 0) return p.sm_count;
-  int dev = 0, n = 132;
-  if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
-  return n;
+  detail::DeviceFacts f;
+  return detail::device_facts(f) == cudaSuccess && f.sms > 0 ? f.sms : 132;
 }
 
 bool uses_protect(const MlaDecodeParams& p) { return p.fmt.content_bits != 16 && p.protect.enabled(); }
@@ -878,7 +912,7 @@ template <int CB, int RB>
 cudaError_t launch_decode(const MlaDecodeParams& p, cudaStream_t st) {
   using C = Cfg<CB, RB>;
   constexpr bool kHiLo = CB == 16;  // bf16 cache: query as bf16 hi + lo pairs
-  cudaError_t e = cudaFuncSetAttribute(mla_decode_kernel<CB, RB, kHiLo>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
+  cudaError_t e = detail::smem_limit_once<mla_decode_kernel<CB, RB, kHiLo>>(C::kSmem);
   if (e != cudaSuccess) return e;
   Work wk;
   wk.nsplit = mla_decode_splits(p);

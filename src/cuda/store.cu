@@ -976,14 +976,24 @@ int page_shift(int tokens) {  // log2 of the page size when it is a power of two
   return -1;
 }
 
-template <class K>
-cudaError_t grid_for(K kernel, int threads, long want, unsigned& blocks, std::size_t dyn_smem = 0) {
-  int per_sm = 0, dev = 0, sms = 0;
-  cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, dyn_smem);
-  if (e == cudaSuccess) e = cudaGetDevice(&dev);
-  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+// Resident CTAs of Kernel (threads per CTA, dyn_smem bytes) on the current device: the grid of the
+// grid-stride kernels. Found once per device (devices 0..63).
+template <auto Kernel>
+cudaError_t resident_ctas(int threads, std::size_t dyn_smem, unsigned& blocks) {
+  static std::atomic<unsigned> cached[64];
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return e;
-  blocks = static_cast<unsigned>(std::max<long>(1, std::min<long>(want, static_cast<long>(std::max(1, per_sm)) * std::max(1, sms))));
+  const bool c = dev >= 0 && dev < 64;
+  blocks = c ? cached[dev].load(std::memory_order_acquire) : 0u;
+  if (blocks != 0) return cudaSuccess;
+  int per_sm = 0;
+  DeviceFacts dv;
+  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, threads, dyn_smem);
+  if (e == cudaSuccess) e = device_facts(dv);
+  if (e != cudaSuccess) return e;
+  blocks = static_cast<unsigned>(std::max(1, per_sm) * std::max(1, dv.sms));
+  if (c) cached[dev].store(blocks, std::memory_order_release);
   return cudaSuccess;
 }
 
@@ -991,13 +1001,10 @@ constexpr int kMaskBytes = 32 << 10;  // sign masks (4 H D bytes) and, split for
 
 template <int D, class F>
 cudaError_t launch_store_fast(const StoreParams& p, cudaStream_t stream) {
-  static unsigned max_blocks = 0;
-  if (max_blocks == 0) {
-    cudaError_t e = cudaFuncSetAttribute(store_fast_kernel<D, F>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         kStagingBytes + kMaskBytes);
-    if (e == cudaSuccess) e = grid_for(store_fast_kernel<D, F>, kFastThreads, 1L << 30, max_blocks, kStagingBytes + kMaskBytes);
-    if (e != cudaSuccess) return e;
-  }
+  unsigned max_blocks = 0;
+  cudaError_t e = smem_limit_once<store_fast_kernel<D, F>>(kStagingBytes + kMaskBytes);
+  if (e == cudaSuccess) e = resident_ctas<store_fast_kernel<D, F>>(kFastThreads, kStagingBytes + kMaskBytes, max_blocks);
+  if (e != cudaSuccess) return e;
   const std::size_t mask_bytes = (F::NSEG == 2 ? 8u : 4u) * static_cast<std::size_t>(p.fmt.kv_heads) * D;
   const bool use_masks = p.fmt.kv_heads * D <= 4096;
   constexpr int V = 32 / (D / kLaneElems);
@@ -1011,11 +1018,8 @@ cudaError_t launch_store_fast(const StoreParams& p, cudaStream_t stream) {
 
 template <int D>
 cudaError_t launch_store_bf16(const StoreParams& p, cudaStream_t stream) {
-  static unsigned max_blocks = 0;
-  if (max_blocks == 0) {
-    const cudaError_t e = grid_for(store_bf16_kernel<D>, 256, 1L << 30, max_blocks);
-    if (e != cudaSuccess) return e;
-  }
+  unsigned max_blocks = 0;
+  if (const cudaError_t e = resident_ctas<store_bf16_kernel<D>>(256, 0, max_blocks); e != cudaSuccess) return e;
   const long n = static_cast<long>(p.n_tokens) * p.fmt.kv_heads * (D / 8);
   const unsigned blocks = static_cast<unsigned>(std::min<long>((n + 255) / 256, max_blocks));
   store_bf16_kernel<D><<<blocks, 256, 0, stream>>>(p, page_shift(p.fmt.page.tokens));
