@@ -9,8 +9,43 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
+#include <utility>
 
 namespace kvq::cuda::detail {
+
+// ---- programmatic dependent launch (sm_90) ---------------------------------------------------
+// Waits until the grid this one was programmatically launched after has finished and its writes are
+// visible (returns at once when there is none).
+__device__ __forceinline__ void grid_dependency_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+// Lets the programmatically launched grid after this one be scheduled before this one ends.
+__device__ __forceinline__ void launch_dependents() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
+// KVQ_NO_PDL=1 in the environment turns programmatic launches off (read once).
+inline bool pdl_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("KVQ_NO_PDL");
+    return !(v && v[0] == '1');
+  }();
+  return on;
+}
+// Launches kernel k; with pdl (and pdl_enabled()) as a programmatic dependent launch: it may start
+// before the previous kernel in the stream ends and must griddepcontrol.wait before reading that
+// kernel's output.
+template <class... Params, class... Args>
+cudaError_t launch_maybe_pdl(void (*k)(Params...), dim3 grid, dim3 block, std::size_t smem, cudaStream_t st, bool pdl,
+                             Args&&... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = st;
+  cudaLaunchAttribute at[1];
+  at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  at[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = at;
+  cfg.numAttrs = pdl && pdl_enabled() ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, k, std::forward<Args>(args)...);
+}
 
 // ---- host: what a launcher asks the runtime on every launch, asked once per device ----------
 struct DeviceFacts {

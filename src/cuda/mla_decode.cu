@@ -446,6 +446,35 @@ __global__ void __launch_bounds__(kNT, 2) mla_decode_kernel(const __grid_constan
   const int split = blockIdx.x, hg = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, t = lane & 3;
   const int gq = w;
+  // The query first: its loads do not depend on the sequence length, so they are in flight with
+  // it and with the block-table loads (the cp.async issue below is a compiler barrier for them).
+  // mla-tq reads the pre-kernel's rotated query, so it loads it after the page copies are issued
+  // and after griddepcontrol.wait (the pre-kernel may still run: programmatic launch).
+  const float sl2 = p.scale * kLog2e;
+  float x0[16], x1[16];
+  float2 xr0, xr1;
+  auto load_query = [&]() {
+    const float* q0 = wk.q + (static_cast<std::size_t>(b) * p.heads + hg * kHG + g) * kD;
+    const float* q1 = q0 + 8 * kD;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int d = 64 * gq + (kPk ? 16 * t + 4 * i : (i < 2 ? 8 * t + 4 * i : 24 + 8 * t + 4 * i));
+      const float4 a = *reinterpret_cast<const float4*>(q0 + d);
+      const float4 c = *reinterpret_cast<const float4*>(q1 + d);
+      x0[4 * i] = a.x;
+      x0[4 * i + 1] = a.y;
+      x0[4 * i + 2] = a.z;
+      x0[4 * i + 3] = a.w;
+      x1[4 * i] = c.x;
+      x1[4 * i + 1] = c.y;
+      x1[4 * i + 2] = c.z;
+      x1[4 * i + 3] = c.w;
+    }
+    const int dr = kDc + 8 * gq + 2 * t;
+    xr0 = *reinterpret_cast<const float2*>(q0 + dr);
+    xr1 = *reinterpret_cast<const float2*>(q1 + dr);
+  };
+  if constexpr (!kTq) load_query();
   const int Lq = p.seq_lens[b];
   const bool prot = kPk && p.protect.enabled();
   const int pb = prot ? static_cast<int>(p.protect.packed_begin(Lq)) : 0;
@@ -554,6 +583,10 @@ __global__ void __launch_bounds__(kNT, 2) mla_decode_kernel(const __grid_constan
     }
     id_next = ids[NS - 1];
   }
+  if constexpr (kTq) {
+    detail::grid_dependency_wait();
+    load_query();
+  }
   int rslot = 0, islot = NS - 1;
   if (tid < kHG) mrow[tid] = -INFINITY;
   if constexpr (kTq) {  // code-pair table: entry e = (C[e & (2^b - 1)], C[e >> b]), replicated per lane
@@ -564,25 +597,12 @@ __global__ void __launch_bounds__(kNT, 2) mla_decode_kernel(const __grid_constan
     }
   }
   // ---- query fragments, pre-scaled by scale * log2(e) (scores in log2 units)
-  const float sl2 = p.scale * kLog2e;
   std::uint32_t qa[4][4], qb[4][4], qra[2], qrb[2];
   {
-    const float* q0 = wk.q + (static_cast<std::size_t>(b) * p.heads + hg * kHG + g) * kD;
-    const float* q1 = q0 + 8 * kD;
-    float x0[16], x1[16];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int d = 64 * gq + (kPk ? 16 * t + 4 * i : (i < 2 ? 8 * t + 4 * i : 24 + 8 * t + 4 * i));
-      const float4 a = *reinterpret_cast<const float4*>(q0 + d);
-      const float4 c = *reinterpret_cast<const float4*>(q1 + d);
-      x0[4 * i] = a.x * sl2;
-      x0[4 * i + 1] = a.y * sl2;
-      x0[4 * i + 2] = a.z * sl2;
-      x0[4 * i + 3] = a.w * sl2;
-      x1[4 * i] = c.x * sl2;
-      x1[4 * i + 1] = c.y * sl2;
-      x1[4 * i + 2] = c.z * sl2;
-      x1[4 * i + 3] = c.w * sl2;
+    for (int i = 0; i < 16; ++i) {
+      x0[i] *= sl2;
+      x1[i] *= sl2;
     }
 #pragma unroll
     for (int s = 0; s < 4; ++s)
@@ -598,13 +618,12 @@ __global__ void __launch_bounds__(kNT, 2) mla_decode_kernel(const __grid_constan
           qa[s][2 * h + 1] = detail::pack2<kB>(x1[i0], x1[i1]);
         }
       }
-    const int dr = kDc + 8 * gq + 2 * t;
     if constexpr (kRoHL) {
-      split2<true>(q0[dr] * sl2, q0[dr + 1] * sl2, qra[0], qrb[0]);
-      split2<true>(q1[dr] * sl2, q1[dr + 1] * sl2, qra[1], qrb[1]);
+      split2<true>(xr0.x * sl2, xr0.y * sl2, qra[0], qrb[0]);
+      split2<true>(xr1.x * sl2, xr1.y * sl2, qra[1], qrb[1]);
     } else {
-      qra[0] = detail::pack2<kB>(q0[dr] * sl2, q0[dr + 1] * sl2);
-      qra[1] = detail::pack2<kB>(q1[dr] * sl2, q1[dr + 1] * sl2);
+      qra[0] = detail::pack2<kB>(xr0.x * sl2, xr0.y * sl2);
+      qra[1] = detail::pack2<kB>(xr1.x * sl2, xr1.y * sl2);
     }
   }
   float o[8][4];
@@ -770,6 +789,7 @@ __global__ void __launch_bounds__(kNT, 2) mla_decode_kernel(const __grid_constan
     }
   }
   cp_async_wait<0>();
+  detail::launch_dependents();  // the combine kernel may be scheduled (it waits for this grid's end)
   // Partial state of this split: unnormalized output, max (natural log units), sum. The output
   // goes through shared memory (the stages are free now) so that the global stores are whole
   // 128-byte lines: the fragments scatter each lane's values over 8 head rows.
@@ -814,6 +834,7 @@ struct TqSigns {
 __global__ void __launch_bounds__(128) mla_tq_rotate_kernel(const __grid_constant__ MlaDecodeParams p, float* __restrict__ qrot,
                                                             std::uint16_t* __restrict__ prot) {
   __shared__ float4 sh[128];
+  detail::launch_dependents();  // the decode kernel may start its page copies meanwhile
   const int tid = threadIdx.x;
   const int nq = p.batch * p.heads;
   const bool isq = static_cast<int>(blockIdx.x) < nq;
@@ -855,6 +876,7 @@ template <bool kTq>
 __global__ void __launch_bounds__(128) mla_combine_kernel(const float* __restrict__ opart, const float* __restrict__ ml,
                                                           int nsl, float* __restrict__ out, const __grid_constant__ TqSigns sg) {
   constexpr int kBatch = 16;
+  detail::grid_dependency_wait();  // the decode kernel's partials (programmatic launch)
   const std::size_t bh = static_cast<std::size_t>(blockIdx.y) * gridDim.x + blockIdx.x;
   const float2* m = reinterpret_cast<const float2*>(ml + bh * nsl * 2);
   const float4* v = reinterpret_cast<const float4*>(opart + bh * nsl * kDc) + threadIdx.x;
@@ -935,10 +957,13 @@ cudaError_t launch_decode(const MlaDecodeParams& p, cudaStream_t st) {
     for (int i = 0; i < 16; ++i) sg.w[i] = p.fmt.tq_signs[i];
   }
   const dim3 grid(wk.nsplit, p.heads / kHG, p.batch);
-  mla_decode_kernel<CB, RB, kHiLo><<<grid, kNT, C::kSmem, st>>>(p, wk);
-  if ((e = cudaGetLastError()) != cudaSuccess) return e;
-  mla_combine_kernel<C::kTq><<<dim3(p.heads, p.batch), 128, 0, st>>>(wk.opart, wk.ml, wk.nsplit, p.out, sg);
-  return cudaGetLastError();
+  // Programmatic launches: the decode kernel after the mla-tq pre-kernel, the combine after the
+  // decode kernel (each waits with griddepcontrol.wait before it reads its predecessor's output).
+  // The first kernel of a call is launched normally: it may read anything earlier work wrote.
+  if ((e = detail::launch_maybe_pdl(mla_decode_kernel<CB, RB, kHiLo>, grid, dim3(kNT), C::kSmem, st, C::kTq, p, wk)) != cudaSuccess)
+    return e;
+  return detail::launch_maybe_pdl(mla_combine_kernel<C::kTq>, dim3(p.heads, p.batch), dim3(128), 0, st, true, wk.opart,
+                                  static_cast<const float*>(wk.ml), wk.nsplit, p.out, sg);
 }
 
 }  // namespace
