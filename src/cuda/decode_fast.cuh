@@ -26,6 +26,8 @@
 //    aligned to its size, segment 1's follows it (aligned to its own, smaller size).
 #pragma once
 
+#include <type_traits>
+
 #include "decode.cuh"
 
 namespace kvq::cuda::detail {
@@ -137,6 +139,32 @@ __device__ __forceinline__ void load_run(const std::uint8_t* row, int o, std::ui
       const std::uint32_t lo = q[0], hi = q[1];
       w[0] = __funnelshift_r(lo, hi, sh);
       w[1] = hi >> sh;
+    }
+  }
+}
+
+// Keys as A from TurboQuant codes: the lane's codes of its 4 tokens (wv[j]: token g + 8 j, FW-bit
+// fields of two codes each) become pair-table addresses (x: the table base with the lane's word
+// bits; one PRMT for 4-bit codes, a shift and a LOP3 otherwise), one LDS per fp16 pair, and NKT
+// k-tiles of mma with the query fragments qb[0 .. NKT - 1] into acc (m-tiles 0, 1).
+template <int FW, int NKT, int NW>
+__device__ __forceinline__ void tq_keys_mma(const std::uint32_t (&wv)[4][NW], std::uint32_t x, const std::uint32_t (*qb)[2],
+                                            float (&acc)[2][4]) {
+  auto kaddr = [&](const std::uint32_t(&ww)[NW], int pair) -> std::uint32_t {
+    const int pos = pair * FW;
+    if constexpr (FW == 8) {
+      return __byte_perm(ww[pos >> 5], x, 0x7604u | (static_cast<unsigned>((pos & 31) >> 3) << 4));
+    } else {
+      return (field_at(ww, pos, FW, 8) & (((1u << FW) - 1u) << 8)) | x;
+    }
+  };
+#pragma unroll
+  for (int kt = 0; kt < NKT; ++kt) {
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      const std::uint32_t a[4] = {lds_u32(kaddr(wv[2 * mt], 2 * kt)), lds_u32(kaddr(wv[2 * mt + 1], 2 * kt)),
+                                  lds_u32(kaddr(wv[2 * mt], 2 * kt + 1)), lds_u32(kaddr(wv[2 * mt + 1], 2 * kt + 1))};
+      mma16816<false>(acc[mt], a, qb[kt][0], qb[kt][1]);
     }
   }
 }
@@ -438,33 +466,15 @@ __global__ void __launch_bounds__(C::THREADS, 1)
       for (int s = 0; s < 2; ++s)
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) acc[s][mt][0] = acc[s][mt][1] = acc[s][mt][2] = acc[s][mt][3] = 0;
-#pragma unroll
-      for (int s = 0; s < 2; ++s) {
-        constexpr int KB0 = C::kb(0), KB1 = C::kb(1);
-        const int bs = s == 0 ? KB0 : KB1;  // compile-time after unrolling
-        const std::uint32_t xk = s == 0 ? XK : XK1;
+      auto segment = [&](auto seg) {
+        constexpr int sg = decltype(seg)::value, KBs = C::kb(sg);
         std::uint32_t wv[4][2];
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const std::uint8_t* row = sk + (g + 8 * j) * C::KCB;
-          if (s == 0) load_run<2 * KB0>(row, C::kcoff(0) + 2 * KB0 * t4, wv[j]);
-          else load_run<2 * KB1>(row, C::kcoff(1) + 2 * KB1 * t4, wv[j]);
-        }
-        auto kaddr = [&](const std::uint32_t(&ww)[2], int pair) -> std::uint32_t {
-          const int fw = 2 * bs, pos = pair * fw;
-          if (fw == 8) return __byte_perm(ww[pos >> 5], xk, 0x7604u | (static_cast<unsigned>((pos & 31) >> 3) << 4));
-          return (field_at(ww, pos, fw, 8) & (((1u << fw) - 1u) << 8)) | xk;
-        };
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-#pragma unroll
-          for (int mt = 0; mt < 2; ++mt) {
-            const std::uint32_t a[4] = {lds_u32(kaddr(wv[2 * mt], 2 * kk)), lds_u32(kaddr(wv[2 * mt + 1], 2 * kk)),
-                                        lds_u32(kaddr(wv[2 * mt], 2 * kk + 1)), lds_u32(kaddr(wv[2 * mt + 1], 2 * kk + 1))};
-            mma16816<false>(acc[s][mt], a, qb[4 * s + kk][0], qb[4 * s + kk][1]);
-          }
-        }
-      }
+        for (int j = 0; j < 4; ++j) load_run<2 * KBs>(sk + (g + 8 * j) * C::KCB, C::kcoff(sg) + 2 * KBs * t4, wv[j]);
+        tq_keys_mma<2 * KBs, 4>(wv, sg == 0 ? XK : XK1, qb + 4 * sg, acc[sg]);
+      };
+      segment(std::integral_constant<int, 0>{});
+      segment(std::integral_constant<int, 1>{});
       // Metadata [token][4 x fp16]: key norms of segments 0, 1, value norms of segments 0, 1.
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
@@ -498,23 +508,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
           for (int k = 0; k < NW; ++k) wv[j][k] = reinterpret_cast<const std::uint32_t*>(src)[k];
         }
       }
-      auto kaddr = [&](const std::uint32_t(&ww)[NW], int pair) -> std::uint32_t {
-        const int pos = pair * FW;
-        if constexpr (FW == 8) {
-          return __byte_perm(ww[pos >> 5], XK, 0x7604u | (static_cast<unsigned>((pos & 31) >> 3) << 4));
-        } else {
-          return (field_at(ww, pos, FW, 8) & (((1u << FW) - 1u) << 8)) | XK;
-        }
-      };
-#pragma unroll
-      for (int kt = 0; kt < 8; ++kt) {
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-          const std::uint32_t a[4] = {lds_u32(kaddr(wv[2 * mt], 2 * kt)), lds_u32(kaddr(wv[2 * mt + 1], 2 * kt)),
-                                      lds_u32(kaddr(wv[2 * mt], 2 * kt + 1)), lds_u32(kaddr(wv[2 * mt + 1], 2 * kt + 1))};
-          mma16816<false>(acc[mt], a, qb[kt][0], qb[kt][1]);
-        }
-      }
+      tq_keys_mma<FW, 8>(wv, XK, qb, acc);
     } else {  // fp8 keys: 32 bytes per lane and token
       std::uint32_t wv[4][8];
 #pragma unroll
