@@ -50,7 +50,7 @@ struct MlaBenchOptions {
   std::string formats = "bf16,c8r8,c4r4,c2r4,mla-tq4", protect = "none,paper";
   int reps = 30, warmup = 3, store_tokens = 1 << 20, warps = 0;
   bool json = false;
-  std::string commit = "unknown", command, flush = "read", peers;
+  std::string commit = "unknown", command, flush = "read", peers, pages = "random";
 };
 
 #if defined(KVQ_WITH_KVQ_CUDA)
@@ -183,7 +183,7 @@ void run_mla_bench(const MlaBenchOptions& o) {
         }
         std::vector<std::int32_t> ids(n_pages);
         for (std::size_t i = 0; i < n_pages; ++i) ids[i] = static_cast<std::int32_t>(i);
-        std::shuffle(ids.begin(), ids.end(), rng);
+        if (o.pages == "random") std::shuffle(ids.begin(), ids.end(), rng);  // a fragmented pool
         std::vector<std::int32_t> lens(static_cast<std::size_t>(B), ctx);
         DevBuf bt(n_pages * 4), dl(static_cast<std::size_t>(B) * 4);
         ok(cudaMemcpy(bt.p, ids.data(), n_pages * 4, cudaMemcpyHostToDevice), "copy");
@@ -275,7 +275,8 @@ void run_mla_bench(const MlaBenchOptions& o) {
                         {"flashmla", peer_info},
                         {"rows", rows},
                         {"store", store_rows},
-                        {"flush", flush.mode()}};
+                        {"flush", flush.mode()},
+                        {"pages", o.pages}};
   if (o.json) {
     fmt::print("{}\n", res.dump(1));
   } else {
@@ -314,6 +315,8 @@ void register_bench_mla(CLI::App& app) {
   cmd->add_option("--peers", o->peers, "JSON written by bench/gpu/peers_mla.py (FlashMLA)");
   cmd->add_option("--flush", o->flush, "L2 flush before every timed replay: read (clean L2) or write (memset, dirty L2)")
       ->check(CLI::IsMember({"read", "write"}));
+  cmd->add_option("--pages", o->pages, "page order in the pool: random (default, as FlashMLA's peer script) or sequential")
+      ->check(CLI::IsMember({"random", "sequential"}));
   cmd->add_flag("--json", o->json, "print one JSON object");
   cmd->callback([o] {
 #if defined(KVQ_WITH_KVQ_CUDA)
