@@ -48,7 +48,7 @@ namespace {
 struct MlaBenchOptions {
   std::string batches = "8,32", contexts = "4096,32768,131072", heads = "16,128";
   std::string formats = "bf16,c8r8,c4r4,c2r4,mla-tq4", protect = "none,paper";
-  int reps = 30, warmup = 3, store_tokens = 1 << 20, warps = 0;
+  int reps = 30, warmup = 3, store_tokens = 1 << 20, warps = 0, splits = 0;
   bool json = false;
   std::string commit = "unknown", command, flush = "read", peers, pages = "random";
 };
@@ -215,6 +215,7 @@ void run_mla_bench(const MlaBenchOptions& o) {
             p.protect = protect_of(pname);
             p.protect_rows = prot_rows.as<std::uint16_t>();
             p.warps = o.warps;
+            p.num_splits = o.splits;
             p.workspace_bytes = cuda::mla_decode_workspace_bytes(p);
             DevBuf ws(p.workspace_bytes);
             p.workspace = ws.p;
@@ -309,6 +310,7 @@ void register_bench_mla(CLI::App& app) {
   cmd->add_option("--reps", o->reps, "timed replays (median)")->check(CLI::Range(1, 100000));
   cmd->add_option("--warmup", o->warmup, "warm-up replays");
   cmd->add_option("--store-tokens", o->store_tokens, "tokens per writer run");
+  cmd->add_option("--splits", o->splits, "splits per sequence (0: the launcher's choice)")->check(CLI::Range(0, 1 << 20));
   cmd->add_option("--warps", o->warps, "accepted for compatibility (the decode kernel runs 8-warp CTAs)");
   cmd->add_option("--commit", o->commit, "commit recorded in the result");
   cmd->add_option("--command-line", o->command, "command recorded in the result");
