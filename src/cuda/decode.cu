@@ -75,14 +75,15 @@ unsigned next_epoch() {
   while (e == 0) e = epoch.fetch_add(1) + 1;
   return e;
 }
-}  // namespace
-
-
-std::size_t decode_workspace_bytes(const DecodeParams& p) {
-  const std::size_t ns = static_cast<std::size_t>(decode_splits(p)) + (p.protect.enabled() ? 1 : 0);
+// The workspace for `splits` splits of the packed range (decode() has the count already).
+std::size_t workspace_bytes(const DecodeParams& p, int splits) {
+  const std::size_t ns = static_cast<std::size_t>(splits) + (p.protect.enabled() ? 1 : 0);
   const std::size_t rows = static_cast<std::size_t>(p.batch) * static_cast<std::size_t>(p.q_heads);
   return counter_bytes(p) + rows * ns * (static_cast<std::size_t>(p.fmt.head_dim) + 1) * sizeof(float) + 256;
 }
+}  // namespace
+
+std::size_t decode_workspace_bytes(const DecodeParams& p) { return workspace_bytes(p, decode_splits(p)); }
 
 cudaError_t decode(const DecodeParams& p, cudaStream_t stream) {
   const FormatDesc& f = p.fmt;
@@ -94,7 +95,7 @@ cudaError_t decode(const DecodeParams& p, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   if (!decode_supported(f)) return cudaErrorInvalidValue;
   const int ns = decode_splits(p);
-  if (!p.workspace || p.workspace_bytes < decode_workspace_bytes(p)) return cudaErrorInvalidValue;
+  if (!p.workspace || p.workspace_bytes < workspace_bytes(p, ns)) return cudaErrorInvalidValue;
   if (reinterpret_cast<std::uintptr_t>(p.workspace) % 16 != 0) return cudaErrorInvalidValue;
   const int NS = ns + (p.protect.enabled() ? 1 : 0);
   const std::size_t rows = static_cast<std::size_t>(p.batch) * static_cast<std::size_t>(p.q_heads);
