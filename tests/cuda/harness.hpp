@@ -51,4 +51,39 @@ inline bool gpu_present() {
     }                                                                                                    \
   } while (0)
 
+// A call captured once into a CUDA graph on a stream of its own, replayed on demand (the GPU tests
+// require a replay to give the eager launch's bits). `launch(stream)` returns the launcher's error.
+class CapturedCall {
+ public:
+  template <class Launch>
+  explicit CapturedCall(Launch&& launch) {
+    KVQ_CUDA_OK(cudaStreamCreate(&stream_));
+    KVQ_CUDA_OK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+    launched_ = launch(stream_);
+    KVQ_CUDA_OK(cudaStreamEndCapture(stream_, &graph_));
+    if (launched_ == cudaSuccess) KVQ_CUDA_OK(cudaGraphInstantiate(&exec_, graph_, 0));
+  }
+  CapturedCall(const CapturedCall&) = delete;
+  CapturedCall& operator=(const CapturedCall&) = delete;
+  ~CapturedCall() {
+    if (exec_) cudaGraphExecDestroy(exec_);
+    if (graph_) cudaGraphDestroy(graph_);
+    if (stream_) cudaStreamDestroy(stream_);
+  }
+  // The launcher's result under capture; replay() is a no-op when it failed.
+  cudaError_t launched() const { return launched_; }
+  // One replay, waited for.
+  void replay() {
+    if (!exec_) return;
+    KVQ_CUDA_OK(cudaGraphLaunch(exec_, stream_));
+    KVQ_CUDA_OK(cudaStreamSynchronize(stream_));
+  }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+  cudaGraph_t graph_ = nullptr;
+  cudaGraphExec_t exec_ = nullptr;
+  cudaError_t launched_ = cudaErrorNotReady;
+};
+
 }  // namespace kvq::cudatest

@@ -26,6 +26,7 @@
 #include "kvq_cuda.hpp"
 
 using namespace kvq;
+using kvq::cudatest::CapturedCall;
 using kvq::cudatest::check;
 
 namespace {
@@ -327,20 +328,9 @@ double run_case(const Case& c) {
     for (int r = 0; r < 8; ++r)
       again("launch " + std::to_string(r + 2) + " on the same workspace",
             [&] { check(cuda::decode(p) == cudaSuccess, name + ": relaunch"); });
-    cudaStream_t gs = nullptr;
-    cudaGraph_t graph = nullptr;
-    cudaGraphExec_t exec = nullptr;
-    KVQ_CUDA_OK(cudaStreamCreate(&gs));
-    KVQ_CUDA_OK(cudaStreamBeginCapture(gs, cudaStreamCaptureModeThreadLocal));
-    const cudaError_t ge = cuda::decode(p, gs);
-    KVQ_CUDA_OK(cudaStreamEndCapture(gs, &graph));
-    check(ge == cudaSuccess, name + ": decode under graph capture");
-    KVQ_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-    for (int r = 0; r < 2; ++r)
-      again("graph replay " + std::to_string(r + 1), [&] { KVQ_CUDA_OK(cudaGraphLaunch(exec, gs)); });
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
-    cudaStreamDestroy(gs);
+    CapturedCall call([&](cudaStream_t st) { return cuda::decode(p, st); });
+    check(call.launched() == cudaSuccess, name + ": decode under graph capture");
+    for (int r = 0; r < 2; ++r) again("graph replay " + std::to_string(r + 1), [&] { call.replay(); });
   }
 
   // Store kernel: the same rows packed on the GPU must give the CPU's bytes.

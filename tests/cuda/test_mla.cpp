@@ -28,6 +28,7 @@
 #include "kvq_cuda_mla.hpp"
 
 using namespace kvq;
+using kvq::cudatest::CapturedCall;
 using kvq::cudatest::check;
 
 namespace {
@@ -415,28 +416,17 @@ void test_decode(const Case& c) {
     // The same call captured in a CUDA graph (its kernels are programmatic launches unless
     // KVQ_NO_PDL=1) and replayed twice on another stream, over a workspace filled with 0xff and a
     // poisoned output, must give this launch's bits again.
-    cudaStream_t st = nullptr;
-    cudaGraph_t graph = nullptr;
-    cudaGraphExec_t exec = nullptr;
-    KVQ_CUDA_OK(cudaStreamCreate(&st));
     KVQ_CUDA_OK(cudaMemset(p.workspace, 0xff, p.workspace_bytes));
     KVQ_CUDA_OK(cudaMemcpy(p.out, poison.data(), poison.size() * 4, cudaMemcpyHostToDevice));
-    KVQ_CUDA_OK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-    const cudaError_t le = cuda::mla_decode(p, st);
-    KVQ_CUDA_OK(cudaStreamEndCapture(st, &graph));
-    KVQ_CUDA_OK(le);
-    KVQ_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    CapturedCall call([&](cudaStream_t st) { return cuda::mla_decode(p, st); });
+    KVQ_CUDA_OK(call.launched());
     bool same = true;
     for (int r = 0; r < 2; ++r) {
-      KVQ_CUDA_OK(cudaGraphLaunch(exec, st));
-      KVQ_CUDA_OK(cudaStreamSynchronize(st));
+      call.replay();
       const std::vector<float> again = download(p.out, poison.size());
       same = same && std::memcmp(again.data(), out.data(), out.size() * sizeof(float)) == 0;
     }
     check(same, "decode: graph replays give the launch's bits: " + what);
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
-    cudaStreamDestroy(st);
   }
   for (const void* v : {static_cast<const void*>(p.pool), static_cast<const void*>(p.block_tables),
                         static_cast<const void*>(p.seq_lens), static_cast<const void*>(p.q), static_cast<const void*>(p.out),
