@@ -1,11 +1,15 @@
 // kvq_cuda_mla.hpp: launchers of the CUDA kernels for MLA caches (absorbed form), sm_90a.
 //
 // Formats: bf16 and the QuantMLA group-64 affine formats c8r8, c4r8, c4r4, c3r4, c2r4 (content
-// latent d_c = 512 with bf16 scales, RoPE key d_r = 64 with one fp32 scale); decode also reads
-// mla-tq4 / mla-tq3 (TurboQuant-MSE latent: b-bit sphere-codebook indices of Pi (c / |c|), Pi = H D
-// over 512 dims, fp16 stored norm with norm correction; bf16 RoPE key). One layer per launch;
-// pages are kvq::page_layout(find_format(name), geometry) with heads = 1 (64 tokens:
-// [content codes][rope codes][meta per token: 32 bytes, mla-tq 16]). Protected rows follow
+// latent d_c with a bf16 scale per group of 64, RoPE key d_r with an fp32 scale per group of 64);
+// decode also reads mla-tq4 / mla-tq3 (TurboQuant-MSE latent: b-bit sphere-codebook indices of
+// Pi (c / |c|), Pi = H D over 512 dims, fp16 stored norm with norm correction; bf16 RoPE key).
+// Shapes: d_c = 512, d_r = 64 (DeepSeek-V2/V3's) run the tuned kernels; bf16 and affine caches also
+// run any d_c = 64 G (G <= 16) and d_r = 64 R (R <= 4) through the generic-shape kernels
+// (mla_decode_gen.cu and the generic writer path); mla-tq needs d_c = 512, d_r = 64. One layer per
+// launch; pages are kvq::page_layout(find_format(name), geometry) with heads = 1 (64 tokens:
+// [content codes][rope codes][meta per token: G bf16 scales, G zero points, R fp32 RoPE scales, R
+// RoPE zero points, zero padding to the 16-byte record; 32 bytes at 512 / 64; mla-tq 16]). Protected rows follow
 // kvq::MlaProtectLayout (include/kvq/cuda_protect.hpp). Launchers take raw device pointers and a
 // plain Params struct and return cudaError_t (cudaErrorInvalidValue for an unsupported shape).
 #pragma once
@@ -57,6 +61,7 @@ struct MlaStoreParams {
   const std::int32_t* positions = nullptr;        // [n_tokens]
   const std::int32_t* seq_ids = nullptr;          // [n_tokens]
   const std::int32_t* protect_seq_lens = nullptr;  // [batch] lengths after this call (see kvq_cuda.hpp)
+  bool generic = false;  // the generic-shape path even for d_c = 512, d_r = 64 (tests, benchmarks)
 };
 cudaError_t mla_store(const MlaStoreParams& p, cudaStream_t stream = nullptr);
 
@@ -87,11 +92,21 @@ struct MlaDecodeParams {
   std::int32_t num_splits = 0;  // 0: chosen to fill the SMs
   std::int32_t sm_count = 0;
   std::int32_t warps = 0;  // 0, 8 or 16: accepted for compatibility; the kernel runs 8-warp CTAs, two per SM
+  bool generic = false;    // the generic-shape kernel even for d_c = 512, d_r = 64 (tests, benchmarks)
 };
+// Protected rows must be 16-byte aligned (rows of d_c + d_r bf16 values), and the protection
+// layout's d_latent / d_rope must be the format's.
 int mla_decode_splits(const MlaDecodeParams& p);
 std::size_t mla_decode_workspace_bytes(const MlaDecodeParams& p);
 cudaError_t mla_decode(const MlaDecodeParams& p, cudaStream_t stream = nullptr);
 // Bytes one launch must read: whole pages of the packed range, protected rows, block tables.
 std::size_t mla_decode_bytes_read(const MlaFormat& f, const int* seq_lens_host, int batch, const MlaProtectLayout& prot);
+
+namespace detail {
+// d_c, d_r multiples of 64 within the generic kernels' limits (64..1024, 64..256).
+bool mla_generic_shape_ok(int d_latent, int d_rope);
+// The generic-shape decode (bf16 and affine formats; mla_decode validates the parameters).
+cudaError_t mla_decode_generic(const MlaDecodeParams& p, int nsplit, cudaStream_t stream);
+}  // namespace detail
 
 }  // namespace kvq::cuda

@@ -88,14 +88,22 @@ MlaFormat mla_format(const FormatSpec& f, int d_latent, int d_rope, int layer) {
 }
 
 bool mla_supported(const MlaFormat& f) {
-  if (f.d_latent != 512 || f.d_rope != 64 || f.page.tokens != 64 || f.page.heads != 1) return false;
+  if (f.page.tokens != 64 || f.page.heads != 1) return false;
+  const bool std512 = f.d_latent == 512 && f.d_rope == 64;
+  if (!std512 && !detail::mla_generic_shape_ok(f.d_latent, f.d_rope)) return false;
   const int c = f.content_bits, r = f.rope_bits;
   if (f.tq)
-    return (c == 4 || c == 3) && r == 16 && f.page.key_code_bytes == 64u * static_cast<unsigned>(c) &&
+    return std512 && (c == 4 || c == 3) && r == 16 && f.page.key_code_bytes == 64u * static_cast<unsigned>(c) &&
            f.page.value_code_bytes == 128 && f.page.key_meta_bytes == 2 && f.page.meta_bytes == 16;
-  if (c == 16) return r == 16 && f.page.key_code_bytes == 1024 && f.page.value_code_bytes == 128;
-  if (f.page.meta_bytes != 32) return false;
-  return (c == 8 && r == 8) || (c == 4 && (r == 8 || r == 4)) || ((c == 3 || c == 2) && r == 4);
+  const auto dc = static_cast<std::uint32_t>(f.d_latent), dr = static_cast<std::uint32_t>(f.d_rope);
+  if (c == 16) return r == 16 && f.page.key_code_bytes == 2 * dc && f.page.value_code_bytes == 2 * dr;
+  if (!((c == 8 && r == 8) || (c == 4 && (r == 8 || r == 4)) || ((c == 3 || c == 2) && r == 4))) return false;
+  // Metadata per token: G bf16 scales and G zero points, R fp32 scales and R zero points (G = d_c / 64,
+  // R = d_r / 64), padded; 32 bytes at 512 / 64, which the tuned kernels assume.
+  const std::uint32_t G = dc / 64, R = dr / 64;
+  return f.page.key_code_bytes == dc * static_cast<unsigned>(c) / 8 && f.page.value_code_bytes == dr * static_cast<unsigned>(r) / 8 &&
+         f.page.key_meta_bytes == 3 * G && f.page.value_meta_bytes == 5 * R && f.page.meta_bytes >= 3 * G + 5 * R &&
+         f.page.meta_bytes % 8 == 0 && (!std512 || f.page.meta_bytes == 32);
 }
 
 namespace {
@@ -987,7 +995,7 @@ int mla_decode_splits(const MlaDecodeParams& p) {
 std::size_t mla_decode_workspace_bytes(const MlaDecodeParams& p) {
   const std::size_t nsl = static_cast<std::size_t>(mla_decode_splits(p));
   const std::size_t bh = static_cast<std::size_t>(std::max(0, p.batch)) * static_cast<std::size_t>(std::max(0, p.heads));
-  std::size_t bytes = bh * nsl * (kDc + 2) * sizeof(float);
+  std::size_t bytes = bh * nsl * (static_cast<std::size_t>(std::max(0, p.fmt.d_latent)) + 2) * sizeof(float);
   if (p.fmt.tq) {  // rotated queries and protected latent rows (launch_decode)
     bytes += bh * kD * sizeof(float);
     if (p.protect.enabled())
@@ -1001,8 +1009,14 @@ cudaError_t mla_decode(const MlaDecodeParams& p, cudaStream_t stream) {
   if (!mla_supported(f) || (p.warps != 0 && p.warps != 8 && p.warps != 16) || p.heads <= 0 || p.heads % kHG || p.heads > 128 || p.batch <= 0 || !p.pool ||
       !p.block_tables || !p.seq_lens || !p.q || !p.out || !p.workspace)
     return cudaErrorInvalidValue;
-  if (uses_protect(p) && !p.protect_rows) return cudaErrorInvalidValue;
+  if (uses_protect(p) && (!p.protect_rows || p.protect.d_latent != f.d_latent || p.protect.d_rope != f.d_rope ||
+                          reinterpret_cast<std::uintptr_t>(p.protect_rows) % 16))
+    return cudaErrorInvalidValue;
   if (p.workspace_bytes < mla_decode_workspace_bytes(p)) return cudaErrorInvalidValue;
+  if (p.generic || f.d_latent != kDc || f.d_rope != kD - kDc) {
+    if (f.tq) return cudaErrorInvalidValue;
+    return detail::mla_decode_generic(p, mla_decode_splits(p), stream);
+  }
   const int c = f.content_bits, r = f.rope_bits;
   if (f.tq) {
     if (c == 4) return launch_decode<104, 16>(p, stream);

@@ -1,5 +1,5 @@
 // mla_store.cu: the fused MLA cache writer. One warp per token: it reads the bf16 content latent
-// (d_c = 512) and RoPE key (d_r = 64), quantizes them by QuantMLA's group-64 affine rule exactly
+// (d_c = 512) and RoPE key (d_r = 64; other multiples of 64: mla_store_gen_kernel), quantizes them by QuantMLA's group-64 affine rule exactly
 // as kvq::AffineGroup::encode_reference (float32, correctly rounded division, rint ties to even,
 // a scale that is not a positive normal -> FLT_MIN; compiled with --fmad=false), packs the codes
 // LSB-first as kvq::pack_bits, writes codes and the 32-byte metadata record into the token's
@@ -197,12 +197,142 @@ __global__ void __launch_bounds__(256) mla_store_kernel(MlaStoreParams p, int to
   }
 }
 
+// Any d_c = 64 G, d_r = 64 R (the generic-shape path): the same arithmetic as mla_store_kernel, one
+// warp per token, the latent in chunks of 512 dims (lanes 4g..4g+3 hold group g of the chunk, lanes
+// past the last group of a short chunk only join the shuffles), the RoPE key in groups of 64 (two
+// dims per lane), and the metadata record written field by field: [G bf16 scales][G zero points]
+// [R fp32 scales][R zero points][zeros up to meta_bytes] (the scales may be unaligned).
+template <int CB, int RB>
+__global__ void __launch_bounds__(256) mla_store_gen_kernel(MlaStoreParams p, int tok_shift) {
+  const int lane = threadIdx.x & 31;
+  const int t = blockIdx.x * 8 + (threadIdx.x >> 5);
+  if (t >= p.n_tokens) return;
+  const int dc = p.fmt.d_latent, dr = p.fmt.d_rope, G = dc / 64, R = dr / 64;
+  const std::int64_t slot = p.slot_mapping[t];
+  const std::uint16_t* lat = p.latent + static_cast<std::int64_t>(t) * (p.latent_stride ? p.latent_stride : dc);
+  const std::uint16_t* rop = p.rope + static_cast<std::int64_t>(t) * (p.rope_stride ? p.rope_stride : dr);
+  if (p.protect_rows && p.protect.enabled()) {
+    const int pos = p.positions[t], seq = p.seq_ids[t];
+    const int s = p.protect.slot(pos);
+    bool keep = s >= 0;
+    if (keep && pos >= p.protect.sinks && p.protect_seq_lens) keep = pos >= p.protect_seq_lens[seq] - p.protect.window;
+    if (keep) {
+      std::uint16_t* row = p.protect_rows + p.protect.row(seq, s);
+      for (int i = lane; i < dc / 8; i += 32) reinterpret_cast<uint4*>(row)[i] = reinterpret_cast<const uint4*>(lat)[i];
+      for (int i = lane; i < dr / 2; i += 32)
+        reinterpret_cast<std::uint32_t*>(row + dc)[i] = reinterpret_cast<const std::uint32_t*>(rop)[i];
+    }
+  }
+  if (slot < 0) return;
+  const PageLayout& pg = p.fmt.page;
+  const std::uint64_t pid = tok_shift >= 0 ? static_cast<std::uint64_t>(slot >> tok_shift) : static_cast<std::uint64_t>(slot / pg.tokens);
+  const int off = tok_shift >= 0 ? static_cast<int>(slot & ((1 << tok_shift) - 1)) : static_cast<int>(slot % pg.tokens);
+  std::uint8_t* page = p.pool + pid * pg.page_bytes;
+  std::uint8_t* kc = page + pg.key_code(0, off);
+  std::uint8_t* vc = page + pg.value_code(0, off);
+  if constexpr (CB == 16) {
+    for (int i = lane; i < dc / 8; i += 32) reinterpret_cast<uint4*>(kc)[i] = reinterpret_cast<const uint4*>(lat)[i];
+    for (int i = lane; i < dr / 2; i += 32)
+      reinterpret_cast<std::uint32_t*>(vc)[i] = reinterpret_cast<const std::uint32_t*>(rop)[i];
+  } else {
+    std::uint8_t* meta = page + pg.key_meta(0, off);
+    constexpr float mf = static_cast<float>((1 << CB) - 1);
+    for (int c = 0; c < (G + 7) / 8; ++c) {  // warp-uniform: every lane takes part in the shuffles
+      const bool act = lane < 4 * min(8, G - 8 * c);
+      uint4 c0 = make_uint4(0, 0, 0, 0), c1 = c0;
+      if (act) {
+        c0 = *reinterpret_cast<const uint4*>(lat + 512 * c + 16 * lane);
+        c1 = *reinterpret_cast<const uint4*>(lat + 512 * c + 16 * lane + 8);
+      }
+      const std::uint32_t w[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+      std::uint32_t mn = bmin2(w[0], w[1]), mx = bmax2(w[0], w[1]);
+#pragma unroll
+      for (int i = 2; i < 8; ++i) {
+        mn = bmin2(mn, w[i]);
+        mx = bmax2(mx, w[i]);
+      }
+      std::uint32_t mm = bmin2(__byte_perm(mn, mx ^ 0x80008000u, 0x5410), __byte_perm(mn, mx ^ 0x80008000u, 0x7632));
+#pragma unroll
+      for (int o = 1; o <= 2; o <<= 1) mm = bmin2(mm, __shfl_xor_sync(0xffffffffu, mm, o));
+      const float lo = bf16_lo(mm), hi = -bf16_hi(mm);
+      float s = round_bf16(__fdiv_rn(hi - lo, mf));
+      if (!(s >= FLT_MIN)) s = FLT_MIN;
+      const float z = clampf_ref(rintf(__fdiv_rn(-lo, s)), 0.0f, mf);
+      const std::uint32_t zi = static_cast<std::uint32_t>(z);
+      const float y = __frcp_rn(s);
+      const bool fast = s >= 0x1p-80f && __fmul_rn(fmaxf(fabsf(lo), fabsf(hi)), y) < 0x1p60f;
+      std::uint32_t tq[16];
+      std::uint32_t zc;
+      if (fast) {
+        const float nz = -z, mz = mf - z;
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+          const float x = (i & 1) ? bf16_hi(w[i >> 1]) : bf16_lo(w[i >> 1]);
+          const float q0 = __fmul_rn(x, y);
+          const float q1 = __fmaf_rn(__fmaf_rn(-q0, s, x), y, q0);
+          tq[i] = __float_as_uint(__fadd_rn(fminf(fmaxf(q1, nz), mz), kRintMagic));
+        }
+        zc = zi - kRintMagicBits;
+      } else {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+          const float x = (i & 1) ? bf16_hi(w[i >> 1]) : bf16_lo(w[i >> 1]);
+          tq[i] = static_cast<std::uint32_t>(clampf_ref(rintf(__fdiv_rn(x, s)) + z, 0.0f, mf));
+        }
+        zc = 0;
+      }
+      std::uint32_t pk[(16 * CB + 31) / 32];
+      pack16<CB>(tq, zc, pk);
+      if (act) {
+        std::uint8_t* dst = kc + (512 * c + 16 * lane) * CB / 8;
+        if constexpr (CB == 8) {
+          *reinterpret_cast<uint4*>(dst) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
+        } else if constexpr (CB == 4) {
+          *reinterpret_cast<uint2*>(dst) = make_uint2(pk[0], pk[1]);
+        } else if constexpr (CB == 2) {
+          *reinterpret_cast<std::uint32_t*>(dst) = pk[0];
+        } else {  // 3 bits: 6 bytes
+          std::uint16_t* d = reinterpret_cast<std::uint16_t*>(dst);
+          d[0] = static_cast<std::uint16_t>(pk[0]);
+          d[1] = static_cast<std::uint16_t>(pk[0] >> 16);
+          d[2] = static_cast<std::uint16_t>(pk[1]);
+        }
+        if ((lane & 3) == 0) {
+          const int gi = 8 * c + (lane >> 2);
+          reinterpret_cast<std::uint16_t*>(meta)[gi] = static_cast<std::uint16_t>(float_to_bf16(s));
+          meta[2 * G + gi] = static_cast<std::uint8_t>(zi);
+        }
+      }
+    }
+    constexpr float rm = static_cast<float>((1 << RB) - 1);
+    for (int ri = 0; ri < R; ++ri) {  // RoPE group ri: lane holds dims 64 ri + 2 lane, + 1
+      const std::uint32_t r01 = reinterpret_cast<const std::uint32_t*>(rop + 64 * ri)[lane];
+      std::uint32_t rm2 = bmin2(__byte_perm(r01, r01 ^ 0x80008000u, 0x7610), __byte_perm(r01, r01 ^ 0x80008000u, 0x5432));
+#pragma unroll
+      for (int o = 1; o <= 16; o <<= 1) rm2 = bmin2(rm2, __shfl_xor_sync(0xffffffffu, rm2, o));
+      const float rlo = bf16_lo(rm2), rhi = -bf16_hi(rm2);
+      const float y0 = bf16_lo(r01), y1 = bf16_hi(r01);
+      float rs = __fdiv_rn(rhi - rlo, rm);
+      if (!(rs >= FLT_MIN)) rs = FLT_MIN;
+      const float rz = clampf_ref(rintf(__fdiv_rn(-rlo, rs)), 0.0f, rm);
+      const std::uint32_t q0 = static_cast<std::uint32_t>(clampf_ref(rintf(__fdiv_rn(y0, rs)) + rz, 0.0f, rm));
+      const std::uint32_t q1 = static_cast<std::uint32_t>(clampf_ref(rintf(__fdiv_rn(y1, rs)) + rz, 0.0f, rm));
+      if constexpr (RB == 8) reinterpret_cast<std::uint16_t*>(vc + 64 * ri)[lane] = static_cast<std::uint16_t>(q0 | q1 << 8);
+      else vc[32 * ri + lane] = static_cast<std::uint8_t>(q0 | q1 << 4);
+      if (lane < 4) meta[3 * G + 4 * ri + lane] = static_cast<std::uint8_t>(__float_as_uint(rs) >> (8 * lane));
+      if (lane == 4) meta[3 * G + 4 * R + ri] = static_cast<std::uint8_t>(rz);
+    }
+    for (int i = 3 * G + 5 * R + lane; i < static_cast<int>(pg.meta_bytes); i += 32) meta[i] = 0;
+  }
+}
+
 template <int CB, int RB>
 cudaError_t launch_store(const MlaStoreParams& p, cudaStream_t st) {
   int shift = -1;  // page.tokens as a shift when it is a power of two (64)
   for (int s = 0; s < 31; ++s)
     if (p.fmt.page.tokens == (1 << s)) shift = s;
-  mla_store_kernel<CB, RB><<<(p.n_tokens + 7) / 8, 256, 0, st>>>(p, shift);
+  if (p.generic || p.fmt.d_latent != kDc || p.fmt.d_rope != kDr) mla_store_gen_kernel<CB, RB><<<(p.n_tokens + 7) / 8, 256, 0, st>>>(p, shift);
+  else mla_store_kernel<CB, RB><<<(p.n_tokens + 7) / 8, 256, 0, st>>>(p, shift);
   return cudaGetLastError();
 }
 
@@ -210,7 +340,10 @@ cudaError_t launch_store(const MlaStoreParams& p, cudaStream_t st) {
 
 cudaError_t mla_store(const MlaStoreParams& p, cudaStream_t stream) {
   const MlaFormat& f = p.fmt;
-  if (!mla_supported(f) || !p.latent || !p.rope || !p.slot_mapping || !p.pool) return cudaErrorInvalidValue;
+  if (!mla_supported(f) || f.tq || !p.latent || !p.rope || !p.slot_mapping || !p.pool) return cudaErrorInvalidValue;
+  if (p.protect.enabled() && p.protect_rows &&
+      (p.protect.d_latent != f.d_latent || p.protect.d_rope != f.d_rope || reinterpret_cast<std::uintptr_t>(p.protect_rows) % 16))
+    return cudaErrorInvalidValue;
   if ((p.latent_stride % 8) || (p.rope_stride % 2) || (reinterpret_cast<std::uintptr_t>(p.latent) % 16) ||
       (reinterpret_cast<std::uintptr_t>(p.rope) % 4))
     return cudaErrorInvalidValue;

@@ -33,7 +33,9 @@ using kvq::cudatest::check;
 
 namespace {
 
-constexpr int kDc = 512, kDr = 64, kD = 576;
+// The shape of the fixture and of DeepSeek-V2/V3 (the tuned kernels); other multiples of 64 run the
+// generic-shape kernels.
+constexpr int kDc = 512, kDr = 64;
 
 template <class T>
 T* upload(const std::vector<T>& v) {
@@ -49,38 +51,42 @@ std::vector<T> download(const T* p, std::size_t n) {
   return v;
 }
 
-// n token rows [n][576] of bf16 values (latent then rope), as bf16 bits.
-std::vector<std::uint16_t> make_rows(int n, bool fixture, unsigned seed) {
-  std::vector<std::uint16_t> r(static_cast<std::size_t>(n) * kD);
+// n token rows [n][dc + dr] of bf16 values (latent then rope), as bf16 bits. Fixture rows of other
+// widths repeat the fixture's dims (latent dim d from fixture dim d % 512, RoPE d from d % 64).
+std::vector<std::uint16_t> make_rows(int n, bool fixture, unsigned seed, int dc = kDc, int dr = kDr) {
+  const int D = dc + dr;
+  std::vector<std::uint16_t> r(static_cast<std::size_t>(n) * D);
   if (fixture) {
     static SafetensorsFile f(std::string(KVQ_SOURCE_DIR) + "/models/tiny-mla/reference.safetensors");
-    std::vector<std::vector<float>> lat, rope;
-    for (int l = 0; l < 4; ++l) {
-      lat.push_back(f.get("layer" + std::to_string(l) + ".latent").to_float());  // [512][512]
-      rope.push_back(f.get("layer" + std::to_string(l) + ".k_rope").to_float());  // [512][64]
-    }
+    static std::vector<std::vector<float>> lat, rope;
+    if (lat.empty())
+      for (int l = 0; l < 4; ++l) {
+        lat.push_back(f.get("layer" + std::to_string(l) + ".latent").to_float());  // [512][512]
+        rope.push_back(f.get("layer" + std::to_string(l) + ".k_rope").to_float());  // [512][64]
+      }
     for (int i = 0; i < n; ++i) {
       const int l = (i / 512) % 4, j = i % 512;
-      for (int d = 0; d < kDc; ++d) r[static_cast<std::size_t>(i) * kD + d] = float_to_bf16(lat[l][static_cast<std::size_t>(j) * kDc + d]);
-      for (int d = 0; d < kDr; ++d)
-        r[static_cast<std::size_t>(i) * kD + kDc + d] = float_to_bf16(rope[l][static_cast<std::size_t>(j) * kDr + d]);
+      for (int d = 0; d < dc; ++d)
+        r[static_cast<std::size_t>(i) * D + d] = float_to_bf16(lat[l][static_cast<std::size_t>(j) * kDc + d % kDc]);
+      for (int d = 0; d < dr; ++d)
+        r[static_cast<std::size_t>(i) * D + dc + d] = float_to_bf16(rope[l][static_cast<std::size_t>(j) * kDr + d % kDr]);
     }
     return r;
   }
   std::mt19937 rng(seed);
   std::normal_distribution<float> nd(0.0f, 1.0f);
   for (int i = 0; i < n; ++i) {
-    std::uint16_t* row = r.data() + static_cast<std::size_t>(i) * kD;
-    for (int d = 0; d < kD; ++d) {
+    std::uint16_t* row = r.data() + static_cast<std::size_t>(i) * D;
+    for (int d = 0; d < D; ++d) {
       float x = nd(rng);
       if (d % 97 == 5) x *= 12.0f;  // outlier channels
-      if (d >= kDc) x *= 3.0f;
+      if (d >= dc) x *= 3.0f;
       row[d] = float_to_bf16(x);
     }
     if (i % 13 == 3)
-      for (int d = 128; d < 192; ++d) row[d] = float_to_bf16(0.75f);  // constant group
+      for (int d = 128 % dc; d < 128 % dc + 64; ++d) row[d] = float_to_bf16(0.75f);  // constant group
     if (i % 17 == 4)
-      for (int d = 256; d < 320; ++d) row[d] = 0;  // all-zero group
+      for (int d = 256 % dc; d < 256 % dc + 64; ++d) row[d] = 0;  // all-zero group
   }
   return r;
 }
@@ -90,14 +96,15 @@ std::vector<std::uint16_t> make_rows(int n, bool fixture, unsigned seed) {
 // the same grid times 2^-3, values in [64, 72) and (-72, -64] (every code clamped high / low),
 // tiny values near FLT_MIN (subnormal bf16: the per-element division path) and values near
 // 1e37; the RoPE key alternates a half-step grid on [-(2^rb - 1)/2, (2^rb - 1)/2] and Gaussians.
-std::vector<std::uint16_t> make_edge_rows(int n, int cb, int rb, unsigned seed) {
-  std::vector<std::uint16_t> r(static_cast<std::size_t>(n) * kD);
+std::vector<std::uint16_t> make_edge_rows(int n, int cb, int rb, unsigned seed, int dc = kDc, int dr = kDr) {
+  const int D = dc + dr;
+  std::vector<std::uint16_t> r(static_cast<std::size_t>(n) * D);
   std::mt19937 rng(seed);
   std::normal_distribution<float> nd(0.0f, 1.0f);
   const int m = (1 << cb) - 1, mr = (1 << rb) - 1;
   for (int i = 0; i < n; ++i) {
-    std::uint16_t* row = r.data() + static_cast<std::size_t>(i) * kD;
-    for (int g = 0; g < kDc / 64; ++g) {
+    std::uint16_t* row = r.data() + static_cast<std::size_t>(i) * D;
+    for (int g = 0; g < dc / 64; ++g) {
       const int kind = (i + g) % 6;
       for (int d = 0; d < 64; ++d) {
         const int half = static_cast<int>(rng() % static_cast<unsigned>(m + 1)) * 2 - m;  // -m .. m, odd steps
@@ -113,10 +120,10 @@ std::vector<std::uint16_t> make_edge_rows(int n, int cb, int rb, unsigned seed) 
         row[g * 64 + d] = float_to_bf16(x);
       }
     }
-    for (int d = 0; d < kDr; ++d) {
+    for (int d = 0; d < dr; ++d) {
       const float x = i % 2 ? 0.5f * static_cast<float>(static_cast<int>(rng() % static_cast<unsigned>(mr + 1)) - mr / 2)
                             : nd(rng) * 3.0f;
-      row[kDc + d] = float_to_bf16(d == 0 && i % 2 ? -0.5f * mr : (d == 1 && i % 2 ? 0.5f * mr : x));
+      row[dc + d] = float_to_bf16(d % 64 == 0 && i % 2 ? -0.5f * mr : (d % 64 == 1 && i % 2 ? 0.5f * mr : x));
     }
   }
   return r;
@@ -124,14 +131,16 @@ std::vector<std::uint16_t> make_edge_rows(int n, int cb, int rb, unsigned seed) 
 
 struct Cpu {
   FormatSpec f;
+  int dc, dr, D;
   cuda::MlaFormat mf;
   QuantizerPair q;
-  explicit Cpu(const std::string& name, int layer = 0) : f(find_format(name)), mf(cuda::mla_format(f, kDc, kDr, layer)) {
+  explicit Cpu(const std::string& name, int layer = 0, int dc_ = kDc, int dr_ = kDr)
+      : f(find_format(name)), dc(dc_), dr(dr_), D(dc_ + dr_), mf(cuda::mla_format(f, dc_, dr_, layer)) {
     CacheGeometry g;
     g.n_layers = layer + 1;
     g.mla = true;
-    g.d_latent = kDc;
-    g.d_rope = kDr;
+    g.d_latent = dc;
+    g.d_rope = dr;
     q = make_quantizers(f, g, layer, 0);
   }
   // Writes one token into its page slot exactly as the CPU paged cache lays it out.
@@ -139,11 +148,11 @@ struct Cpu {
     const PageLayout& L = mf.page;
     std::uint8_t* page = pool.data() + static_cast<std::size_t>(slot / L.tokens) * L.page_bytes;
     const int off = static_cast<int>(slot % L.tokens);
-    std::vector<float> x(kD);
-    for (int d = 0; d < kD; ++d) x[d] = bf16_to_float(row[d]);
+    std::vector<float> x(static_cast<std::size_t>(D));
+    for (int d = 0; d < D; ++d) x[static_cast<std::size_t>(d)] = bf16_to_float(row[d]);
     std::vector<std::uint8_t> km(q.key->meta_bytes() + 1), vm(q.value->meta_bytes() + 1);
     q.key->encode(x.data(), page + L.key_code(0, off), km.data());
-    q.value->encode(x.data() + kDc, page + L.value_code(0, off), vm.data());
+    q.value->encode(x.data() + dc, page + L.value_code(0, off), vm.data());
     if (L.meta_bytes) {
       std::uint8_t* meta = page + L.key_meta(0, off);
       std::memset(meta, 0, L.meta_bytes);
@@ -155,17 +164,19 @@ struct Cpu {
     const PageLayout& L = mf.page;
     const std::uint8_t* page = pool.data() + static_cast<std::size_t>(slot / L.tokens) * L.page_bytes;
     const int off = static_cast<int>(slot % L.tokens);
-    std::vector<float> x(kD);
+    std::vector<float> x(static_cast<std::size_t>(D));
     const std::uint8_t* meta = page + L.key_meta(0, off);
     q.key->decode(page + L.key_code(0, off), meta, x.data());
-    q.value->decode(page + L.value_code(0, off), meta + q.key->meta_bytes(), x.data() + kDc);
-    for (int d = 0; d < kD; ++d) out[d] = x[d];
+    q.value->decode(page + L.value_code(0, off), meta + q.key->meta_bytes(), x.data() + dc);
+    for (int d = 0; d < D; ++d) out[d] = x[static_cast<std::size_t>(d)];
   }
 };
 
 // ---- writer ------------------------------------------------------------------------------
-void test_writer(const std::string& fmt, bool fixture, int sinks, int window, bool edge = false) {
-  const Cpu cpu(fmt);
+void test_writer(const std::string& fmt, bool fixture, int sinks, int window, bool edge = false, int dc = kDc, int dr = kDr,
+                 bool generic = false) {
+  const Cpu cpu(fmt, 0, dc, dr);
+  const int D = dc + dr;
   const PageLayout& L = cpu.mf.page;
   const std::vector<int> lens = {1, 70, 300, 131};
   const int B = static_cast<int>(lens.size());
@@ -175,7 +186,7 @@ void test_writer(const std::string& fmt, bool fixture, int sinks, int window, bo
     pages += (l + 63) / 64;
   }
   std::vector<std::uint16_t> rows =
-      edge ? make_edge_rows(total, cpu.mf.content_bits, cpu.mf.rope_bits, 13) : make_rows(total, fixture, 11);
+      edge ? make_edge_rows(total, cpu.mf.content_bits, cpu.mf.rope_bits, 13, dc, dr) : make_rows(total, fixture, 11, dc, dr);
   // Block tables: a shuffled page order per sequence.
   std::vector<int> perm(static_cast<std::size_t>(pages));
   for (int i = 0; i < pages; ++i) perm[static_cast<std::size_t>(i)] = i;
@@ -188,7 +199,7 @@ void test_writer(const std::string& fmt, bool fixture, int sinks, int window, bo
     r += lens[static_cast<std::size_t>(b)];
     for (int p = 0; p < (lens[static_cast<std::size_t>(b)] + 63) / 64; ++p) bt[static_cast<std::size_t>(b)].push_back(perm[static_cast<std::size_t>(k++)]);
   }
-  MlaProtectLayout prot{sinks, window, kDc, kDr};
+  MlaProtectLayout prot{sinks, window, dc, dr};
   const std::size_t pool_bytes = static_cast<std::size_t>(pages) * L.page_bytes;
   std::vector<std::uint8_t> cpool(pool_bytes, 0xff);
   std::vector<std::uint16_t> cprot(std::max<std::size_t>(prot.elements(B), 1), 0xffff);
@@ -205,9 +216,9 @@ void test_writer(const std::string& fmt, bool fixture, int sinks, int window, bo
       const int l = lens[static_cast<std::size_t>(b)];
       const int upto = call == 2 ? l : std::min(l, (call + 1) * (l / 3 + 1));
       for (int i = done[static_cast<std::size_t>(b)]; i < upto; ++i) {
-        const std::uint16_t* row = rows.data() + static_cast<std::size_t>(row0[static_cast<std::size_t>(b)] + i) * kD;
-        lat.insert(lat.end(), row, row + kDc);
-        rop.insert(rop.end(), row + kDc, row + kD);
+        const std::uint16_t* row = rows.data() + static_cast<std::size_t>(row0[static_cast<std::size_t>(b)] + i) * D;
+        lat.insert(lat.end(), row, row + dc);
+        rop.insert(rop.end(), row + dc, row + D);
         const std::int64_t slot = static_cast<std::int64_t>(bt[static_cast<std::size_t>(b)][static_cast<std::size_t>(i / 64)]) * 64 + i % 64;
         slots.push_back(slot);
         pos.push_back(i);
@@ -219,7 +230,7 @@ void test_writer(const std::string& fmt, bool fixture, int sinks, int window, bo
       for (int i = done[static_cast<std::size_t>(b)]; i < upto; ++i) {
         const int s = prot.slot(i);
         if (s < 0 || (i >= sinks && i < upto - window)) continue;
-        std::memcpy(cprot.data() + prot.row(b, s), rows.data() + static_cast<std::size_t>(row0[static_cast<std::size_t>(b)] + i) * kD, kD * 2);
+        std::memcpy(cprot.data() + prot.row(b, s), rows.data() + static_cast<std::size_t>(row0[static_cast<std::size_t>(b)] + i) * D, D * 2);
       }
       done[static_cast<std::size_t>(b)] = upto;
     }
@@ -233,8 +244,8 @@ void test_writer(const std::string& fmt, bool fixture, int sinks, int window, bo
     std::vector<std::int32_t> pos2(pos.size()), seq2(seq.size());
     for (std::size_t i = 0; i < order.size(); ++i) {
       const std::size_t o = order[i];
-      std::memcpy(&lat2[i * kDc], &lat[o * kDc], kDc * 2);
-      std::memcpy(&rop2[i * kDr], &rop[o * kDr], kDr * 2);
+      std::memcpy(&lat2[i * dc], &lat[o * dc], dc * 2);
+      std::memcpy(&rop2[i * dr], &rop[o * dr], dr * 2);
       slots2[i] = slots[o];
       pos2[i] = pos[o];
       seq2[i] = seq[o];
@@ -251,6 +262,7 @@ void test_writer(const std::string& fmt, bool fixture, int sinks, int window, bo
     sp.positions = upload(pos2);
     sp.seq_ids = upload(seq2);
     sp.protect_seq_lens = upload(after);
+    sp.generic = generic;
     KVQ_CUDA_OK(cuda::mla_store(sp));
     KVQ_CUDA_OK(cudaDeviceSynchronize());
     const std::vector<std::uint8_t> gpool = download(dpool, pool_bytes);
@@ -269,7 +281,8 @@ void test_writer(const std::string& fmt, bool fixture, int sinks, int window, bo
     cudaFree(const_cast<std::int32_t*>(sp.seq_ids));
     cudaFree(const_cast<std::int32_t*>(sp.protect_seq_lens));
   }
-  const std::string what = fmt + (edge ? " edge" : fixture ? " fixture" : " random") + " S=" + std::to_string(sinks) + " W=" + std::to_string(window);
+  const std::string what = fmt + (edge ? " edge" : fixture ? " fixture" : " random") + " S=" + std::to_string(sinks) + " W=" + std::to_string(window) +
+                           " d_c=" + std::to_string(dc) + " d_r=" + std::to_string(dr) + (generic ? " generic" : "");
   check(ok_pool, "writer bytes identical to the CPU reference: " + what);
   if (prot.enabled()) check(ok_prot, "writer protection ring identical: " + what);
   cudaFree(dpool);
@@ -287,10 +300,13 @@ struct Case {
   unsigned seed = 1;
   bool ramp = false;  // rows scaled up along the sequence: the running maximum keeps moving
   int layer = 0;      // mla-tq: whose sign diagonal
+  int dc = kDc, dr = kDr;
+  bool generic = false;  // the generic-shape kernel at 512 / 64
 };
 
 void test_decode(const Case& c) {
-  const Cpu cpu(c.fmt, c.layer);
+  const Cpu cpu(c.fmt, c.layer, c.dc, c.dr);
+  const int dc = c.dc, dr = c.dr, D = dc + dr;
   const PageLayout& L = cpu.mf.page;
   const int B = static_cast<int>(c.lens.size()), H = c.heads;
   int maxlen = 0, total = 0;
@@ -299,7 +315,7 @@ void test_decode(const Case& c) {
     total += l;
   }
   const int max_pages = std::max(1, (maxlen + 63) / 64);
-  std::vector<std::uint16_t> rows = make_rows(total, c.fixture, c.seed);
+  std::vector<std::uint16_t> rows = make_rows(total, c.fixture, c.seed, dc, dr);
   std::vector<int> row0(static_cast<std::size_t>(B));
   for (int b = 0, r = 0; b < B; ++b) {
     row0[static_cast<std::size_t>(b)] = r;
@@ -308,9 +324,9 @@ void test_decode(const Case& c) {
   if (c.ramp)
     for (int b = 0; b < B; ++b)
       for (int i = 0; i < c.lens[static_cast<std::size_t>(b)]; ++i) {
-        std::uint16_t* row = rows.data() + static_cast<std::size_t>(row0[static_cast<std::size_t>(b)] + i) * kD;
+        std::uint16_t* row = rows.data() + static_cast<std::size_t>(row0[static_cast<std::size_t>(b)] + i) * D;
         const float f = 0.25f + 4.0f * static_cast<float>(i) / static_cast<float>(c.lens[static_cast<std::size_t>(b)]);
-        for (int d = 0; d < kD; ++d) row[d] = float_to_bf16(bf16_to_float(row[d]) * f);
+        for (int d = 0; d < D; ++d) row[d] = float_to_bf16(bf16_to_float(row[d]) * f);
       }
   const int pages = B * max_pages;
   std::vector<int> perm(static_cast<std::size_t>(pages));
@@ -319,55 +335,55 @@ void test_decode(const Case& c) {
   std::shuffle(perm.begin(), perm.end(), rng);
   std::vector<std::int32_t> bt(perm.begin(), perm.end());
   std::vector<std::uint8_t> pool(static_cast<std::size_t>(pages) * L.page_bytes, 0xff);
-  MlaProtectLayout prot{c.sinks, c.window, kDc, kDr};
+  MlaProtectLayout prot{c.sinks, c.window, dc, dr};
   std::vector<std::uint16_t> prow(std::max<std::size_t>(prot.elements(B), 1), 0xffff);
   for (int b = 0; b < B; ++b)
     for (int i = 0; i < c.lens[static_cast<std::size_t>(b)]; ++i) {
-      const std::uint16_t* row = rows.data() + static_cast<std::size_t>(row0[static_cast<std::size_t>(b)] + i) * kD;
+      const std::uint16_t* row = rows.data() + static_cast<std::size_t>(row0[static_cast<std::size_t>(b)] + i) * D;
       cpu.put(pool, static_cast<std::int64_t>(bt[static_cast<std::size_t>(b * max_pages + i / 64)]) * 64 + i % 64, row);
       const int s = prot.slot(i);
-      if (s >= 0) std::memcpy(prow.data() + prot.row(b, s), row, kD * 2);  // in order: the ring keeps the last W
+      if (s >= 0) std::memcpy(prow.data() + prot.row(b, s), row, D * 2);  // in order: the ring keeps the last W
     }
   std::normal_distribution<float> nd(0.0f, 1.0f);
-  std::vector<float> q(static_cast<std::size_t>(B) * H * kD);
+  std::vector<float> q(static_cast<std::size_t>(B) * H * D);
   for (auto& x : q) x = nd(rng);
-  const float scale = c.fixture ? 0.06f : 2.0f / std::sqrt(static_cast<float>(kD));
+  const float scale = c.fixture ? 0.06f : 2.0f / std::sqrt(static_cast<float>(D));
 
   // Reference in double.
   const bool use_prot = cpu.mf.content_bits != 16 && prot.enabled();
-  std::vector<double> ref(static_cast<std::size_t>(B) * H * kDc, 0.0);
+  std::vector<double> ref(static_cast<std::size_t>(B) * H * dc, 0.0);
   for (int b = 0; b < B; ++b) {
     const int len = c.lens[static_cast<std::size_t>(b)];
     const std::int64_t pb = use_prot ? prot.packed_begin(len) : 0, pe = use_prot ? prot.packed_end(len) : len;
-    std::vector<double> kv(static_cast<std::size_t>(len) * kD);
+    std::vector<double> kv(static_cast<std::size_t>(len) * D);
     for (int i = 0; i < len; ++i) {
-      double* dst = kv.data() + static_cast<std::size_t>(i) * kD;
+      double* dst = kv.data() + static_cast<std::size_t>(i) * D;
       if (i < pb || i >= pe) {
         const std::uint16_t* r = prow.data() + prot.row(b, prot.slot(i));
-        for (int d = 0; d < kD; ++d) dst[d] = bf16_to_float(r[d]);
+        for (int d = 0; d < D; ++d) dst[d] = bf16_to_float(r[d]);
       } else {
         cpu.get(pool, static_cast<std::int64_t>(bt[static_cast<std::size_t>(b * max_pages + i / 64)]) * 64 + i % 64, dst);
       }
     }
     for (int h = 0; h < H; ++h) {
-      const float* qh = q.data() + (static_cast<std::size_t>(b) * H + h) * kD;
+      const float* qh = q.data() + (static_cast<std::size_t>(b) * H + h) * D;
       std::vector<double> s(static_cast<std::size_t>(len));
       double mx = -INFINITY;
       for (int i = 0; i < len; ++i) {
         double a = 0;
-        for (int d = 0; d < kD; ++d) a += static_cast<double>(qh[d]) * kv[static_cast<std::size_t>(i) * kD + d];
+        for (int d = 0; d < D; ++d) a += static_cast<double>(qh[d]) * kv[static_cast<std::size_t>(i) * D + d];
         s[static_cast<std::size_t>(i)] = a * scale;
         mx = std::max(mx, s[static_cast<std::size_t>(i)]);
       }
       double den = 0;
-      double* o = ref.data() + (static_cast<std::size_t>(b) * H + h) * kDc;
+      double* o = ref.data() + (static_cast<std::size_t>(b) * H + h) * dc;
       for (int i = 0; i < len; ++i) {
         const double p = std::exp(s[static_cast<std::size_t>(i)] - mx);
         den += p;
-        for (int d = 0; d < kDc; ++d) o[d] += p * kv[static_cast<std::size_t>(i) * kD + d];
+        for (int d = 0; d < dc; ++d) o[d] += p * kv[static_cast<std::size_t>(i) * D + d];
       }
       if (den > 0)
-        for (int d = 0; d < kDc; ++d) o[d] /= den;
+        for (int d = 0; d < dc; ++d) o[d] /= den;
     }
   }
 
@@ -381,12 +397,13 @@ void test_decode(const Case& c) {
   p.heads = H;
   p.max_seq_len = maxlen;
   p.q = upload(q);
-  std::vector<float> poison(static_cast<std::size_t>(B) * H * kDc, NAN);
+  std::vector<float> poison(static_cast<std::size_t>(B) * H * dc, NAN);
   p.out = upload(poison);
   p.scale = scale;
   p.protect = prot;
   p.protect_rows = upload(prow);
   p.num_splits = c.splits;
+  p.generic = c.generic;
   p.workspace_bytes = cuda::mla_decode_workspace_bytes(p);
   KVQ_CUDA_OK(cudaMalloc(&p.workspace, p.workspace_bytes));
   for (int warps : {16, 8}) {  // both accepted values of MlaDecodeParams::warps (same kernel)
@@ -409,7 +426,9 @@ void test_decode(const Case& c) {
     const std::string what = c.fmt + " H=" + std::to_string(H) + " lens=" + lens + (c.fixture ? " fixture" : c.ramp ? " ramp" : " random") +
                              " S=" + std::to_string(c.sinks) + " W=" + std::to_string(c.window) + " splits=" +
                              std::to_string(cuda::mla_decode_splits(p)) + " warps=" + std::to_string(warps) +
-                             (c.layer ? " layer=" + std::to_string(c.layer) : "");
+                             (c.layer ? " layer=" + std::to_string(c.layer) : "") +
+                             (dc != kDc || dr != kDr ? " d_c=" + std::to_string(dc) + " d_r=" + std::to_string(dr) : "") +
+                             (c.generic ? " generic" : "");
     std::printf("  %-52s nmse %.3g\n", what.c_str(), nmse);
     check(finite && nmse <= 1e-5, "decode NMSE <= 1e-5: " + what);
     if (warps != 8) continue;
@@ -434,6 +453,28 @@ void test_decode(const Case& c) {
     cudaFree(const_cast<void*>(v));
 }
 
+// Shapes outside the kernels are refused with cudaErrorInvalidValue before anything is read.
+void test_rejects() {
+  struct Bad {
+    const char* fmt;
+    int dc, dr;
+  };
+  for (const Bad& x : {Bad{"c4r4", 1088, 64}, Bad{"c2r4", 512, 320}, Bad{"bf16", 2048, 64}, Bad{"mla-tq4", 256, 64}}) {
+    const cuda::MlaFormat mf = cuda::mla_format(find_format(x.fmt), x.dc, x.dr);
+    const std::string what = std::string(x.fmt) + " d_c=" + std::to_string(x.dc) + " d_r=" + std::to_string(x.dr);
+    check(!cuda::mla_supported(mf), "unsupported shape reported: " + what);
+    cuda::MlaDecodeParams p;
+    p.fmt = mf;
+    p.batch = 1;
+    p.heads = 16;
+    check(cuda::mla_decode(p) == cudaErrorInvalidValue, "decode refuses " + what);
+    cuda::MlaStoreParams sp;
+    sp.fmt = mf;
+    sp.n_tokens = 1;
+    check(cuda::mla_store(sp) == cudaErrorInvalidValue, "writer refuses " + what);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -446,6 +487,9 @@ int main(int argc, char** argv) {
     test_decode({"bf16", 16, {70}, false, 0, 0, 0, 4});
     test_decode({"mla-tq4", 16, {5, 130}, false, 2, 8, 0, 3});
     test_decode({"mla-tq3", 32, {70}, false, 0, 0, 0, 4});
+    test_writer("c3r4", false, 2, 8, false, 576, 128);
+    test_decode({"c4r4", 16, {5, 130}, false, 2, 8, 0, 3, false, 0, 576, 128});
+    test_decode({"bf16", 16, {70}, false, 0, 0, 0, 4, false, 0, kDc, kDr, true});
     return cudatest::finish();
   }
   const std::vector<std::string> fmts = {"bf16", "c8r8", "c4r8", "c4r4", "c3r4", "c2r4"};
@@ -474,5 +518,26 @@ int main(int argc, char** argv) {
     test_decode({f, 128, {900, 64}, true, 4, 128, 0, 4, false, 3});  // layer 3's sign diagonal
     test_decode({f, 64, {0, 300}, false, 0, 0, 0, 7, false, 1});
   }
+  // Other widths (multiples of 64: the generic-shape writer and decode), and the generic path at
+  // 512 / 64 against the same references as the tuned kernels.
+  const int shapes[][2] = {{256, 64}, {64, 128}, {576, 64}, {1024, 256}, {192, 128}};
+  for (const auto& f : fmts) {
+    for (const auto& sh : shapes) {
+      test_writer(f, false, 4, 32, false, sh[0], sh[1]);
+      if (f != "bf16") test_writer(f, false, 0, 0, true, sh[0], sh[1]);
+    }
+    test_writer(f, true, 4, 16, false, kDc, kDr, true);
+  }
+  for (const auto& f : fmts) {
+    test_decode({f, 16, {1, 64, 65, 700}, false, 0, 0, 0, 11, false, 0, 256, 64});
+    test_decode({f, 32, {1000, 3, 129}, true, 4, 64, 0, 12, false, 0, 1024, 256});
+    test_decode({f, 16, {4, 20, 100, 1300}, false, 4, 16, 5, 13, false, 0, 576, 64});  // token aging
+    test_decode({f, 16, {300, 17}, false, 0, 0, 0, 14, false, 0, 64, 128});
+    test_decode({f, 16, {1, 64, 65, 700, 2500}, true, 4, 16, 0, 15, false, 0, kDc, kDr, true});
+  }
+  test_decode({"c4r4", 128, {900, 64}, true, 4, 128, 0, 16, false, 0, 192, 128});
+  test_decode({"c2r4", 64, {0, 300}, false, 0, 0, 0, 18, false, 0, 320, 64});
+  for (const auto& f : {"bf16", "c4r4"}) test_decode({f, 16, {3000, 777}, false, 4, 16, 2, 17, true, 0, 256, 64});  // moving maximum
+  test_rejects();
   return cudatest::finish();
 }

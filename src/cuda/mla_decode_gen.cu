@@ -1,0 +1,368 @@
+// mla_decode_gen.cu: paged split-KV MLA decode for any latent / RoPE width that is a multiple of 64
+// (d_c = 64 G, 1 <= G <= 16; d_r = 64 R, 1 <= R <= 4) over bf16 and QuantMLA affine caches (c8r8,
+// c4r8, c4r4, c3r4, c2r4), and its combine kernel. mla_decode() runs it for every shape other
+// than d_c = 512, d_r = 64 (whose tuned kernel is in mla_decode.cu), and for that shape too when
+// MlaDecodeParams::generic is set (tests, benchmarks).
+//
+// One CTA (8 warps) = one sequence x 16 query heads x a contiguous range of 16-token tiles (a
+// split), as in the tuned kernel, with the same virtual tiles (protected bf16 rows first), the same
+// split ranges of equal cost, the same operands (affine: fp16 s (q - z) and the query rounded once
+// to fp16; bf16: bf16 rows, the query as bf16 hi + lo) and the same partial-state layout, so the
+// two kernels share the error budget and the workspace. Per tile:
+//  1. the CTA dequantizes the tile's 16 rows (576..1280 values each) into shared memory: item =
+//     (row, 8 consecutive dims); rows outside the sequence are zeros;
+//  2. QK on tensor cores: warp w takes the k-steps (16 dims) w, w + 8, ... of the whole row
+//     (ldmatrix of the query and the tile), its partial scores meet in shared memory;
+//  3. online softmax with an exact running maximum, one thread per (head, token);
+//  4. PV: warp w owns output dims [8 G w, 8 G (w + 1)) of the 16 heads (ldmatrix.trans of the tile).
+// Slower than the tuned kernel (a tile is written to shared memory and read back, four barriers per
+// tile), but any width runs on the same paged cache, protection included.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+
+#include "device.cuh"
+#include "kvq_cuda_mla.hpp"
+
+namespace kvq::cuda {
+namespace detail {
+
+namespace {
+
+constexpr int kHG = 16, kTI = 16, kPT = 64, kNW = 8, kNT = 32 * kNW;
+constexpr int kMaxG = 16, kMaxR = 4;
+constexpr int kProtCostG = 4;  // a protected tile's cost in packed tiles (as the tuned kernel)
+constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+
+__device__ __forceinline__ std::uint32_t smem_u32(const void* p) {
+  return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void ldsm_x4(std::uint32_t (&r)[4], std::uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x2_trans(std::uint32_t& r0, std::uint32_t& r1, std::uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n" : "=r"(r0), "=r"(r1) : "r"(addr));
+}
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+// Little-endian 32-bit value of 4 bytes at any address.
+__device__ __forceinline__ std::uint32_t load_u32_any(const std::uint8_t* p) {
+  return static_cast<std::uint32_t>(p[0]) | static_cast<std::uint32_t>(p[1]) << 8 | static_cast<std::uint32_t>(p[2]) << 16 |
+         static_cast<std::uint32_t>(p[3]) << 24;
+}
+// Eight consecutive b-bit codes starting at byte p (8 b bits = b bytes, LSB first).
+template <int B>
+__device__ __forceinline__ std::uint64_t load_codes8(const std::uint8_t* p) {
+  if constexpr (B == 8) return *reinterpret_cast<const std::uint64_t*>(p);
+  else if constexpr (B == 4) return *reinterpret_cast<const std::uint32_t*>(p);
+  else if constexpr (B == 2) return *reinterpret_cast<const std::uint16_t*>(p);
+  else return static_cast<std::uint64_t>(p[0]) | static_cast<std::uint64_t>(p[1]) << 8 | static_cast<std::uint64_t>(p[2]) << 16;
+}
+// Eight affine values s (code - z) as fp16, each rounded once (the tuned kernel's operands: exact
+// code - z times the scale rounded to fp16), packed in a uint4.
+template <int B>
+__device__ __forceinline__ uint4 dequant8(std::uint64_t v, int z, __half s) {
+  std::uint32_t w[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int c0 = static_cast<int>((v >> (B * 2 * k)) & ((1u << B) - 1u));
+    const int c1 = static_cast<int>((v >> (B * (2 * k + 1))) & ((1u << B) - 1u));
+    const __half h0 = __hmul(__int2half_rn(c0 - z), s), h1 = __hmul(__int2half_rn(c1 - z), s);
+    w[k] = static_cast<std::uint32_t>(__half_as_ushort(h0)) | static_cast<std::uint32_t>(__half_as_ushort(h1)) << 16;
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+// Eight bf16 values (a uint4) as fp16, each rounded once.
+__device__ __forceinline__ uint4 bf16x8_to_half(uint4 x) {
+  auto cv = [](std::uint32_t u) { return pack2<false>(bf16_lo(u), bf16_hi(u)); };
+  return make_uint4(cv(x.x), cv(x.y), cv(x.z), cv(x.w));
+}
+
+struct GenWork {
+  float* opart;  // [batch][heads][nsplit][d_c]
+  float* ml;     // [batch][heads][nsplit][2]
+  int nsplit;
+};
+
+// Shared memory (bytes): the query (fp16; bf16 hi and lo for a bf16 cache) and the tile, rows of
+// D + 8 halves (the pad keeps ldmatrix free of bank conflicts), partial scores [8][16][17] floats,
+// P [16][24] halves and the per-head rescale factors.
+__host__ __device__ constexpr int gen_row(int D) { return D + 8; }
+__host__ __device__ constexpr int gen_smem(int D, bool bf16) {
+  return (bf16 ? 2 : 1) * kHG * gen_row(D) * 2 + kTI * gen_row(D) * 2 + kNW * kHG * 17 * 4 + kHG * 24 * 2 + kHG * 4;
+}
+
+template <int CB, int RB>
+__global__ void __launch_bounds__(kNT) mla_decode_gen_kernel(const __grid_constant__ MlaDecodeParams p, GenWork wk) {
+  constexpr bool kB = CB == 16;  // bf16 cache: bf16 operands, query hi + lo
+  const int dc = p.fmt.d_latent, dr = p.fmt.d_rope, D = dc + dr, G = dc / 64, R = dr / 64;
+  const int RW = gen_row(D);
+  extern __shared__ __align__(16) std::uint8_t smem_raw[];
+  std::uint16_t* sQ = reinterpret_cast<std::uint16_t*>(smem_raw);      // [16][RW] (bf16: hi, then lo)
+  std::uint16_t* sK = sQ + (kB ? 2 : 1) * kHG * RW;                    // [16][RW]
+  float* spart = reinterpret_cast<float*>(sK + kTI * RW);              // [8][16][17]
+  std::uint16_t* sP = reinterpret_cast<std::uint16_t*>(spart + kNW * kHG * 17);  // [16][24]
+  float* salpha = reinterpret_cast<float*>(sP + kHG * 24);             // [16]
+  const PageLayout L = p.fmt.page;
+  const int split = blockIdx.x, hg = blockIdx.y, b = blockIdx.z;
+  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, t = lane & 3;
+
+  // ---- query: pre-scaled by scale * log2(e) (scores in log2 units)
+  const float sl2 = p.scale * kLog2e;
+  for (int i = tid; i < kHG * D / 2; i += kNT) {
+    const int h = i / (D / 2), d = 2 * (i % (D / 2));
+    const float* qp = p.q + (static_cast<std::size_t>(b) * p.heads + hg * kHG + h) * D + d;
+    const float x0 = qp[0] * sl2, x1 = qp[1] * sl2;
+    std::uint32_t hi, lo;
+    if constexpr (kB) {
+      split2<true>(x0, x1, hi, lo);
+      *reinterpret_cast<std::uint32_t*>(sQ + kHG * RW + h * RW + d) = lo;
+    } else {
+      hi = pack2<false>(x0, x1);
+    }
+    *reinterpret_cast<std::uint32_t*>(sQ + h * RW + d) = hi;
+  }
+
+  const int Lq = p.seq_lens[b];
+  const bool prot = !kB && p.protect.enabled();
+  const int pb = prot ? static_cast<int>(p.protect.packed_begin(Lq)) : 0;
+  const int pe = prot ? static_cast<int>(p.protect.packed_end(Lq)) : Lq;
+  const int first = pb / kTI, end = pe > pb ? (pe + kTI - 1) / kTI : first;
+  const int npk = end - first;
+  const int nprot = prot ? pb + (Lq - pe) : 0;
+  const int nprt = (nprot + kTI - 1) / kTI;
+  const int cost = kProtCostG * nprt + npk;
+  const int per = (cost + wk.nsplit - 1) / wk.nsplit;
+  auto tile_at = [&](int c) {
+    return c <= kProtCostG * nprt ? (c + kProtCostG - 1) / kProtCostG : nprt + (c - kProtCostG * nprt);
+  };
+  const int v0 = tile_at(min(split * per, cost)), v1 = tile_at(min((split + 1) * per, cost));
+  const std::int32_t* bt = p.block_tables + static_cast<std::size_t>(b) * p.max_pages;
+
+  float o[kMaxG][4];
+#pragma unroll
+  for (int n = 0; n < kMaxG; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+  // softmax role: thread = (head sh, token sk); every thread of a head holds its state
+  const int sh = tid >> 4, sk = tid & 15;
+  float m_run = -INFINITY, l_run = 0.0f;
+
+  for (int vt = v0; vt < v1; ++vt) {
+    const bool is_prot = vt < nprt;
+    int lo, hi;
+    if (is_prot) {
+      lo = 0;
+      hi = min(kTI, nprot - vt * kTI);
+    } else {
+      const int pi = first + vt - nprt;
+      lo = max(0, pb - pi * kTI);
+      hi = min(kTI, pe - pi * kTI);
+    }
+    // ---- 1. the tile in shared memory: item = (row r, 8 dims at column 8 c)
+    {
+      const int pi = first + vt - nprt;
+      const std::uint8_t* page = nullptr;
+      int toff = 0;
+      if (!is_prot) {
+        page = p.pool + static_cast<std::size_t>(static_cast<unsigned>(bt[(pi * kTI) / kPT])) * L.page_bytes;
+        toff = (pi * kTI) % kPT;
+      }
+      const int chunks = D / 8;
+      for (int i = tid; i < kTI * chunks; i += kNT) {
+        const int r = i / chunks, c = i % chunks, d = 8 * c;
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (r >= lo && r < hi) {
+          if (is_prot) {
+            const int idx = vt * kTI + r;
+            const int pos = idx < pb ? idx : pe + (idx - pb);
+            const std::uint16_t* row = p.protect_rows + p.protect.row(b, p.protect.slot(pos));
+            v = bf16x8_to_half(*reinterpret_cast<const uint4*>(row + d));
+          } else if constexpr (kB) {
+            const std::uint8_t* src = d < dc ? page + L.key_code_off + static_cast<std::size_t>(toff + r) * L.key_code_bytes + 2 * d
+                                             : page + L.value_code_off + static_cast<std::size_t>(toff + r) * L.value_code_bytes + 2 * (d - dc);
+            v = *reinterpret_cast<const uint4*>(src);
+          } else {
+            const std::uint8_t* meta = page + L.meta_off + static_cast<std::size_t>(toff + r) * L.meta_bytes;
+            if (d < dc) {
+              const int gi = d >> 6;
+              const float s = bf16_bits_to_float(*reinterpret_cast<const std::uint16_t*>(meta + 2 * gi));
+              const int z = meta[2 * G + gi];
+              const std::uint8_t* cp = page + L.key_code_off + static_cast<std::size_t>(toff + r) * L.key_code_bytes + d * CB / 8;
+              v = dequant8<CB>(load_codes8<CB>(cp), z, __float2half_rn(s));
+            } else {
+              const int dd = d - dc, ri = dd >> 6;
+              const float s = __uint_as_float(load_u32_any(meta + 3 * G + 4 * ri));
+              const int z = meta[3 * G + 4 * R + ri];
+              const std::uint8_t* cp = page + L.value_code_off + static_cast<std::size_t>(toff + r) * L.value_code_bytes + dd * RB / 8;
+              v = dequant8<RB>(load_codes8<RB>(cp), z, __float2half_rn(s));
+            }
+          }
+        }
+        *reinterpret_cast<uint4*>(sK + r * RW + d) = v;
+      }
+    }
+    __syncthreads();
+    // ---- 2. QK: warp w takes k-steps w, w + 8, ... (16 dims each) of the whole row
+    {
+      float acc[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
+      const int ks_n = D / 16;
+      const int qrow = lane & 15, qcol = (lane >> 4) * 8;
+      const int krow = (lane >> 4) * 8 + (lane & 7), kcol = ((lane >> 3) & 1) * 8;
+      for (int ks = w; ks < ks_n; ks += kNW) {
+        std::uint32_t a[4], kb[4];
+        ldsm_x4(a, smem_u32(sQ + qrow * RW + 16 * ks + qcol));
+        ldsm_x4(kb, smem_u32(sK + krow * RW + 16 * ks + kcol));
+        mma16816<kB>(acc[0], a, kb[0], kb[1]);
+        mma16816<kB>(acc[1], a, kb[2], kb[3]);
+        if constexpr (kB) {
+          ldsm_x4(a, smem_u32(sQ + kHG * RW + qrow * RW + 16 * ks + qcol));
+          mma16816<kB>(acc[0], a, kb[0], kb[1]);
+          mma16816<kB>(acc[1], a, kb[2], kb[3]);
+        }
+      }
+      float* dst = spart + (w * kHG) * 17;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        dst[g * 17 + 8 * j + 2 * t] = acc[j][0];
+        dst[g * 17 + 8 * j + 2 * t + 1] = acc[j][1];
+        dst[(g + 8) * 17 + 8 * j + 2 * t] = acc[j][2];
+        dst[(g + 8) * 17 + 8 * j + 2 * t + 1] = acc[j][3];
+      }
+    }
+    __syncthreads();
+    // ---- 3. online softmax: thread (head sh, token sk); 16 threads of a head share a half-warp
+    {
+      float s = 0.0f;
+#pragma unroll
+      for (int ww = 0; ww < kNW; ++ww) s += spart[(ww * kHG + sh) * 17 + sk];
+      const bool valid = sk >= lo && sk < hi;
+      s = valid ? s : -INFINITY;
+      float mx = s;
+#pragma unroll
+      for (int off = 8; off >= 1; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+      const float mn = fmaxf(m_run, mx);
+      const float alpha = mn == m_run ? 1.0f : ex2(m_run - mn);  // m_run = -inf: 0
+      float pr = valid && mn != -INFINITY ? ex2(s - mn) : 0.0f;
+      const float pq = kB ? __bfloat162float(__float2bfloat16_rn(pr)) : __half2float(__float2half_rn(pr));
+      float ps = pq;
+#pragma unroll
+      for (int off = 8; off >= 1; off >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, off);
+      l_run = l_run * alpha + ps;
+      m_run = mn;
+      if constexpr (kB) sP[sh * 24 + sk] = __bfloat16_as_ushort(__float2bfloat16_rn(pr));
+      else sP[sh * 24 + sk] = __half_as_ushort(__float2half_rn(pr));
+      if (sk == 0) salpha[sh] = alpha;
+    }
+    __syncthreads();
+    // ---- 4. PV: warp w accumulates heads g, g + 8 at dims 8 G w + 8 n + 2 t, + 1
+    {
+      const float a0 = salpha[g], a1 = salpha[g + 8];
+#pragma unroll
+      for (int n = 0; n < kMaxG; ++n) {
+        o[n][0] *= a0;
+        o[n][1] *= a0;
+        o[n][2] *= a1;
+        o[n][3] *= a1;
+      }
+      std::uint32_t pa[4];
+      ldsm_x4(pa, smem_u32(sP + (lane & 15) * 24 + (lane >> 4) * 8));
+      const int vrow = lane & 15;
+#pragma unroll
+      for (int n = 0; n < kMaxG; ++n) {
+        if (n < G) {
+          std::uint32_t b0, b1;
+          ldsm_x2_trans(b0, b1, smem_u32(sK + vrow * RW + 8 * G * w + 8 * n));
+          mma16816<kB>(o[n], pa, b0, b1);
+        }
+      }
+    }
+    __syncthreads();  // the next tile overwrites sK and sP
+  }
+  // ---- partial state of this split: unnormalized output, max (natural log units), sum
+  float* dst = wk.opart + ((static_cast<std::size_t>(b) * p.heads + hg * kHG) * wk.nsplit + split) * dc;
+  const std::size_t hstride = static_cast<std::size_t>(wk.nsplit) * dc;
+#pragma unroll
+  for (int n = 0; n < kMaxG; ++n) {
+    if (n < G) {
+      const int d = 8 * G * w + 8 * n + 2 * t;
+      *reinterpret_cast<float2*>(dst + g * hstride + d) = make_float2(o[n][0], o[n][1]);
+      *reinterpret_cast<float2*>(dst + (g + 8) * hstride + d) = make_float2(o[n][2], o[n][3]);
+    }
+  }
+  if (sk == 0) {
+    const std::size_t r = (static_cast<std::size_t>(b) * p.heads + hg * kHG + sh) * wk.nsplit + split;
+    wk.ml[2 * r] = m_run * kLn2;
+    wk.ml[2 * r + 1] = l_run;
+  }
+}
+
+// out[b][h] = sum_s e^(m_s - M) O_s / sum_s e^(m_s - M) l_s over the splits (one block per (head,
+// sequence); each thread four dims at a time, in split order: deterministic).
+__global__ void __launch_bounds__(128) mla_combine_gen_kernel(const float* __restrict__ opart, const float* __restrict__ ml,
+                                                              int nsl, int dc, float* __restrict__ out) {
+  const std::size_t bh = static_cast<std::size_t>(blockIdx.y) * gridDim.x + blockIdx.x;
+  const float2* m = reinterpret_cast<const float2*>(ml + bh * nsl * 2);
+  float M = -INFINITY;
+  for (int s = 0; s < nsl; ++s) M = fmaxf(M, m[s].x);
+  float den = 0.0f;
+  for (int s = 0; s < nsl; ++s)
+    if (m[s].x != -INFINITY) den += expf(m[s].x - M) * m[s].y;
+  const float inv = den > 0.0f ? 1.0f / den : 0.0f;
+  for (int d4 = threadIdx.x; d4 < dc / 4; d4 += blockDim.x) {
+    float4 acc = make_float4(0, 0, 0, 0);
+    for (int s = 0; s < nsl; ++s) {
+      if (m[s].x == -INFINITY) continue;
+      const float e = expf(m[s].x - M);
+      const float4 x = reinterpret_cast<const float4*>(opart + (bh * nsl + s) * dc)[d4];
+      acc.x += e * x.x;
+      acc.y += e * x.y;
+      acc.z += e * x.z;
+      acc.w += e * x.w;
+    }
+    reinterpret_cast<float4*>(out + bh * dc)[d4] = make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
+  }
+}
+
+template <int CB, int RB>
+cudaError_t launch_gen(const MlaDecodeParams& p, int nsplit, cudaStream_t st) {
+  const int D = p.fmt.d_latent + p.fmt.d_rope;
+  const int smem = gen_smem(D, CB == 16);
+  cudaError_t e = smem_limit_once<mla_decode_gen_kernel<CB, RB>>(gen_smem(64 * (kMaxG + kMaxR), CB == 16));
+  if (e != cudaSuccess) return e;
+  GenWork wk;
+  wk.nsplit = nsplit;
+  wk.opart = static_cast<float*>(p.workspace);
+  wk.ml = wk.opart + static_cast<std::size_t>(p.batch) * p.heads * nsplit * p.fmt.d_latent;
+  mla_decode_gen_kernel<CB, RB><<<dim3(nsplit, p.heads / kHG, p.batch), kNT, smem, st>>>(p, wk);
+  if ((e = cudaGetLastError()) != cudaSuccess) return e;
+  mla_combine_gen_kernel<<<dim3(p.heads, p.batch), 128, 0, st>>>(wk.opart, wk.ml, nsplit, p.fmt.d_latent, p.out);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+bool mla_generic_shape_ok(int d_latent, int d_rope) {
+  return d_latent % 64 == 0 && d_rope % 64 == 0 && d_latent >= 64 && d_latent <= 64 * kMaxG && d_rope >= 64 &&
+         d_rope <= 64 * kMaxR;
+}
+
+cudaError_t mla_decode_generic(const MlaDecodeParams& p, int nsplit, cudaStream_t st) {
+  const MlaFormat& f = p.fmt;
+  if (f.tq || !mla_generic_shape_ok(f.d_latent, f.d_rope)) return cudaErrorInvalidValue;
+  const int c = f.content_bits, r = f.rope_bits;
+  if (c == 16) return launch_gen<16, 16>(p, nsplit, st);
+  if (c == 8 && r == 8) return launch_gen<8, 8>(p, nsplit, st);
+  if (c == 4 && r == 8) return launch_gen<4, 8>(p, nsplit, st);
+  if (c == 4 && r == 4) return launch_gen<4, 4>(p, nsplit, st);
+  if (c == 3 && r == 4) return launch_gen<3, 4>(p, nsplit, st);
+  if (c == 2 && r == 4) return launch_gen<2, 4>(p, nsplit, st);
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace detail
+}  // namespace kvq::cuda
