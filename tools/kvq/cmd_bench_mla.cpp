@@ -48,8 +48,8 @@ namespace {
 struct MlaBenchOptions {
   std::string batches = "8,32", contexts = "4096,32768,131072", heads = "16,128";
   std::string formats = "bf16,c8r8,c4r4,c2r4,mla-tq4", protect = "none,paper";
-  int reps = 30, warmup = 3, store_tokens = 1 << 20, warps = 0, splits = 0;
-  bool json = false;
+  int reps = 30, warmup = 3, store_tokens = 1 << 20, warps = 0, splits = 0, d_latent = 512, d_rope = 64;
+  bool json = false, generic = false;
   std::string commit = "unknown", command, flush = "read", peers, pages = "random";
 };
 
@@ -94,9 +94,9 @@ void fill_pool_host(const FormatSpec& f, const cuda::MlaFormat& mf, std::uint8_t
   ok(cudaStreamSynchronize(st), "fill pool");
 }
 
-MlaProtectLayout protect_of(const std::string& name) {
-  if (name == "none") return MlaProtectLayout{0, 0, 512, 64};
-  if (name == "paper") return MlaProtectLayout{4, 128, 512, 64};  // 132 protected rows
+MlaProtectLayout protect_of(const std::string& name, int dc, int dr) {
+  if (name == "none") return MlaProtectLayout{0, 0, dc, dr};
+  if (name == "paper") return MlaProtectLayout{4, 128, dc, dr};  // 132 protected rows
   fail("--protect: 'none' or 'paper', got '" + name + "'");
 }
 
@@ -110,6 +110,8 @@ void run_mla_bench(const MlaBenchOptions& o) {
   ok(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "stream");
   const L2Flush flush(o.flush, l2, st);
   const double copy_gbps = gpu::copy_gbps(st, flush);
+  const int dc = o.d_latent, dr = o.d_rope, D = dc + dr;
+  if (!o.peers.empty() && (dc != 512 || dr != 64)) fail("--peers: FlashMLA's rows are for d_c = 512, d_r = 64 only");
 
   // FlashMLA's times, when a peers file is given; it must use this run's flush method.
   std::map<std::tuple<int, int, int>, double> flashmla_us;
@@ -133,23 +135,28 @@ void run_mla_bench(const MlaBenchOptions& o) {
 
   // Random bf16 source rows, reused chunk by chunk to fill the pools.
   const std::size_t src_tokens = static_cast<std::size_t>(o.store_tokens);
-  DevBuf src(src_tokens * 576 * 2), slots(src_tokens * 8);
-  ok(cuda::fill_random_bf16(src.as<std::uint16_t>(), src_tokens * 576, 1), "fill");
+  DevBuf src(src_tokens * D * 2), slots(src_tokens * 8);
+  ok(cuda::fill_random_bf16(src.as<std::uint16_t>(), src_tokens * D, 1), "fill");
   {
     std::vector<std::int64_t> hs(src_tokens);
     for (std::size_t i = 0; i < src_tokens; ++i) hs[i] = static_cast<std::int64_t>(i);
     ok(cudaMemcpy(slots.p, hs.data(), src_tokens * 8, cudaMemcpyHostToDevice), "copy");
   }
-  DevBuf lat(src_tokens * 512 * 2), rope(src_tokens * 64 * 2);
-  ok(cudaMemcpy2D(lat.p, 1024, src.p, 1152, 1024, src_tokens, cudaMemcpyDeviceToDevice), "split");
-  ok(cudaMemcpy2D(rope.p, 128, src.as<std::uint8_t>() + 1024, 1152, 128, src_tokens, cudaMemcpyDeviceToDevice), "split");
+  const std::size_t lat_b = 2 * static_cast<std::size_t>(dc), rope_b = 2 * static_cast<std::size_t>(dr), row_b = lat_b + rope_b;
+  DevBuf lat(src_tokens * lat_b), rope(src_tokens * rope_b);
+  ok(cudaMemcpy2D(lat.p, lat_b, src.p, row_b, lat_b, src_tokens, cudaMemcpyDeviceToDevice), "split");
+  ok(cudaMemcpy2D(rope.p, rope_b, src.as<std::uint8_t>() + lat_b, row_b, rope_b, src_tokens, cudaMemcpyDeviceToDevice), "split");
 
   nlohmann::json rows = nlohmann::json::array(), store_rows = nlohmann::json::array();
   std::map<std::tuple<int, int, int>, double> bf16_us;
   std::mt19937 rng(7);
 
   for (const auto& fname : split_list(o.formats)) {
-    const cuda::MlaFormat mf = cuda::mla_format(find_format(fname));
+    const cuda::MlaFormat mf = cuda::mla_format(find_format(fname), dc, dr);
+    if (!cuda::mla_supported(mf))
+      fail(fmt::format("format '{}' has no CUDA kernel at d_c = {}, d_r = {} (mla-tq: 512 / 64 only; others: multiples of 64, "
+                       "d_c <= 1024, d_r <= 256)",
+                       fname, dc, dr));
     const PageLayout& pg = mf.page;
     auto store_params = [&](std::uint8_t* pool, std::size_t n) {
       cuda::MlaStoreParams sp;
@@ -159,6 +166,7 @@ void run_mla_bench(const MlaBenchOptions& o) {
       sp.slot_mapping = slots.as<std::int64_t>();
       sp.n_tokens = static_cast<int>(n);
       sp.pool = pool;
+      sp.generic = o.generic;
       return sp;
     };
     // Writer: src_tokens tokens; bytes = bf16 rows + slot ids read, page records written.
@@ -167,7 +175,7 @@ void run_mla_bench(const MlaBenchOptions& o) {
       const cuda::MlaStoreParams sp = store_params(pool.as<std::uint8_t>(), src_tokens);
       const double us =
           time_us(st, flush, o.warmup, std::max(10, o.reps / 2), [&](int) { ok(cuda::mla_store(sp, st), "store"); });
-      const double bytes = static_cast<double>(src_tokens) * (1152.0 + 8.0 + static_cast<double>(pg.page_bytes) / 64.0);
+      const double bytes = static_cast<double>(src_tokens) * (static_cast<double>(row_b) + 8.0 + static_cast<double>(pg.page_bytes) / 64.0);
       store_rows.push_back({{"format", fname}, {"tokens", src_tokens}, {"us", us}, {"gbps", bytes / (us * 1e3)},
                             {"fraction_of_copy", bytes / (us * 1e3) / copy_gbps}});
     }
@@ -188,15 +196,15 @@ void run_mla_bench(const MlaBenchOptions& o) {
         DevBuf bt(n_pages * 4), dl(static_cast<std::size_t>(B) * 4);
         ok(cudaMemcpy(bt.p, ids.data(), n_pages * 4, cudaMemcpyHostToDevice), "copy");
         ok(cudaMemcpy(dl.p, lens.data(), lens.size() * 4, cudaMemcpyHostToDevice), "copy");
-        const std::size_t prot_elems = static_cast<std::size_t>(B) * 132 * 576;
+        const std::size_t prot_elems = static_cast<std::size_t>(B) * 132 * static_cast<std::size_t>(D);
         DevBuf prot_rows(prot_elems * 2);
         ok(cuda::fill_random_bf16(prot_rows.as<std::uint16_t>(), prot_elems, 9), "fill");
         for (int H : heads_list) {
-          const std::size_t qn = static_cast<std::size_t>(B) * H * 576;
+          const std::size_t qn = static_cast<std::size_t>(B) * H * static_cast<std::size_t>(D);
           std::vector<float> hq(qn);
           std::normal_distribution<float> nd(0.0f, 1.0f);
           for (auto& x : hq) x = nd(rng);
-          DevBuf q(qn * 4), out(static_cast<std::size_t>(B) * H * 512 * 4);
+          DevBuf q(qn * 4), out(static_cast<std::size_t>(B) * H * static_cast<std::size_t>(dc) * 4);
           ok(cudaMemcpy(q.p, hq.data(), qn * 4, cudaMemcpyHostToDevice), "copy");
           for (const auto& pname : prots) {
             if (mf.content_bits == 16 && pname != "none") continue;  // bf16 rows need no protection
@@ -212,10 +220,11 @@ void run_mla_bench(const MlaBenchOptions& o) {
             p.q = q.as<float>();
             p.out = out.as<float>();
             p.scale = 1.0f / std::sqrt(192.0f);
-            p.protect = protect_of(pname);
+            p.protect = protect_of(pname, dc, dr);
             p.protect_rows = prot_rows.as<std::uint16_t>();
             p.warps = o.warps;
             p.num_splits = o.splits;
+            p.generic = o.generic;
             p.workspace_bytes = cuda::mla_decode_workspace_bytes(p);
             DevBuf ws(p.workspace_bytes);
             p.workspace = ws.p;
@@ -277,7 +286,10 @@ void run_mla_bench(const MlaBenchOptions& o) {
                         {"rows", rows},
                         {"store", store_rows},
                         {"flush", flush.mode()},
-                        {"pages", o.pages}};
+                        {"pages", o.pages},
+                        {"d_latent", dc},
+                        {"d_rope", dr},
+                        {"kernel", o.generic || dc != 512 || dr != 64 ? "generic-shape" : "tuned"}};
   if (o.json) {
     fmt::print("{}\n", res.dump(1));
   } else {
@@ -319,6 +331,9 @@ void register_bench_mla(CLI::App& app) {
       ->check(CLI::IsMember({"read", "write"}));
   cmd->add_option("--pages", o->pages, "page order in the pool: random (default, as FlashMLA's peer script) or sequential")
       ->check(CLI::IsMember({"random", "sequential"}));
+  cmd->add_option("--d-latent", o->d_latent, "latent width d_c (multiple of 64; 512: the tuned kernels)")->check(CLI::Range(64, 4096));
+  cmd->add_option("--d-rope", o->d_rope, "RoPE key width d_r (multiple of 64)")->check(CLI::Range(64, 4096));
+  cmd->add_flag("--generic", o->generic, "run the generic-shape writer and decode kernels even at 512 / 64");
   cmd->add_flag("--json", o->json, "print one JSON object");
   cmd->callback([o] {
 #if defined(KVQ_WITH_KVQ_CUDA)
