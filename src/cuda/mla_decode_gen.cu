@@ -8,15 +8,19 @@
 // split), as in the tuned kernel, with the same virtual tiles (protected bf16 rows first), the same
 // split ranges of equal cost, the same operands (affine: fp16 s (q - z) and the query rounded once
 // to fp16; bf16: bf16 rows, the query as bf16 hi + lo) and the same partial-state layout, so the
-// two kernels share the error budget and the workspace. Per tile:
-//  1. the CTA dequantizes the tile's 16 rows (576..1280 values each) into shared memory: item =
-//     (row, 8 consecutive dims); rows outside the sequence are zeros;
+// two kernels share the error budget and the workspace. cp.async keeps NS - 1 packed tiles in
+// flight (NS stages, as many as the shared memory holds, 2..6); per tile:
+//  1. bf16: the stage is the operand (rows copied into padded rows, zero-filled outside the
+//     sequence); affine: the CTA dequantizes the stage's codes into the operand tile, item = (row,
+//     8 dims), pairs of codes as fp16 (1024 + code) by one LOP3, exact code - z, then times the
+//     scale (one rounding); rows outside the sequence are zeros; protected rows come from global
+//     memory (bf16 -> fp16);
 //  2. QK on tensor cores: warp w takes the k-steps (16 dims) w, w + 8, ... of the whole row
 //     (ldmatrix of the query and the tile), its partial scores meet in shared memory;
 //  3. online softmax with an exact running maximum, one thread per (head, token);
 //  4. PV: warp w owns output dims [8 G w, 8 G (w + 1)) of the 16 heads (ldmatrix.trans of the tile).
-// Slower than the tuned kernel (a tile is written to shared memory and read back, four barriers per
-// tile), but any width runs on the same paged cache, protection included.
+// Slower than the tuned kernel (the tile goes through shared memory, four barriers per tile), but
+// any width runs on the same paged cache, protection included.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -64,17 +68,20 @@ __device__ __forceinline__ std::uint64_t load_codes8(const std::uint8_t* p) {
   else if constexpr (B == 2) return *reinterpret_cast<const std::uint16_t*>(p);
   else return static_cast<std::uint64_t>(p[0]) | static_cast<std::uint64_t>(p[1]) << 8 | static_cast<std::uint64_t>(p[2]) << 16;
 }
-// Eight affine values s (code - z) as fp16, each rounded once (the tuned kernel's operands: exact
-// code - z times the scale rounded to fp16), packed in a uint4.
+// Eight affine values s (code - z) as fp16 from eight B-bit codes (v, LSB first), each rounded once
+// (the tuned kernel's operands): a pair of codes becomes the fp16 pair (1024 + c0, 1024 + c1) by one
+// LOP3 (exact for codes < 1024), minus (1024 + z) exactly, times (s, s) in fp16.
 template <int B>
-__device__ __forceinline__ uint4 dequant8(std::uint64_t v, int z, __half s) {
+__device__ __forceinline__ uint4 dequant8(std::uint64_t v, std::uint32_t z2, std::uint32_t s2) {
+  constexpr std::uint32_t lo = (1u << B) - 1u, hi = lo << 16;
   std::uint32_t w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-    const int c0 = static_cast<int>((v >> (B * 2 * k)) & ((1u << B) - 1u));
-    const int c1 = static_cast<int>((v >> (B * (2 * k + 1))) & ((1u << B) - 1u));
-    const __half h0 = __hmul(__int2half_rn(c0 - z), s), h1 = __hmul(__int2half_rn(c1 - z), s);
-    w[k] = static_cast<std::uint32_t>(__half_as_ushort(h0)) | static_cast<std::uint32_t>(__half_as_ushort(h1)) << 16;
+    const std::uint32_t x = static_cast<std::uint32_t>(v >> (2 * B * k));
+    const std::uint32_t c = (x & lo) | ((x << (16 - B)) & hi) | 0x64006400u;
+    const __half2 d = __hmul2(__hsub2(*reinterpret_cast<const __half2*>(&c), *reinterpret_cast<const __half2*>(&z2)),
+                              *reinterpret_cast<const __half2*>(&s2));
+    w[k] = *reinterpret_cast<const std::uint32_t*>(&d);
   }
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
@@ -88,14 +95,34 @@ struct GenWork {
   float* opart;  // [batch][heads][nsplit][d_c]
   float* ml;     // [batch][heads][nsplit][2]
   int nsplit;
+  int ns;        // pipeline stages
 };
 
-// Shared memory (bytes): the query (fp16; bf16 hi and lo for a bf16 cache) and the tile, rows of
-// D + 8 halves (the pad keeps ldmatrix free of bank conflicts), partial scores [8][16][17] floats,
-// P [16][24] halves and the per-head rescale factors.
+// Shared memory (bytes): the query (fp16; bf16 hi and lo for a bf16 cache) in rows of D + 8 halves
+// (the pad keeps ldmatrix free of bank conflicts); affine: the operand tile in such rows, then NS raw
+// stages (16 rows of content codes, RoPE codes and metadata, as in the page); bf16: NS stages that
+// are operand tiles. Then partial scores [8][16][17] floats, P [16][24] halves, rescale factors.
 __host__ __device__ constexpr int gen_row(int D) { return D + 8; }
-__host__ __device__ constexpr int gen_smem(int D, bool bf16) {
-  return (bf16 ? 2 : 1) * kHG * gen_row(D) * 2 + kTI * gen_row(D) * 2 + kNW * kHG * 17 * 4 + kHG * 24 * 2 + kHG * 4;
+struct GenSmem {
+  int q, tile, stage, tail;
+  __host__ __device__ GenSmem(int D, bool bf16, int raw_row) {
+    q = (bf16 ? 2 : 1) * kHG * gen_row(D) * 2;
+    tile = bf16 ? 0 : kTI * gen_row(D) * 2;
+    stage = bf16 ? kTI * gen_row(D) * 2 : kTI * raw_row;
+    tail = kNW * kHG * 17 * 4 + kHG * 24 * 2 + kHG * 4;
+  }
+  __host__ __device__ int bytes(int ns) const { return q + tile + ns * stage + tail; }
+};
+
+template <int N>
+__device__ __forceinline__ void wait_stages(int n) {  // cp.async.wait_group n for a runtime n <= N
+  if constexpr (N >= 0) {
+    if (n >= N) cp_async_wait<N>();
+    else wait_stages<N - 1>(n);
+  }
+}
+__device__ __forceinline__ void cp_async16_zfill(std::uint32_t saddr, const void* gmem, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(gmem), "r"(valid ? 16 : 0) : "memory");
 }
 
 template <int CB, int RB>
@@ -103,15 +130,68 @@ __global__ void __launch_bounds__(kNT) mla_decode_gen_kernel(const __grid_consta
   constexpr bool kB = CB == 16;  // bf16 cache: bf16 operands, query hi + lo
   const int dc = p.fmt.d_latent, dr = p.fmt.d_rope, D = dc + dr, G = dc / 64, R = dr / 64;
   const int RW = gen_row(D);
-  extern __shared__ __align__(16) std::uint8_t smem_raw[];
-  std::uint16_t* sQ = reinterpret_cast<std::uint16_t*>(smem_raw);      // [16][RW] (bf16: hi, then lo)
-  std::uint16_t* sK = sQ + (kB ? 2 : 1) * kHG * RW;                    // [16][RW]
-  float* spart = reinterpret_cast<float*>(sK + kTI * RW);              // [8][16][17]
-  std::uint16_t* sP = reinterpret_cast<std::uint16_t*>(spart + kNW * kHG * 17);  // [16][24]
-  float* salpha = reinterpret_cast<float*>(sP + kHG * 24);             // [16]
   const PageLayout L = p.fmt.page;
+  const int KCB = static_cast<int>(L.key_code_bytes), VCB = static_cast<int>(L.value_code_bytes), MB = static_cast<int>(L.meta_bytes);
+  const int raw_row = KCB + VCB + MB;
+  const GenSmem lay(D, kB, raw_row);
+  const int NS = wk.ns;
+  extern __shared__ __align__(16) std::uint8_t smem_raw[];
+  std::uint16_t* sQ = reinterpret_cast<std::uint16_t*>(smem_raw);                  // [16][RW] (bf16: hi, then lo)
+  std::uint16_t* sTile = reinterpret_cast<std::uint16_t*>(smem_raw + lay.q);        // affine: [16][RW]
+  std::uint8_t* stages = smem_raw + lay.q + lay.tile;                               // NS x stage
+  float* spart = reinterpret_cast<float*>(stages + NS * lay.stage);                 // [8][16][17]
+  std::uint16_t* sP = reinterpret_cast<std::uint16_t*>(spart + kNW * kHG * 17);     // [16][24]
+  float* salpha = reinterpret_cast<float*>(sP + kHG * 24);                          // [16]
   const int split = blockIdx.x, hg = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, t = lane & 3;
+
+  const int Lq = p.seq_lens[b];
+  const bool prot = !kB && p.protect.enabled();
+  const int pb = prot ? static_cast<int>(p.protect.packed_begin(Lq)) : 0;
+  const int pe = prot ? static_cast<int>(p.protect.packed_end(Lq)) : Lq;
+  const int first = pb / kTI, end = pe > pb ? (pe + kTI - 1) / kTI : first;
+  const int npk = end - first;
+  const int nprot = prot ? pb + (Lq - pe) : 0;
+  const int nprt = (nprot + kTI - 1) / kTI;
+  const int cost = kProtCostG * nprt + npk;
+  const int per = (cost + wk.nsplit - 1) / wk.nsplit;
+  auto tile_at = [&](int c) {
+    return c <= kProtCostG * nprt ? (c + kProtCostG - 1) / kProtCostG : nprt + (c - kProtCostG * nprt);
+  };
+  const int v0 = tile_at(min(split * per, cost)), v1 = tile_at(min((split + 1) * per, cost));
+  const int kb = max(v0, nprt), nks = max(0, v1 - kb);
+  const std::int32_t* bt = p.block_tables + static_cast<std::size_t>(b) * p.max_pages;
+  const std::uint32_t sbase = static_cast<std::uint32_t>(__cvta_generic_to_shared(stages));
+
+  // Copies packed tile k of this split (virtual tile kb + k) into stage `slot`.
+  auto issue = [&](int k, int slot) {
+    if (k >= nks) return;
+    const int pi = first + kb + k - nprt;
+    const std::uint8_t* page = p.pool + static_cast<std::size_t>(static_cast<unsigned>(bt[(pi * kTI) / kPT])) * L.page_bytes;
+    const int toff = (pi * kTI) % kPT;
+    const std::uint32_t dst = sbase + static_cast<std::uint32_t>(slot * lay.stage);
+    if constexpr (kB) {  // padded operand rows; rows outside the sequence zero-filled (pages may hold NaN)
+      const int rows_ok = min(kTI, Lq - pi * kTI), cpr = D / 8, dcc = dc / 8;
+      for (int i = tid; i < kTI * cpr; i += kNT) {
+        const int r = i / cpr, c = i % cpr;
+        const std::uint8_t* src = c < dcc ? page + L.key_code_off + static_cast<std::size_t>(toff + r) * KCB + 16 * c
+                                          : page + L.value_code_off + static_cast<std::size_t>(toff + r) * VCB + 16 * (c - dcc);
+        cp_async16_zfill(dst + static_cast<std::uint32_t>(r * RW * 2 + 16 * c), r < rows_ok ? src : page, r < rows_ok);
+      }
+    } else {  // the three regions of the tile's 16 rows, each contiguous in the page
+      const int n1 = KCB, n2 = VCB, n3 = MB;  // 16-byte chunks per region: 16 rows x bytes / 16
+      for (int i = tid; i < n1 + n2 + n3; i += kNT) {
+        const std::uint8_t* src = i < n1        ? page + L.key_code_off + static_cast<std::size_t>(toff) * KCB + 16 * i
+                                  : i < n1 + n2 ? page + L.value_code_off + static_cast<std::size_t>(toff) * VCB + 16 * (i - n1)
+                                                : page + L.meta_off + static_cast<std::size_t>(toff) * MB + 16 * (i - n1 - n2);
+        cp_async16(reinterpret_cast<void*>(stages + slot * lay.stage + 16 * i), src);
+      }
+    }
+  };
+  for (int k = 0; k < NS - 1; ++k) {
+    issue(k, k);
+    cp_async_commit();
+  }
 
   // ---- query: pre-scaled by scale * log2(e) (scores in log2 units)
   const float sl2 = p.scale * kLog2e;
@@ -129,22 +209,6 @@ __global__ void __launch_bounds__(kNT) mla_decode_gen_kernel(const __grid_consta
     *reinterpret_cast<std::uint32_t*>(sQ + h * RW + d) = hi;
   }
 
-  const int Lq = p.seq_lens[b];
-  const bool prot = !kB && p.protect.enabled();
-  const int pb = prot ? static_cast<int>(p.protect.packed_begin(Lq)) : 0;
-  const int pe = prot ? static_cast<int>(p.protect.packed_end(Lq)) : Lq;
-  const int first = pb / kTI, end = pe > pb ? (pe + kTI - 1) / kTI : first;
-  const int npk = end - first;
-  const int nprot = prot ? pb + (Lq - pe) : 0;
-  const int nprt = (nprot + kTI - 1) / kTI;
-  const int cost = kProtCostG * nprt + npk;
-  const int per = (cost + wk.nsplit - 1) / wk.nsplit;
-  auto tile_at = [&](int c) {
-    return c <= kProtCostG * nprt ? (c + kProtCostG - 1) / kProtCostG : nprt + (c - kProtCostG * nprt);
-  };
-  const int v0 = tile_at(min(split * per, cost)), v1 = tile_at(min((split + 1) * per, cost));
-  const std::int32_t* bt = p.block_tables + static_cast<std::size_t>(b) * p.max_pages;
-
   float o[kMaxG][4];
 #pragma unroll
   for (int n = 0; n < kMaxG; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
@@ -154,6 +218,7 @@ __global__ void __launch_bounds__(kNT) mla_decode_gen_kernel(const __grid_consta
 
   for (int vt = v0; vt < v1; ++vt) {
     const bool is_prot = vt < nprt;
+    const int k = vt - kb;
     int lo, hi;
     if (is_prot) {
       lo = 0;
@@ -162,16 +227,19 @@ __global__ void __launch_bounds__(kNT) mla_decode_gen_kernel(const __grid_consta
       const int pi = first + vt - nprt;
       lo = max(0, pb - pi * kTI);
       hi = min(kTI, pe - pi * kTI);
+      wait_stages<6>(NS - 2);  // this tile's copies have landed (this thread's)
     }
-    // ---- 1. the tile in shared memory: item = (row r, 8 dims at column 8 c)
-    {
-      const int pi = first + vt - nprt;
-      const std::uint8_t* page = nullptr;
-      int toff = 0;
-      if (!is_prot) {
-        page = p.pool + static_cast<std::size_t>(static_cast<unsigned>(bt[(pi * kTI) / kPT])) * L.page_bytes;
-        toff = (pi * kTI) % kPT;
-      }
+    __syncthreads();  // every thread's copies visible; the previous tile's readers are done
+    if (!is_prot) {
+      issue(k + NS - 1, (k + NS - 1) % NS);
+      cp_async_commit();
+    }
+    const std::uint16_t* tile = sTile;
+    if constexpr (kB) {
+      tile = reinterpret_cast<const std::uint16_t*>(stages + (k % NS) * lay.stage);
+    } else {
+      // ---- 1. the operand tile: item = (row r, 8 dims at column 8 c)
+      const std::uint8_t* st = stages + (is_prot ? 0 : k % NS) * lay.stage;
       const int chunks = D / 8;
       for (int i = tid; i < kTI * chunks; i += kNT) {
         const int r = i / chunks, c = i % chunks, d = 8 * c;
@@ -182,31 +250,26 @@ __global__ void __launch_bounds__(kNT) mla_decode_gen_kernel(const __grid_consta
             const int pos = idx < pb ? idx : pe + (idx - pb);
             const std::uint16_t* row = p.protect_rows + p.protect.row(b, p.protect.slot(pos));
             v = bf16x8_to_half(*reinterpret_cast<const uint4*>(row + d));
-          } else if constexpr (kB) {
-            const std::uint8_t* src = d < dc ? page + L.key_code_off + static_cast<std::size_t>(toff + r) * L.key_code_bytes + 2 * d
-                                             : page + L.value_code_off + static_cast<std::size_t>(toff + r) * L.value_code_bytes + 2 * (d - dc);
-            v = *reinterpret_cast<const uint4*>(src);
           } else {
-            const std::uint8_t* meta = page + L.meta_off + static_cast<std::size_t>(toff + r) * L.meta_bytes;
+            const std::uint8_t* meta = st + kTI * (KCB + VCB) + r * MB;
             if (d < dc) {
               const int gi = d >> 6;
               const float s = bf16_bits_to_float(*reinterpret_cast<const std::uint16_t*>(meta + 2 * gi));
-              const int z = meta[2 * G + gi];
-              const std::uint8_t* cp = page + L.key_code_off + static_cast<std::size_t>(toff + r) * L.key_code_bytes + d * CB / 8;
-              v = dequant8<CB>(load_codes8<CB>(cp), z, __float2half_rn(s));
+              const std::uint32_t z = meta[2 * G + gi];
+              v = dequant8<CB>(load_codes8<CB>(st + r * KCB + d * CB / 8), 0x64006400u + z * 0x10001u, pack2<false>(s, s));
             } else {
               const int dd = d - dc, ri = dd >> 6;
               const float s = __uint_as_float(load_u32_any(meta + 3 * G + 4 * ri));
-              const int z = meta[3 * G + 4 * R + ri];
-              const std::uint8_t* cp = page + L.value_code_off + static_cast<std::size_t>(toff + r) * L.value_code_bytes + dd * RB / 8;
-              v = dequant8<RB>(load_codes8<RB>(cp), z, __float2half_rn(s));
+              const std::uint32_t z = meta[3 * G + 4 * R + ri];
+              v = dequant8<RB>(load_codes8<RB>(st + kTI * KCB + r * VCB + dd * RB / 8), 0x64006400u + z * 0x10001u,
+                               pack2<false>(s, s));
             }
           }
         }
-        *reinterpret_cast<uint4*>(sK + r * RW + d) = v;
+        *reinterpret_cast<uint4*>(sTile + r * RW + d) = v;
       }
+      __syncthreads();
     }
-    __syncthreads();
     // ---- 2. QK: warp w takes k-steps w, w + 8, ... (16 dims each) of the whole row
     {
       float acc[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
@@ -214,15 +277,15 @@ __global__ void __launch_bounds__(kNT) mla_decode_gen_kernel(const __grid_consta
       const int qrow = lane & 15, qcol = (lane >> 4) * 8;
       const int krow = (lane >> 4) * 8 + (lane & 7), kcol = ((lane >> 3) & 1) * 8;
       for (int ks = w; ks < ks_n; ks += kNW) {
-        std::uint32_t a[4], kb[4];
+        std::uint32_t a[4], kf[4];
         ldsm_x4(a, smem_u32(sQ + qrow * RW + 16 * ks + qcol));
-        ldsm_x4(kb, smem_u32(sK + krow * RW + 16 * ks + kcol));
-        mma16816<kB>(acc[0], a, kb[0], kb[1]);
-        mma16816<kB>(acc[1], a, kb[2], kb[3]);
+        ldsm_x4(kf, smem_u32(tile + krow * RW + 16 * ks + kcol));
+        mma16816<kB>(acc[0], a, kf[0], kf[1]);
+        mma16816<kB>(acc[1], a, kf[2], kf[3]);
         if constexpr (kB) {
           ldsm_x4(a, smem_u32(sQ + kHG * RW + qrow * RW + 16 * ks + qcol));
-          mma16816<kB>(acc[0], a, kb[0], kb[1]);
-          mma16816<kB>(acc[1], a, kb[2], kb[3]);
+          mma16816<kB>(acc[0], a, kf[0], kf[1]);
+          mma16816<kB>(acc[1], a, kf[2], kf[3]);
         }
       }
       float* dst = spart + (w * kHG) * 17;
@@ -247,15 +310,24 @@ __global__ void __launch_bounds__(kNT) mla_decode_gen_kernel(const __grid_consta
       for (int off = 8; off >= 1; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
       const float mn = fmaxf(m_run, mx);
       const float alpha = mn == m_run ? 1.0f : ex2(m_run - mn);  // m_run = -inf: 0
-      float pr = valid && mn != -INFINITY ? ex2(s - mn) : 0.0f;
-      const float pq = kB ? __bfloat162float(__float2bfloat16_rn(pr)) : __half2float(__float2half_rn(pr));
-      float ps = pq;
+      const float pr = valid && mn != -INFINITY ? ex2(s - mn) : 0.0f;
+      std::uint16_t pbits;
+      float pq;
+      if constexpr (kB) {
+        const __nv_bfloat16 h = __float2bfloat16_rn(pr);
+        pbits = __bfloat16_as_ushort(h);
+        pq = __bfloat162float(h);
+      } else {
+        const __half h = __float2half_rn(pr);
+        pbits = __half_as_ushort(h);
+        pq = __half2float(h);
+      }
+      float ps = pq;  // the sum of the P the PV product uses
 #pragma unroll
       for (int off = 8; off >= 1; off >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, off);
       l_run = l_run * alpha + ps;
       m_run = mn;
-      if constexpr (kB) sP[sh * 24 + sk] = __bfloat16_as_ushort(__float2bfloat16_rn(pr));
-      else sP[sh * 24 + sk] = __half_as_ushort(__float2half_rn(pr));
+      sP[sh * 24 + sk] = pbits;
       if (sk == 0) salpha[sh] = alpha;
     }
     __syncthreads();
@@ -276,13 +348,13 @@ __global__ void __launch_bounds__(kNT) mla_decode_gen_kernel(const __grid_consta
       for (int n = 0; n < kMaxG; ++n) {
         if (n < G) {
           std::uint32_t b0, b1;
-          ldsm_x2_trans(b0, b1, smem_u32(sK + vrow * RW + 8 * G * w + 8 * n));
+          ldsm_x2_trans(b0, b1, smem_u32(tile + vrow * RW + 8 * G * w + 8 * n));
           mma16816<kB>(o[n], pa, b0, b1);
         }
       }
     }
-    __syncthreads();  // the next tile overwrites sK and sP
   }
+  cp_async_wait<0>();
   // ---- partial state of this split: unnormalized output, max (natural log units), sum
   float* dst = wk.opart + ((static_cast<std::size_t>(b) * p.heads + hg * kHG) * wk.nsplit + split) * dc;
   const std::size_t hstride = static_cast<std::size_t>(wk.nsplit) * dc;
@@ -330,15 +402,23 @@ __global__ void __launch_bounds__(128) mla_combine_gen_kernel(const float* __res
 
 template <int CB, int RB>
 cudaError_t launch_gen(const MlaDecodeParams& p, int nsplit, cudaStream_t st) {
+  constexpr bool kB = CB == 16;
   const int D = p.fmt.d_latent + p.fmt.d_rope;
-  const int smem = gen_smem(D, CB == 16);
-  cudaError_t e = smem_limit_once<mla_decode_gen_kernel<CB, RB>>(gen_smem(64 * (kMaxG + kMaxR), CB == 16));
+  const PageLayout& L = p.fmt.page;
+  const GenSmem lay(D, kB, static_cast<int>(L.key_code_bytes + L.value_code_bytes + L.meta_bytes));
+  // As many stages as fit beside two CTAs per SM (<= 113 KB each), else one CTA per SM; 2..6.
+  constexpr int kTwoPerSm = 115712, kOnePerSm = 232448 - 1024;
+  int ns = std::min(6, (kTwoPerSm - lay.bytes(0)) / lay.stage);
+  if (ns < 3) ns = std::min(6, (kOnePerSm - lay.bytes(0)) / lay.stage);
+  if (ns < 2) return cudaErrorInvalidValue;
+  cudaError_t e = smem_limit_once<mla_decode_gen_kernel<CB, RB>>(kOnePerSm);
   if (e != cudaSuccess) return e;
   GenWork wk;
   wk.nsplit = nsplit;
+  wk.ns = ns;
   wk.opart = static_cast<float*>(p.workspace);
   wk.ml = wk.opart + static_cast<std::size_t>(p.batch) * p.heads * nsplit * p.fmt.d_latent;
-  mla_decode_gen_kernel<CB, RB><<<dim3(nsplit, p.heads / kHG, p.batch), kNT, smem, st>>>(p, wk);
+  mla_decode_gen_kernel<CB, RB><<<dim3(nsplit, p.heads / kHG, p.batch), kNT, lay.bytes(ns), st>>>(p, wk);
   if ((e = cudaGetLastError()) != cudaSuccess) return e;
   mla_combine_gen_kernel<<<dim3(p.heads, p.batch), 128, 0, st>>>(wk.opart, wk.ml, nsplit, p.fmt.d_latent, p.out);
   return cudaGetLastError();
