@@ -3,10 +3,10 @@
 // Formats: bf16 and the QuantMLA group-64 affine formats c8r8, c4r8, c4r4, c3r4, c2r4 (content
 // latent d_c with a bf16 scale per group of 64, RoPE key d_r with an fp32 scale per group of 64);
 // decode also reads mla-tq4 / mla-tq3 (TurboQuant-MSE latent: b-bit sphere-codebook indices of
-// Pi (c / |c|), Pi = H D over 512 dims, fp16 stored norm with norm correction; bf16 RoPE key).
-// Shapes: d_c = 512, d_r = 64 (DeepSeek-V2/V3's) run the tuned kernels; bf16 and affine caches also
-// run any d_c = 64 G (G <= 16) and d_r = 64 R (R <= 4) through the generic-shape kernels
-// (mla_decode_gen.cu and the generic writer path); mla-tq needs d_c = 512, d_r = 64. One layer per
+// Pi (c / |c|), Pi = H D over d_c dims, fp16 stored norm with norm correction; bf16 RoPE key).
+// Shapes: d_c = 512, d_r = 64 (DeepSeek-V2/V3's) run the tuned kernels; every format also runs any
+// d_c = 64 G (G <= 16) and d_r = 64 R (R <= 4) through the generic-shape kernels (mla_decode_gen.cu
+// and the generic writer path; mla-tq has no GPU writer). One layer per
 // launch; pages are kvq::page_layout(find_format(name), geometry) with heads = 1 (64 tokens:
 // [content codes][rope codes][meta per token: G bf16 scales, G zero points, R fp32 RoPE scales, R
 // RoPE zero points, zero padding to the 16-byte record; 32 bytes at 512 / 64; mla-tq 16]). Protected rows follow
@@ -32,10 +32,11 @@ struct MlaFormat {
   std::int32_t d_rope = 64;
   PageLayout page;
   // mla-tq4 / mla-tq3 (content_bits 4 / 3, rope_bits 16): the layer's rotation Pi = H D as its
-  // sign diagonal D (bit i of the 512-bit mask set: D_ii = -1) and the sphere codebook's 2^b
-  // centroids (float32), both read off the quantizer make_quantizers(f, g, layer, 0) builds.
+  // sign diagonal D (bit i of the mask set: D_ii = -1; H the block Hadamard of d_c, power-of-two
+  // blocks, largest first) and the sphere codebook's 2^b centroids (float32), both read off the
+  // quantizer make_quantizers(f, g, layer, 0) builds.
   bool tq = false;
-  std::uint32_t tq_signs[16] = {};
+  std::uint32_t tq_signs[32] = {};
   float tq_centroids[16] = {};
 };
 // kvq::Error when the format is not an MLA format with a kernel (bf16, c*r* affine, mla-tq*).

@@ -75,9 +75,8 @@ MlaFormat mla_format(const FormatSpec& f, int d_latent, int d_rope, int layer) {
     const QuantizerPair q = make_quantizers(f, g, layer, 0);
     const auto* tq = dynamic_cast<const TurboQuantMse*>(q.key.get());
     const auto* rot = tq ? dynamic_cast<const HadamardRotation*>(&tq->rotation()) : nullptr;
-    if (!tq || !rot || !tq->norm_correction() || !tq->offset().empty() || rot->blocks().size() != 1 || d_latent > 512 ||
-        tq->bits() != f.key_bits)
-      fail("format '" + f.name + "': the MLA CUDA kernel needs a 512-dim TurboQuant-MSE latent with one Hadamard block");
+    if (!tq || !rot || !tq->norm_correction() || !tq->offset().empty() || d_latent > 1024 || tq->bits() != f.key_bits)
+      fail("format '" + f.name + "': the MLA CUDA kernels need a TurboQuant-MSE latent of at most 1024 dims with norm correction");
     const std::vector<float>& sg = rot->signs();
     for (int i = 0; i < d_latent; ++i)
       if (sg[static_cast<std::size_t>(i)] < 0) m.tq_signs[i / 32] |= 1u << (i % 32);
@@ -92,10 +91,11 @@ bool mla_supported(const MlaFormat& f) {
   const bool std512 = f.d_latent == 512 && f.d_rope == 64;
   if (!std512 && !detail::mla_generic_shape_ok(f.d_latent, f.d_rope)) return false;
   const int c = f.content_bits, r = f.rope_bits;
-  if (f.tq)
-    return std512 && (c == 4 || c == 3) && r == 16 && f.page.key_code_bytes == 64u * static_cast<unsigned>(c) &&
-           f.page.value_code_bytes == 128 && f.page.key_meta_bytes == 2 && f.page.meta_bytes == 16;
   const auto dc = static_cast<std::uint32_t>(f.d_latent), dr = static_cast<std::uint32_t>(f.d_rope);
+  if (f.tq)  // b-bit indices, bf16 RoPE key, metadata = the fp16 stored norm, padded (16 bytes at 512 / 64)
+    return (c == 4 || c == 3) && r == 16 && f.page.key_code_bytes == dc * static_cast<unsigned>(c) / 8 &&
+           f.page.value_code_bytes == 2 * dr && f.page.key_meta_bytes == 2 && f.page.value_meta_bytes == 0 &&
+           f.page.meta_bytes >= 2 && f.page.meta_bytes % 8 == 0 && (!std512 || f.page.meta_bytes == 16);
   if (c == 16) return r == 16 && f.page.key_code_bytes == 2 * dc && f.page.value_code_bytes == 2 * dr;
   if (!((c == 8 && r == 8) || (c == 4 && (r == 8 || r == 4)) || ((c == 3 || c == 2) && r == 4))) return false;
   // Metadata per token: G bf16 scales and G zero points, R fp32 scales and R zero points (G = d_c / 64,
@@ -996,10 +996,11 @@ std::size_t mla_decode_workspace_bytes(const MlaDecodeParams& p) {
   const std::size_t nsl = static_cast<std::size_t>(mla_decode_splits(p));
   const std::size_t bh = static_cast<std::size_t>(std::max(0, p.batch)) * static_cast<std::size_t>(std::max(0, p.heads));
   std::size_t bytes = bh * nsl * (static_cast<std::size_t>(std::max(0, p.fmt.d_latent)) + 2) * sizeof(float);
-  if (p.fmt.tq) {  // rotated queries and protected latent rows (launch_decode)
-    bytes += bh * kD * sizeof(float);
+  if (p.fmt.tq) {  // rotated queries and protected latent rows (launch_decode, the generic launcher)
+    const std::size_t dc = static_cast<std::size_t>(std::max(0, p.fmt.d_latent)), D = dc + static_cast<std::size_t>(std::max(0, p.fmt.d_rope));
+    bytes += bh * D * sizeof(float);
     if (p.protect.enabled())
-      bytes += static_cast<std::size_t>(std::max(0, p.batch)) * static_cast<std::size_t>(p.protect.slots()) * kDc * sizeof(std::uint16_t);
+      bytes += static_cast<std::size_t>(std::max(0, p.batch)) * static_cast<std::size_t>(p.protect.slots()) * dc * sizeof(std::uint16_t);
   }
   return bytes;
 }
@@ -1013,10 +1014,7 @@ cudaError_t mla_decode(const MlaDecodeParams& p, cudaStream_t stream) {
                           reinterpret_cast<std::uintptr_t>(p.protect_rows) % 16))
     return cudaErrorInvalidValue;
   if (p.workspace_bytes < mla_decode_workspace_bytes(p)) return cudaErrorInvalidValue;
-  if (p.generic || f.d_latent != kDc || f.d_rope != kD - kDc) {
-    if (f.tq) return cudaErrorInvalidValue;
-    return detail::mla_decode_generic(p, mla_decode_splits(p), stream);
-  }
+  if (p.generic || f.d_latent != kDc || f.d_rope != kD - kDc) return detail::mla_decode_generic(p, mla_decode_splits(p), stream);
   const int c = f.content_bits, r = f.rope_bits;
   if (f.tq) {
     if (c == 4) return launch_decode<104, 16>(p, stream);

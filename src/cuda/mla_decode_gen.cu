@@ -1,6 +1,7 @@
 // mla_decode_gen.cu: paged split-KV MLA decode for any latent / RoPE width that is a multiple of 64
-// (d_c = 64 G, 1 <= G <= 16; d_r = 64 R, 1 <= R <= 4) over bf16 and QuantMLA affine caches (c8r8,
-// c4r8, c4r4, c3r4, c2r4), and its combine kernel. mla_decode() runs it for every shape other
+// (d_c = 64 G, 1 <= G <= 16; d_r = 64 R, 1 <= R <= 4) over bf16, QuantMLA affine (c8r8, c4r8,
+// c4r4, c3r4, c2r4) and TurboQuant latent (mla-tq4, mla-tq3) caches, with its combine kernel and,
+// for mla-tq, its rotation pre-kernel. mla_decode() runs it for every shape other
 // than d_c = 512, d_r = 64 (whose tuned kernel is in mla_decode.cu), and for that shape too when
 // MlaDecodeParams::generic is set (tests, benchmarks).
 //
@@ -13,7 +14,10 @@
 //  1. bf16: the stage is the operand (rows copied into padded rows, zero-filled outside the
 //     sequence); affine: the CTA dequantizes the stage's codes into the operand tile, item = (row,
 //     8 dims), pairs of codes as fp16 (1024 + code) by one LOP3, exact code - z, then times the
-//     scale (one rounding); rows outside the sequence are zeros; protected rows come from global
+//     scale (one rounding); mla-tq (rotated domain, as the tuned kernel: a pre-kernel rotates the
+//     query's latent part and the protected latent rows, the combine applies Pi^T): pairs of codes
+//     looked up as (C[lo], C[hi]) in fp16 and multiplied by the stored norm, the bf16 RoPE key
+//     converted to fp16; rows outside the sequence are zeros; protected rows come from global
 //     memory (bf16 -> fp16);
 //  2. QK on tensor cores: warp w takes the k-steps (16 dims) w, w + 8, ... of the whole row
 //     (ldmatrix of the query and the tile), its partial scores meet in shared memory;
@@ -95,7 +99,9 @@ struct GenWork {
   float* opart;  // [batch][heads][nsplit][d_c]
   float* ml;     // [batch][heads][nsplit][2]
   int nsplit;
-  int ns;        // pipeline stages
+  int ns;                     // pipeline stages
+  const float* q;             // the query the kernel reads: p.q, or for mla-tq the rotated copy
+  const std::uint16_t* prot;  // mla-tq: rotated protected latent rows, fp16 [batch][slots][d_c]
 };
 
 // Shared memory (bytes): the query (fp16; bf16 hi and lo for a bf16 cache) in rows of D + 8 halves
@@ -109,7 +115,7 @@ struct GenSmem {
     q = (bf16 ? 2 : 1) * kHG * gen_row(D) * 2;
     tile = bf16 ? 0 : kTI * gen_row(D) * 2;
     stage = bf16 ? kTI * gen_row(D) * 2 : kTI * raw_row;
-    tail = kNW * kHG * 17 * 4 + kHG * 24 * 2 + kHG * 4;
+    tail = kNW * kHG * 17 * 4 + kHG * 24 * 2 + kHG * 4 + 256 * 4;  // + the mla-tq code-pair table
   }
   __host__ __device__ int bytes(int ns) const { return q + tile + ns * stage + tail; }
 };
@@ -125,9 +131,12 @@ __device__ __forceinline__ void cp_async16_zfill(std::uint32_t saddr, const void
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(gmem), "r"(valid ? 16 : 0) : "memory");
 }
 
+// Format codes as in mla_decode.cu: 16 (bf16), 8, 4, 3, 2 (affine content bits), 100 + b (mla-tq).
 template <int CB, int RB>
 __global__ void __launch_bounds__(kNT) mla_decode_gen_kernel(const __grid_constant__ MlaDecodeParams p, GenWork wk) {
   constexpr bool kB = CB == 16;  // bf16 cache: bf16 operands, query hi + lo
+  constexpr bool kTq = CB > 100;  // mla-tq: fp16 n C[idx] in the rotated domain, the RoPE key bf16 -> fp16
+  constexpr int BITS = kTq ? CB - 100 : CB;
   const int dc = p.fmt.d_latent, dr = p.fmt.d_rope, D = dc + dr, G = dc / 64, R = dr / 64;
   const int RW = gen_row(D);
   const PageLayout L = p.fmt.page;
@@ -142,6 +151,7 @@ __global__ void __launch_bounds__(kNT) mla_decode_gen_kernel(const __grid_consta
   float* spart = reinterpret_cast<float*>(stages + NS * lay.stage);                 // [8][16][17]
   std::uint16_t* sP = reinterpret_cast<std::uint16_t*>(spart + kNW * kHG * 17);     // [16][24]
   float* salpha = reinterpret_cast<float*>(sP + kHG * 24);                          // [16]
+  std::uint32_t* tbl = reinterpret_cast<std::uint32_t*>(salpha + kHG);              // mla-tq: [2^(2b)] (C[lo], C[hi]) fp16
   const int split = blockIdx.x, hg = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, t = lane & 3;
 
@@ -192,12 +202,15 @@ __global__ void __launch_bounds__(kNT) mla_decode_gen_kernel(const __grid_consta
     issue(k, k);
     cp_async_commit();
   }
+  if constexpr (kTq)
+    for (int e = tid; e < (1 << (2 * BITS)); e += kNT)
+      tbl[e] = pack2<false>(p.fmt.tq_centroids[e & ((1 << BITS) - 1)], p.fmt.tq_centroids[e >> BITS]);
 
   // ---- query: pre-scaled by scale * log2(e) (scores in log2 units)
   const float sl2 = p.scale * kLog2e;
   for (int i = tid; i < kHG * D / 2; i += kNT) {
     const int h = i / (D / 2), d = 2 * (i % (D / 2));
-    const float* qp = p.q + (static_cast<std::size_t>(b) * p.heads + hg * kHG + h) * D + d;
+    const float* qp = wk.q + (static_cast<std::size_t>(b) * p.heads + hg * kHG + h) * D + d;
     const float x0 = qp[0] * sl2, x1 = qp[1] * sl2;
     std::uint32_t hi, lo;
     if constexpr (kB) {
@@ -248,8 +261,27 @@ __global__ void __launch_bounds__(kNT) mla_decode_gen_kernel(const __grid_consta
           if (is_prot) {
             const int idx = vt * kTI + r;
             const int pos = idx < pb ? idx : pe + (idx - pb);
-            const std::uint16_t* row = p.protect_rows + p.protect.row(b, p.protect.slot(pos));
-            v = bf16x8_to_half(*reinterpret_cast<const uint4*>(row + d));
+            const int slot = p.protect.slot(pos);
+            if (kTq && d < dc)  // the pre-kernel's rotated latent row (fp16)
+              v = *reinterpret_cast<const uint4*>(wk.prot + (static_cast<std::size_t>(b) * p.protect.slots() + slot) * dc + d);
+            else
+              v = bf16x8_to_half(*reinterpret_cast<const uint4*>(p.protect_rows + p.protect.row(b, slot) + d));
+          } else if constexpr (kTq) {
+            if (d < dc) {  // pairs of codes -> (C[lo], C[hi]) from the table, times the stored norm (n, n)
+              const std::uint32_t n = *reinterpret_cast<const std::uint16_t*>(st + kTI * (KCB + VCB) + r * MB);
+              const std::uint32_t n2 = n * 0x10001u;
+              const std::uint64_t cv = load_codes8<BITS>(st + r * KCB + d * BITS / 8);
+              std::uint32_t wv[4];
+#pragma unroll
+              for (int kk = 0; kk < 4; ++kk) {
+                const std::uint32_t e = static_cast<std::uint32_t>(cv >> (2 * BITS * kk)) & ((1u << (2 * BITS)) - 1u);
+                const __half2 x = __hmul2(*reinterpret_cast<const __half2*>(tbl + e), *reinterpret_cast<const __half2*>(&n2));
+                wv[kk] = *reinterpret_cast<const std::uint32_t*>(&x);
+              }
+              v = make_uint4(wv[0], wv[1], wv[2], wv[3]);
+            } else {
+              v = bf16x8_to_half(*reinterpret_cast<const uint4*>(st + kTI * KCB + r * VCB + 2 * (d - dc)));
+            }
           } else {
             const std::uint8_t* meta = st + kTI * (KCB + VCB) + r * MB;
             if (d < dc) {
@@ -373,10 +405,42 @@ __global__ void __launch_bounds__(kNT) mla_decode_gen_kernel(const __grid_consta
   }
 }
 
+// mla-tq pre-kernel (any d_c): blocks [0, batch x heads) write Pi q = H (D q) of one query's latent
+// part (fp32, the RoPE part copied) to qrot[b][h][D]; the blocks after them (protection on) write
+// Pi c of one protected slot's latent row as fp16 to prot[b][slot][d_c]. H is the block Hadamard of
+// d_c (smem_fwht: kvq::fwht's operation order), as the CPU quantizer's rotation.
+__global__ void __launch_bounds__(128) mla_tq_rotate_gen_kernel(const __grid_constant__ MlaDecodeParams p, float* __restrict__ qrot,
+                                                                std::uint16_t* __restrict__ prot) {
+  extern __shared__ float sx[];  // [d_c]
+  const int dc = p.fmt.d_latent, D = dc + p.fmt.d_rope, tid = threadIdx.x;
+  const int nq = p.batch * p.heads;
+  const bool isq = static_cast<int>(blockIdx.x) < nq;
+  const int r = static_cast<int>(blockIdx.x) - nq;
+  const float* q = p.q + static_cast<std::size_t>(blockIdx.x) * D;
+  const std::uint16_t* row = isq ? nullptr : p.protect_rows + p.protect.row(r / p.protect.slots(), r % p.protect.slots());
+  for (int i = tid; i < dc; i += blockDim.x) {
+    const float x = isq ? q[i] : bf16_bits_to_float(row[i]);
+    sx[i] = (p.fmt.tq_signs[i >> 5] >> (i & 31)) & 1u ? -x : x;
+  }
+  __syncthreads();
+  smem_fwht(sx, dc, 1, dc, tid, blockDim.x);
+  __syncthreads();
+  if (isq) {
+    float* o = qrot + static_cast<std::size_t>(blockIdx.x) * D;
+    for (int i = tid; i < D; i += blockDim.x) o[i] = i < dc ? sx[i] : q[i];
+  } else {
+    for (int i = tid; i < dc; i += blockDim.x) prot[static_cast<std::size_t>(r) * dc + i] = __half_as_ushort(__float2half_rn(sx[i]));
+  }
+}
+
 // out[b][h] = sum_s e^(m_s - M) O_s / sum_s e^(m_s - M) l_s over the splits (one block per (head,
-// sequence); each thread four dims at a time, in split order: deterministic).
-__global__ void __launch_bounds__(128) mla_combine_gen_kernel(const float* __restrict__ opart, const float* __restrict__ ml,
-                                                              int nsl, int dc, float* __restrict__ out) {
+// sequence); each thread four dims at a time, in split order: deterministic); mla-tq: then
+// Pi^T = D H applied to the merged row.
+template <bool kTq>
+__global__ void __launch_bounds__(128) mla_combine_gen_kernel(const __grid_constant__ MlaDecodeParams p, const float* __restrict__ opart,
+                                                              const float* __restrict__ ml, int nsl) {
+  extern __shared__ float sx[];  // mla-tq: [d_c]
+  const int dc = p.fmt.d_latent;
   const std::size_t bh = static_cast<std::size_t>(blockIdx.y) * gridDim.x + blockIdx.x;
   const float2* m = reinterpret_cast<const float2*>(ml + bh * nsl * 2);
   float M = -INFINITY;
@@ -396,7 +460,15 @@ __global__ void __launch_bounds__(128) mla_combine_gen_kernel(const float* __res
       acc.z += e * x.z;
       acc.w += e * x.w;
     }
-    reinterpret_cast<float4*>(out + bh * dc)[d4] = make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
+    const float4 r = make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
+    if constexpr (kTq) reinterpret_cast<float4*>(sx)[d4] = r;
+    else reinterpret_cast<float4*>(p.out + bh * dc)[d4] = r;
+  }
+  if constexpr (kTq) {
+    __syncthreads();
+    smem_fwht(sx, dc, 1, dc, threadIdx.x, blockDim.x);
+    __syncthreads();
+    for (int i = threadIdx.x; i < dc; i += blockDim.x) p.out[bh * dc + i] = (p.fmt.tq_signs[i >> 5] >> (i & 31)) & 1u ? -sx[i] : sx[i];
   }
 }
 
@@ -413,14 +485,28 @@ cudaError_t launch_gen(const MlaDecodeParams& p, int nsplit, cudaStream_t st) {
   if (ns < 2) return cudaErrorInvalidValue;
   cudaError_t e = smem_limit_once<mla_decode_gen_kernel<CB, RB>>(kOnePerSm);
   if (e != cudaSuccess) return e;
+  constexpr bool kTq = CB > 100;
+  const int dc = p.fmt.d_latent;
   GenWork wk;
   wk.nsplit = nsplit;
   wk.ns = ns;
   wk.opart = static_cast<float*>(p.workspace);
-  wk.ml = wk.opart + static_cast<std::size_t>(p.batch) * p.heads * nsplit * p.fmt.d_latent;
+  const std::size_t rows = static_cast<std::size_t>(p.batch) * p.heads * nsplit;
+  wk.ml = wk.opart + rows * dc;
+  wk.q = p.q;
+  wk.prot = nullptr;
+  if constexpr (kTq) {  // workspace after (opart, ml): rotated queries [batch][heads][D] fp32, rotated protected rows [batch][slots][d_c] fp16
+    float* qrot = wk.ml + rows * 2;
+    std::uint16_t* prot = reinterpret_cast<std::uint16_t*>(qrot + static_cast<std::size_t>(p.batch) * p.heads * D);
+    const int nblk = p.batch * p.heads + (p.protect.enabled() ? p.batch * p.protect.slots() : 0);
+    mla_tq_rotate_gen_kernel<<<nblk, 128, dc * sizeof(float), st>>>(p, qrot, prot);
+    if ((e = cudaGetLastError()) != cudaSuccess) return e;
+    wk.q = qrot;
+    wk.prot = prot;
+  }
   mla_decode_gen_kernel<CB, RB><<<dim3(nsplit, p.heads / kHG, p.batch), kNT, lay.bytes(ns), st>>>(p, wk);
   if ((e = cudaGetLastError()) != cudaSuccess) return e;
-  mla_combine_gen_kernel<<<dim3(p.heads, p.batch), 128, 0, st>>>(wk.opart, wk.ml, nsplit, p.fmt.d_latent, p.out);
+  mla_combine_gen_kernel<kTq><<<dim3(p.heads, p.batch), 128, kTq ? dc * sizeof(float) : 0, st>>>(p, wk.opart, wk.ml, nsplit);
   return cudaGetLastError();
 }
 
@@ -433,8 +519,13 @@ bool mla_generic_shape_ok(int d_latent, int d_rope) {
 
 cudaError_t mla_decode_generic(const MlaDecodeParams& p, int nsplit, cudaStream_t st) {
   const MlaFormat& f = p.fmt;
-  if (f.tq || !mla_generic_shape_ok(f.d_latent, f.d_rope)) return cudaErrorInvalidValue;
+  if (!mla_generic_shape_ok(f.d_latent, f.d_rope)) return cudaErrorInvalidValue;
   const int c = f.content_bits, r = f.rope_bits;
+  if (f.tq) {
+    if (c == 4) return launch_gen<104, 16>(p, nsplit, st);
+    if (c == 3) return launch_gen<103, 16>(p, nsplit, st);
+    return cudaErrorInvalidValue;
+  }
   if (c == 16) return launch_gen<16, 16>(p, nsplit, st);
   if (c == 8 && r == 8) return launch_gen<8, 8>(p, nsplit, st);
   if (c == 4 && r == 8) return launch_gen<4, 8>(p, nsplit, st);

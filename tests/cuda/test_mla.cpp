@@ -10,7 +10,9 @@
 // rows): output NMSE <= 1e-5, NaN never passes. Inputs: Gaussian rows with outlier channels and
 // constant groups, and the tiny-mla fixture's latent / k_rope rows; mixed lengths, 16 to 128
 // heads, forced split counts, protection on and off, rows scaled up along the sequence (the
-// running maximum keeps moving); mla-tq formats also with another layer's sign diagonal.
+// running maximum keeps moving); mla-tq formats also with another layer's sign diagonal. Other
+// widths (multiples of 64, the generic-shape kernels) for every format, and the generic kernels at
+// 512 / 64 against the same references; shapes outside the kernels must be refused.
 // `--small` runs a reduced set (for compute-sanitizer).
 #include <algorithm>
 #include <cmath>
@@ -459,7 +461,7 @@ void test_rejects() {
     const char* fmt;
     int dc, dr;
   };
-  for (const Bad& x : {Bad{"c4r4", 1088, 64}, Bad{"c2r4", 512, 320}, Bad{"bf16", 2048, 64}, Bad{"mla-tq4", 256, 64}}) {
+  for (const Bad& x : {Bad{"c4r4", 1088, 64}, Bad{"c2r4", 512, 320}, Bad{"bf16", 2048, 64}, Bad{"mla-tq4", 512, 320}}) {
     const cuda::MlaFormat mf = cuda::mla_format(find_format(x.fmt), x.dc, x.dr);
     const std::string what = std::string(x.fmt) + " d_c=" + std::to_string(x.dc) + " d_r=" + std::to_string(x.dr);
     check(!cuda::mla_supported(mf), "unsupported shape reported: " + what);
@@ -490,6 +492,7 @@ int main(int argc, char** argv) {
     test_writer("c3r4", false, 2, 8, false, 576, 128);
     test_decode({"c4r4", 16, {5, 130}, false, 2, 8, 0, 3, false, 0, 576, 128});
     test_decode({"bf16", 16, {70}, false, 0, 0, 0, 4, false, 0, kDc, kDr, true});
+    test_decode({"mla-tq4", 16, {5, 130}, false, 2, 8, 0, 3, false, 1, 576, 128});
     return cudatest::finish();
   }
   const std::vector<std::string> fmts = {"bf16", "c8r8", "c4r8", "c4r4", "c3r4", "c2r4"};
@@ -534,6 +537,13 @@ int main(int argc, char** argv) {
     test_decode({f, 16, {4, 20, 100, 1300}, false, 4, 16, 5, 13, false, 0, 576, 64});  // token aging
     test_decode({f, 16, {300, 17}, false, 0, 0, 0, 14, false, 0, 64, 128});
     test_decode({f, 16, {1, 64, 65, 700, 2500}, true, 4, 16, 0, 15, false, 0, kDc, kDr, true});
+  }
+  for (const auto& f : {"mla-tq4", "mla-tq3"}) {  // block Hadamard rotations: 576 = 512 + 64, 192 = 128 + 64
+    test_decode({f, 16, {1, 64, 65, 700}, false, 0, 0, 0, 21, false, 0, 256, 64});
+    test_decode({f, 32, {1000, 3, 129}, true, 4, 64, 0, 22, false, 2, 576, 128});
+    test_decode({f, 16, {4, 20, 100, 1300}, false, 4, 16, 5, 23, false, 0, 1024, 64});  // token aging
+    test_decode({f, 16, {300, 17}, false, 0, 0, 0, 25, false, 3, 192, 128});
+    test_decode({f, 16, {1, 64, 65, 700, 2500}, true, 4, 16, 0, 24, false, 1, kDc, kDr, true});
   }
   test_decode({"c4r4", 128, {900, 64}, true, 4, 128, 0, 16, false, 0, 192, 128});
   test_decode({"c2r4", 64, {0, 300}, false, 0, 0, 0, 18, false, 0, 320, 64});
