@@ -67,21 +67,21 @@ void fill_pool_host(const FormatSpec& f, const cuda::MlaFormat& mf, std::uint8_t
   CacheGeometry g;
   g.n_layers = 1;
   g.mla = true;
-  g.d_latent = 512;
-  g.d_rope = 64;
+  g.d_latent = mf.d_latent;
+  g.d_rope = mf.d_rope;
   const QuantizerPair q = make_quantizers(f, g, 0, 0);
   const std::size_t np = std::min<std::size_t>(n_pages, 64);
   std::vector<std::uint8_t> host(np * L.page_bytes, 0);
   std::mt19937 rng(3);
   std::normal_distribution<float> nd(0.0f, 1.0f);
-  std::vector<float> x(576);
+  std::vector<float> x(static_cast<std::size_t>(mf.d_latent + mf.d_rope));
   std::vector<std::uint8_t> km(q.key->meta_bytes() + 1), vm(q.value->meta_bytes() + 1);
   for (std::size_t pi = 0; pi < np; ++pi)
     for (int t = 0; t < L.tokens; ++t) {
       for (auto& v : x) v = nd(rng);
       std::uint8_t* page = host.data() + pi * L.page_bytes;
       q.key->encode(x.data(), page + L.key_code(0, t), km.data());
-      q.value->encode(x.data() + 512, page + L.value_code(0, t), vm.data());
+      q.value->encode(x.data() + mf.d_latent, page + L.value_code(0, t), vm.data());
       std::memcpy(page + L.key_meta(0, t), km.data(), q.key->meta_bytes());
       std::memcpy(page + L.key_meta(0, t) + q.key->meta_bytes(), vm.data(), q.value->meta_bytes());
     }
@@ -154,8 +154,7 @@ void run_mla_bench(const MlaBenchOptions& o) {
   for (const auto& fname : split_list(o.formats)) {
     const cuda::MlaFormat mf = cuda::mla_format(find_format(fname), dc, dr);
     if (!cuda::mla_supported(mf))
-      fail(fmt::format("format '{}' has no CUDA kernel at d_c = {}, d_r = {} (mla-tq: 512 / 64 only; others: multiples of 64, "
-                       "d_c <= 1024, d_r <= 256)",
+      fail(fmt::format("format '{}' has no CUDA kernel at d_c = {}, d_r = {} (multiples of 64, d_c <= 1024, d_r <= 256)",
                        fname, dc, dr));
     const PageLayout& pg = mf.page;
     auto store_params = [&](std::uint8_t* pool, std::size_t n) {
