@@ -181,9 +181,9 @@ __global__ void __launch_bounds__(kNT) mla_decode_gen_kernel(const __grid_consta
     const int toff = (pi * kTI) % kPT;
     const std::uint32_t dst = sbase + static_cast<std::uint32_t>(slot * lay.stage);
     if constexpr (kB) {  // padded operand rows; rows outside the sequence zero-filled (pages may hold NaN)
-      const int rows_ok = min(kTI, Lq - pi * kTI), cpr = D / 8, dcc = dc / 8;
-      for (int i = tid; i < kTI * cpr; i += kNT) {
-        const int r = i / cpr, c = i % cpr;
+      // thread = (row tid / 16, chunks tid % 16 + 16 j): no division
+      const int rows_ok = min(kTI, Lq - pi * kTI), cpr = D / 8, dcc = dc / 8, r = tid >> 4;
+      for (int c = tid & 15; c < cpr; c += 16) {
         const std::uint8_t* src = c < dcc ? page + L.key_code_off + static_cast<std::size_t>(toff + r) * KCB + 16 * c
                                           : page + L.value_code_off + static_cast<std::size_t>(toff + r) * VCB + 16 * (c - dcc);
         cp_async16_zfill(dst + static_cast<std::uint32_t>(r * RW * 2 + 16 * c), r < rows_ok ? src : page, r < rows_ok);
@@ -253,9 +253,10 @@ __global__ void __launch_bounds__(kNT) mla_decode_gen_kernel(const __grid_consta
     } else {
       // ---- 1. the operand tile: item = (row r, 8 dims at column 8 c)
       const std::uint8_t* st = stages + (is_prot ? 0 : k % NS) * lay.stage;
-      const int chunks = D / 8;
-      for (int i = tid; i < kTI * chunks; i += kNT) {
-        const int r = i / chunks, c = i % chunks, d = 8 * c;
+      // thread = (row r = tid / 16, chunks c = tid % 16 + 16 j): group c / 8, no division
+      const int chunks = D / 8, r = tid >> 4;
+      for (int c = tid & 15; c < chunks; c += 16) {
+        const int d = 8 * c;
         uint4 v = make_uint4(0, 0, 0, 0);
         if (r >= lo && r < hi) {
           if (is_prot) {
@@ -366,12 +367,14 @@ __global__ void __launch_bounds__(kNT) mla_decode_gen_kernel(const __grid_consta
     // ---- 4. PV: warp w accumulates heads g, g + 8 at dims 8 G w + 8 n + 2 t, + 1
     {
       const float a0 = salpha[g], a1 = salpha[g + 8];
+      if (__any_sync(0xffffffffu, a0 != 1.0f || a1 != 1.0f)) {  // a head's maximum moved
 #pragma unroll
-      for (int n = 0; n < kMaxG; ++n) {
-        o[n][0] *= a0;
-        o[n][1] *= a0;
-        o[n][2] *= a1;
-        o[n][3] *= a1;
+        for (int n = 0; n < kMaxG; ++n) {
+          o[n][0] *= a0;
+          o[n][1] *= a0;
+          o[n][2] *= a1;
+          o[n][3] *= a1;
+        }
       }
       std::uint32_t pa[4];
       ldsm_x4(pa, smem_u32(sP + (lane & 15) * 24 + (lane >> 4) * 8));
