@@ -41,6 +41,7 @@
 #include <cmath>
 
 #include "device.cuh"
+#include "mla_split.cuh"
 #include "kvq/quantizers.hpp"
 #include "kvq/rotation.hpp"
 #include "kvq_cuda_mla.hpp"
@@ -122,9 +123,6 @@ constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
 // fragment scatter (lane (g, t): head g or g + 8, dims 16 t + i of its group) hits 32 different
 // banks per store (bf16's dim order: 2 ways), and the row read-back is conflict-free.
 constexpr int kOutRow = 530;
-// A protected tile's cost in packed tiles, for the split ranges (H200, c4r4 with `paper`
-// protection at 8 x 4K: the first split took ~4 us per protected tile against ~1 us per packed one).
-constexpr int kProtCost = 4;
 __host__ __device__ constexpr int out_col(int d) { return d + (d >> 5); }
 
 // Lane (g, t) holds sixteen content dims of its group; word k of its fragment (k = 0..7) holds
@@ -487,36 +485,14 @@ __global__ void __launch_bounds__(kNT, 2) mla_decode_kernel(const __grid_constan
   };
   if constexpr (!kTq) load_query();
   const int Lq = p.seq_lens[b];
-  const bool prot = kPk && p.protect.enabled();
-  const int pb = prot ? static_cast<int>(p.protect.packed_begin(Lq)) : 0;
-  const int pe = prot ? static_cast<int>(p.protect.packed_end(Lq)) : Lq;
-  const int first = pb / TI, end = pe > pb ? (pe + TI - 1) / TI : first;
-  const int npk = end - first;
-  const int nprot = prot ? pb + (Lq - pe) : 0;
-  const int nprt = (nprot + TI - 1) / TI;
-  // Splits take contiguous ranges of virtual tiles (protected ones first) of equal cost; a protected
-  // tile (bf16 rows loaded from global memory in the loop, not through the stages) counts as
-  // kProtCost packed ones, so the first split does not become the critical path.
-  const int cost = kProtCost * nprt + npk;
-  const int per = (cost + wk.nsplit - 1) / wk.nsplit;
-  auto tile_at = [&](int c) {  // the first virtual tile that starts at cost >= c
-    return c <= kProtCost * nprt ? (c + kProtCost - 1) / kProtCost : nprt + (c - kProtCost * nprt);
-  };
-  const int v0 = tile_at(min(split * per, cost)), v1 = tile_at(min((split + 1) * per, cost));
+  const detail::MlaTiles<TI> vtiles(p.protect, kPk && p.protect.enabled(), Lq, wk.nsplit, split);
+  const int pe = vtiles.pe, first = vtiles.first, nprt = vtiles.nprt;
+  const int v0 = vtiles.v0, v1 = vtiles.v1;
   const int kb = max(v0, nprt);
   const int nks = max(0, v1 - kb);
   const int pk0 = first + kb - nprt;  // packed tile index of k = 0
   const std::int32_t* bt = p.block_tables + static_cast<std::size_t>(b) * p.max_pages;
-  auto range = [&](int vt, int& lo, int& hi) {
-    if (vt < nprt) {
-      lo = 0;
-      hi = min(TI, nprot - vt * TI);
-    } else {
-      const int pi = first + vt - nprt;
-      lo = max(0, pb - pi * TI);
-      hi = min(TI, pe - pi * TI);
-    }
-  };
+  auto range = [&](int vt, int& lo, int& hi) { vtiles.range(vt, lo, hi); };
 
   // ---- stage copies: per-thread offsets fixed once (a tile's rows are contiguous in its page)
   constexpr int nc = C::CBY / 16, nr = C::RBY / 16, nm = C::MBY / 16;
@@ -673,9 +649,7 @@ __global__ void __launch_bounds__(kNT, 2) mla_decode_kernel(const __grid_constan
       for (int j = 0; j < NJ; ++j) {
         const int r = 8 * j + g;
         if (r < hi) {
-          const int idx = vt * TI + r;
-          const int pos = idx < pb ? idx : pe + (idx - pb);
-          const int slot = p.protect.slot(pos);
+          const int slot = p.protect.slot(vtiles.prot_pos(vt, r));
           const std::uint16_t* row = p.protect_rows + p.protect.row(b, slot);
           if constexpr (kTq) {  // the rotated latent row (fp16, the pre-kernel's), the RoPE key as it is
             const std::uint16_t* rr = wk.prot + (static_cast<std::size_t>(b) * p.protect.slots() + slot) * kDc + 64 * gq + 16 * t;

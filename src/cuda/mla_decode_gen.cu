@@ -31,6 +31,7 @@
 #include <algorithm>
 
 #include "device.cuh"
+#include "mla_split.cuh"
 #include "kvq_cuda_mla.hpp"
 
 namespace kvq::cuda {
@@ -40,7 +41,6 @@ namespace {
 
 constexpr int kHG = 16, kTI = 16, kPT = 64, kNW = 8, kNT = 32 * kNW;
 constexpr int kMaxG = 16, kMaxR = 4;
-constexpr int kProtCostG = 4;  // a protected tile's cost in packed tiles (as the tuned kernel)
 constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
 
 __device__ __forceinline__ std::uint32_t smem_u32(const void* p) {
@@ -156,19 +156,8 @@ __global__ void __launch_bounds__(kNT) mla_decode_gen_kernel(const __grid_consta
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, t = lane & 3;
 
   const int Lq = p.seq_lens[b];
-  const bool prot = !kB && p.protect.enabled();
-  const int pb = prot ? static_cast<int>(p.protect.packed_begin(Lq)) : 0;
-  const int pe = prot ? static_cast<int>(p.protect.packed_end(Lq)) : Lq;
-  const int first = pb / kTI, end = pe > pb ? (pe + kTI - 1) / kTI : first;
-  const int npk = end - first;
-  const int nprot = prot ? pb + (Lq - pe) : 0;
-  const int nprt = (nprot + kTI - 1) / kTI;
-  const int cost = kProtCostG * nprt + npk;
-  const int per = (cost + wk.nsplit - 1) / wk.nsplit;
-  auto tile_at = [&](int c) {
-    return c <= kProtCostG * nprt ? (c + kProtCostG - 1) / kProtCostG : nprt + (c - kProtCostG * nprt);
-  };
-  const int v0 = tile_at(min(split * per, cost)), v1 = tile_at(min((split + 1) * per, cost));
+  const MlaTiles<kTI> vtiles(p.protect, !kB && p.protect.enabled(), Lq, wk.nsplit, split);
+  const int first = vtiles.first, nprt = vtiles.nprt, v0 = vtiles.v0, v1 = vtiles.v1;
   const int kb = max(v0, nprt), nks = max(0, v1 - kb);
   const std::int32_t* bt = p.block_tables + static_cast<std::size_t>(b) * p.max_pages;
   const std::uint32_t sbase = static_cast<std::uint32_t>(__cvta_generic_to_shared(stages));
@@ -233,15 +222,8 @@ __global__ void __launch_bounds__(kNT) mla_decode_gen_kernel(const __grid_consta
     const bool is_prot = vt < nprt;
     const int k = vt - kb;
     int lo, hi;
-    if (is_prot) {
-      lo = 0;
-      hi = min(kTI, nprot - vt * kTI);
-    } else {
-      const int pi = first + vt - nprt;
-      lo = max(0, pb - pi * kTI);
-      hi = min(kTI, pe - pi * kTI);
-      wait_stages<6>(NS - 2);  // this tile's copies have landed (this thread's)
-    }
+    vtiles.range(vt, lo, hi);
+    if (!is_prot) wait_stages<6>(NS - 2);  // this tile's copies have landed (this thread's)
     __syncthreads();  // every thread's copies visible; the previous tile's readers are done
     if (!is_prot) {
       issue(k + NS - 1, (k + NS - 1) % NS);
@@ -260,9 +242,7 @@ __global__ void __launch_bounds__(kNT) mla_decode_gen_kernel(const __grid_consta
         uint4 v = make_uint4(0, 0, 0, 0);
         if (r >= lo && r < hi) {
           if (is_prot) {
-            const int idx = vt * kTI + r;
-            const int pos = idx < pb ? idx : pe + (idx - pb);
-            const int slot = p.protect.slot(pos);
+            const int slot = p.protect.slot(vtiles.prot_pos(vt, r));
             if (kTq && d < dc)  // the pre-kernel's rotated latent row (fp16)
               v = *reinterpret_cast<const uint4*>(wk.prot + (static_cast<std::size_t>(b) * p.protect.slots() + slot) * dc + d);
             else

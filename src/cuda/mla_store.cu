@@ -60,6 +60,113 @@ __device__ __forceinline__ void pack16(const std::uint32_t (&t)[16], std::uint32
   }
 }
 
+// The token's content codes, RoPE codes and metadata record in the page of `slot` (tok_shift: log2
+// of the page's tokens, or -1).
+struct TokenSlot {
+  std::uint8_t *kc, *vc, *meta;
+};
+__device__ __forceinline__ TokenSlot token_slot(const MlaStoreParams& p, std::int64_t slot, int tok_shift) {
+  const PageLayout& pg = p.fmt.page;
+  const std::uint64_t pid = tok_shift >= 0 ? static_cast<std::uint64_t>(slot >> tok_shift) : static_cast<std::uint64_t>(slot / pg.tokens);
+  const int off = tok_shift >= 0 ? static_cast<int>(slot & ((1 << tok_shift) - 1)) : static_cast<int>(slot % pg.tokens);
+  std::uint8_t* page = p.pool + pid * pg.page_bytes;
+  return TokenSlot{page + pg.key_code(0, off), page + pg.value_code(0, off), page + pg.key_meta(0, off)};
+}
+// The bf16 protection row token t is copied to, or null: a sink, or a window position among the
+// last W of its sequence after this call (protect_seq_lens), when protection is on.
+__device__ __forceinline__ std::uint16_t* protected_row(const MlaStoreParams& p, int t) {
+  if (!p.protect_rows || !p.protect.enabled()) return nullptr;
+  const int pos = p.positions[t], seq = p.seq_ids[t];
+  const int s = p.protect.slot(pos);
+  bool keep = s >= 0;
+  if (keep && pos >= p.protect.sinks && p.protect_seq_lens) keep = pos >= p.protect_seq_lens[seq] - p.protect.window;
+  return keep ? p.protect_rows + p.protect.row(seq, s) : nullptr;
+}
+// Latent group g of 64 values held 16 per lane (c0, c1) by the lanes 4g..4g+3: AffineGroup's rule in
+// float32 (the file comment gives the argument), every lane of the quad taking part in the shuffles.
+// Returns this lane's 16 codes packed LSB-first and the group's scale s (bf16-rounded) and zero point.
+template <int CB>
+__device__ __forceinline__ void quantize_quad(const uint4& c0, const uint4& c1, std::uint32_t (&pk)[(16 * CB + 31) / 32], float& s_out,
+                                              std::uint32_t& zi_out) {
+  const std::uint32_t w[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+  std::uint32_t mn = bmin2(w[0], w[1]), mx = bmax2(w[0], w[1]);
+#pragma unroll
+  for (int i = 2; i < 8; ++i) {
+    mn = bmin2(mn, w[i]);
+    mx = bmax2(mx, w[i]);
+  }
+  // (min, -max) of the lane in one bf16 pair, then over the group's 4 lanes.
+  std::uint32_t mm = bmin2(__byte_perm(mn, mx ^ 0x80008000u, 0x5410), __byte_perm(mn, mx ^ 0x80008000u, 0x7632));
+#pragma unroll
+  for (int o = 1; o <= 2; o <<= 1) mm = bmin2(mm, __shfl_xor_sync(0xffffffffu, mm, o));
+  const float lo = bf16_lo(mm), hi = -bf16_hi(mm);
+  constexpr float mf = static_cast<float>((1 << CB) - 1);
+  float s = round_bf16(__fdiv_rn(hi - lo, mf));
+  if (!(s >= FLT_MIN)) s = FLT_MIN;
+  const float z = clampf_ref(rintf(__fdiv_rn(-lo, s)), 0.0f, mf);
+  const std::uint32_t zi = static_cast<std::uint32_t>(z);
+  const float y = __frcp_rn(s);
+  const bool fast = s >= 0x1p-80f && __fmul_rn(fmaxf(fabsf(lo), fabsf(hi)), y) < 0x1p60f;
+  std::uint32_t tq[16];
+  std::uint32_t zc;
+  if (fast) {
+    const float nz = -z, mz = mf - z;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const float x = (i & 1) ? bf16_hi(w[i >> 1]) : bf16_lo(w[i >> 1]);
+      const float q0 = __fmul_rn(x, y);
+      const float q1 = __fmaf_rn(__fmaf_rn(-q0, s, x), y, q0);
+      tq[i] = __float_as_uint(__fadd_rn(fminf(fmaxf(q1, nz), mz), kRintMagic));
+    }
+    zc = zi - kRintMagicBits;
+  } else {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const float x = (i & 1) ? bf16_hi(w[i >> 1]) : bf16_lo(w[i >> 1]);
+      tq[i] = static_cast<std::uint32_t>(clampf_ref(rintf(__fdiv_rn(x, s)) + z, 0.0f, mf));
+    }
+    zc = 0;
+  }
+  pack16<CB>(tq, zc, pk);
+  s_out = s;
+  zi_out = zi;
+}
+// Stores 16 packed CB-bit codes (2 CB bytes) at dst.
+template <int CB>
+__device__ __forceinline__ void store_codes16(std::uint8_t* dst, const std::uint32_t (&pk)[(16 * CB + 31) / 32]) {
+  if constexpr (CB == 8) {
+    *reinterpret_cast<uint4*>(dst) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
+  } else if constexpr (CB == 4) {
+    *reinterpret_cast<uint2*>(dst) = make_uint2(pk[0], pk[1]);
+  } else if constexpr (CB == 2) {
+    *reinterpret_cast<std::uint32_t*>(dst) = pk[0];
+  } else {  // 3 bits: 6 bytes
+    std::uint16_t* d = reinterpret_cast<std::uint16_t*>(dst);
+    d[0] = static_cast<std::uint16_t>(pk[0]);
+    d[1] = static_cast<std::uint16_t>(pk[0] >> 16);
+    d[2] = static_cast<std::uint16_t>(pk[1]);
+  }
+}
+// A RoPE group of 64 values held two per lane (r01) by the whole warp: fp32 scale rs, zero point rz
+// and the lane's two codes packed (q0 | q1 << RB), with the per-element division.
+template <int RB>
+__device__ __forceinline__ std::uint32_t quantize_rope_pair(std::uint32_t r01, float& rs_out, float& rz_out) {
+  std::uint32_t rm2 = bmin2(__byte_perm(r01, r01 ^ 0x80008000u, 0x7610), __byte_perm(r01, r01 ^ 0x80008000u, 0x5432));
+#pragma unroll
+  for (int o = 1; o <= 16; o <<= 1) rm2 = bmin2(rm2, __shfl_xor_sync(0xffffffffu, rm2, o));
+  const float rlo = bf16_lo(rm2), rhi = -bf16_hi(rm2);
+  const float y0 = bf16_lo(r01), y1 = bf16_hi(r01);
+  constexpr float rm = static_cast<float>((1 << RB) - 1);
+  float rs = __fdiv_rn(rhi - rlo, rm);
+  if (!(rs >= FLT_MIN)) rs = FLT_MIN;
+  const float rz = clampf_ref(rintf(__fdiv_rn(-rlo, rs)), 0.0f, rm);
+  const std::uint32_t q0 = static_cast<std::uint32_t>(clampf_ref(rintf(__fdiv_rn(y0, rs)) + rz, 0.0f, rm));
+  const std::uint32_t q1 = static_cast<std::uint32_t>(clampf_ref(rintf(__fdiv_rn(y1, rs)) + rz, 0.0f, rm));
+  rs_out = rs;
+  rz_out = rz;
+  return q0 | q1 << RB;
+}
+
 template <int CB, int RB>
 __global__ void __launch_bounds__(256) mla_store_kernel(MlaStoreParams p, int tok_shift) {
   const int lane = threadIdx.x & 31;
@@ -72,100 +179,32 @@ __global__ void __launch_bounds__(256) mla_store_kernel(MlaStoreParams p, int to
   const uint4 c1 = *reinterpret_cast<const uint4*>(lat + 16 * lane + 8);
   const std::uint32_t r01 = *reinterpret_cast<const std::uint32_t*>(rop + 2 * lane);
 
-  if (p.protect_rows && p.protect.enabled()) {
-    const int pos = p.positions[t], seq = p.seq_ids[t];
-    const int s = p.protect.slot(pos);
-    bool keep = s >= 0;
-    if (keep && pos >= p.protect.sinks && p.protect_seq_lens) keep = pos >= p.protect_seq_lens[seq] - p.protect.window;
-    if (keep) {
-      std::uint16_t* row = p.protect_rows + p.protect.row(seq, s);
-      *reinterpret_cast<uint4*>(row + 16 * lane) = c0;
-      *reinterpret_cast<uint4*>(row + 16 * lane + 8) = c1;
-      *reinterpret_cast<std::uint32_t*>(row + kDc + 2 * lane) = r01;
-    }
+  if (std::uint16_t* row = protected_row(p, t)) {
+    *reinterpret_cast<uint4*>(row + 16 * lane) = c0;
+    *reinterpret_cast<uint4*>(row + 16 * lane + 8) = c1;
+    *reinterpret_cast<std::uint32_t*>(row + kDc + 2 * lane) = r01;
   }
   if (slot < 0) return;
-  const PageLayout& pg = p.fmt.page;
-  const std::uint64_t pid = tok_shift >= 0 ? static_cast<std::uint64_t>(slot >> tok_shift) : static_cast<std::uint64_t>(slot / pg.tokens);
-  const int off = tok_shift >= 0 ? static_cast<int>(slot & ((1 << tok_shift) - 1)) : static_cast<int>(slot % pg.tokens);
-  std::uint8_t* page = p.pool + pid * pg.page_bytes;
-  std::uint8_t* kc = page + pg.key_code(0, off);
-  std::uint8_t* vc = page + pg.value_code(0, off);
+  const TokenSlot ts = token_slot(p, slot, tok_shift);
+  std::uint8_t *kc = ts.kc, *vc = ts.vc;
 
   if constexpr (CB == 16) {
     reinterpret_cast<uint4*>(kc)[2 * lane] = c0;
     reinterpret_cast<uint4*>(kc)[2 * lane + 1] = c1;
     reinterpret_cast<std::uint32_t*>(vc)[lane] = r01;
   } else {
-    std::uint8_t* meta = page + pg.key_meta(0, off);
+    std::uint8_t* meta = ts.meta;
     // Content: lane holds dims [16 lane, 16 lane + 16); lanes 4g..4g+3 form group g.
-    const std::uint32_t w[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
-    std::uint32_t mn = bmin2(w[0], w[1]), mx = bmax2(w[0], w[1]);
-#pragma unroll
-    for (int i = 2; i < 8; ++i) {
-      mn = bmin2(mn, w[i]);
-      mx = bmax2(mx, w[i]);
-    }
-    // (min, -max) of the lane in one bf16 pair, then over the group's 4 lanes.
-    std::uint32_t mm = bmin2(__byte_perm(mn, mx ^ 0x80008000u, 0x5410), __byte_perm(mn, mx ^ 0x80008000u, 0x7632));
-#pragma unroll
-    for (int o = 1; o <= 2; o <<= 1) mm = bmin2(mm, __shfl_xor_sync(0xffffffffu, mm, o));
-    const float lo = bf16_lo(mm), hi = -bf16_hi(mm);
-    constexpr float mf = static_cast<float>((1 << CB) - 1);
-    float s = round_bf16(__fdiv_rn(hi - lo, mf));
-    if (!(s >= FLT_MIN)) s = FLT_MIN;
-    const float z = clampf_ref(rintf(__fdiv_rn(-lo, s)), 0.0f, mf);
-    const std::uint32_t zi = static_cast<std::uint32_t>(z);
-    const float y = __frcp_rn(s);
-    const bool fast = s >= 0x1p-80f && __fmul_rn(fmaxf(fabsf(lo), fabsf(hi)), y) < 0x1p60f;
-    std::uint32_t tq[16];
-    std::uint32_t zc;
-    if (fast) {
-      const float nz = -z, mz = mf - z;
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        const float x = (i & 1) ? bf16_hi(w[i >> 1]) : bf16_lo(w[i >> 1]);
-        const float q0 = __fmul_rn(x, y);
-        const float q1 = __fmaf_rn(__fmaf_rn(-q0, s, x), y, q0);
-        tq[i] = __float_as_uint(__fadd_rn(fminf(fmaxf(q1, nz), mz), kRintMagic));
-      }
-      zc = zi - kRintMagicBits;
-    } else {
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        const float x = (i & 1) ? bf16_hi(w[i >> 1]) : bf16_lo(w[i >> 1]);
-        tq[i] = static_cast<std::uint32_t>(clampf_ref(rintf(__fdiv_rn(x, s)) + z, 0.0f, mf));
-      }
-      zc = 0;
-    }
     std::uint32_t pk[(16 * CB + 31) / 32];
-    pack16<CB>(tq, zc, pk);
-    if constexpr (CB == 8) {
-      reinterpret_cast<uint4*>(kc)[lane] = make_uint4(pk[0], pk[1], pk[2], pk[3]);
-    } else if constexpr (CB == 4) {
-      reinterpret_cast<uint2*>(kc)[lane] = make_uint2(pk[0], pk[1]);
-    } else if constexpr (CB == 2) {
-      reinterpret_cast<std::uint32_t*>(kc)[lane] = pk[0];
-    } else {  // 3 bits: 16 codes = 6 bytes at byte 6 lane
-      std::uint16_t* d = reinterpret_cast<std::uint16_t*>(kc + 6 * lane);
-      d[0] = static_cast<std::uint16_t>(pk[0]);
-      d[1] = static_cast<std::uint16_t>(pk[0] >> 16);
-      d[2] = static_cast<std::uint16_t>(pk[1]);
-    }
+    float s;
+    std::uint32_t zi;
+    quantize_quad<CB>(c0, c1, pk, s, zi);
+    store_codes16<CB>(kc + 2 * CB * lane, pk);
     // RoPE key: lane holds dims 2 lane, 2 lane + 1; one group of 64, fp32 scale.
-    std::uint32_t rm2 = bmin2(__byte_perm(r01, r01 ^ 0x80008000u, 0x7610), __byte_perm(r01, r01 ^ 0x80008000u, 0x5432));
-#pragma unroll
-    for (int o = 1; o <= 16; o <<= 1) rm2 = bmin2(rm2, __shfl_xor_sync(0xffffffffu, rm2, o));
-    const float rlo = bf16_lo(rm2), rhi = -bf16_hi(rm2);
-    const float y0 = bf16_lo(r01), y1 = bf16_hi(r01);
-    constexpr float rm = static_cast<float>((1 << RB) - 1);
-    float rs = __fdiv_rn(rhi - rlo, rm);
-    if (!(rs >= FLT_MIN)) rs = FLT_MIN;
-    const float rz = clampf_ref(rintf(__fdiv_rn(-rlo, rs)), 0.0f, rm);
-    const std::uint32_t q0 = static_cast<std::uint32_t>(clampf_ref(rintf(__fdiv_rn(y0, rs)) + rz, 0.0f, rm));
-    const std::uint32_t q1 = static_cast<std::uint32_t>(clampf_ref(rintf(__fdiv_rn(y1, rs)) + rz, 0.0f, rm));
-    if constexpr (RB == 8) reinterpret_cast<std::uint16_t*>(vc)[lane] = static_cast<std::uint16_t>(q0 | q1 << 8);
-    else vc[lane] = static_cast<std::uint8_t>(q0 | q1 << 4);
+    float rs, rz;
+    const std::uint32_t rq = quantize_rope_pair<RB>(r01, rs, rz);
+    if constexpr (RB == 8) reinterpret_cast<std::uint16_t*>(vc)[lane] = static_cast<std::uint16_t>(rq);
+    else vc[lane] = static_cast<std::uint8_t>(rq);
     // Metadata record, one 32-bit word from each of 8 lanes (one store instruction):
     // words 0-3 bf16 scales of groups (2i, 2i+1) from lanes 0, 8, 16, 24; words 4, 5 zero points
     // of groups 0-3 / 4-7 from lanes 4, 20; word 6 the RoPE scale (lane 12), word 7 the RoPE zero
@@ -211,32 +250,21 @@ __global__ void __launch_bounds__(256) mla_store_gen_kernel(MlaStoreParams p, in
   const std::int64_t slot = p.slot_mapping[t];
   const std::uint16_t* lat = p.latent + static_cast<std::int64_t>(t) * (p.latent_stride ? p.latent_stride : dc);
   const std::uint16_t* rop = p.rope + static_cast<std::int64_t>(t) * (p.rope_stride ? p.rope_stride : dr);
-  if (p.protect_rows && p.protect.enabled()) {
-    const int pos = p.positions[t], seq = p.seq_ids[t];
-    const int s = p.protect.slot(pos);
-    bool keep = s >= 0;
-    if (keep && pos >= p.protect.sinks && p.protect_seq_lens) keep = pos >= p.protect_seq_lens[seq] - p.protect.window;
-    if (keep) {
-      std::uint16_t* row = p.protect_rows + p.protect.row(seq, s);
-      for (int i = lane; i < dc / 8; i += 32) reinterpret_cast<uint4*>(row)[i] = reinterpret_cast<const uint4*>(lat)[i];
-      for (int i = lane; i < dr / 2; i += 32)
-        reinterpret_cast<std::uint32_t*>(row + dc)[i] = reinterpret_cast<const std::uint32_t*>(rop)[i];
-    }
+  if (std::uint16_t* row = protected_row(p, t)) {
+    for (int i = lane; i < dc / 8; i += 32) reinterpret_cast<uint4*>(row)[i] = reinterpret_cast<const uint4*>(lat)[i];
+    for (int i = lane; i < dr / 2; i += 32)
+      reinterpret_cast<std::uint32_t*>(row + dc)[i] = reinterpret_cast<const std::uint32_t*>(rop)[i];
   }
   if (slot < 0) return;
   const PageLayout& pg = p.fmt.page;
-  const std::uint64_t pid = tok_shift >= 0 ? static_cast<std::uint64_t>(slot >> tok_shift) : static_cast<std::uint64_t>(slot / pg.tokens);
-  const int off = tok_shift >= 0 ? static_cast<int>(slot & ((1 << tok_shift) - 1)) : static_cast<int>(slot % pg.tokens);
-  std::uint8_t* page = p.pool + pid * pg.page_bytes;
-  std::uint8_t* kc = page + pg.key_code(0, off);
-  std::uint8_t* vc = page + pg.value_code(0, off);
+  const TokenSlot ts = token_slot(p, slot, tok_shift);
+  std::uint8_t *kc = ts.kc, *vc = ts.vc;
   if constexpr (CB == 16) {
     for (int i = lane; i < dc / 8; i += 32) reinterpret_cast<uint4*>(kc)[i] = reinterpret_cast<const uint4*>(lat)[i];
     for (int i = lane; i < dr / 2; i += 32)
       reinterpret_cast<std::uint32_t*>(vc)[i] = reinterpret_cast<const std::uint32_t*>(rop)[i];
   } else {
-    std::uint8_t* meta = page + pg.key_meta(0, off);
-    constexpr float mf = static_cast<float>((1 << CB) - 1);
+    std::uint8_t* meta = ts.meta;
     for (int c = 0; c < (G + 7) / 8; ++c) {  // warp-uniform: every lane takes part in the shuffles
       const bool act = lane < 4 * min(8, G - 8 * c);
       uint4 c0 = make_uint4(0, 0, 0, 0), c1 = c0;
@@ -244,59 +272,12 @@ __global__ void __launch_bounds__(256) mla_store_gen_kernel(MlaStoreParams p, in
         c0 = *reinterpret_cast<const uint4*>(lat + 512 * c + 16 * lane);
         c1 = *reinterpret_cast<const uint4*>(lat + 512 * c + 16 * lane + 8);
       }
-      const std::uint32_t w[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
-      std::uint32_t mn = bmin2(w[0], w[1]), mx = bmax2(w[0], w[1]);
-#pragma unroll
-      for (int i = 2; i < 8; ++i) {
-        mn = bmin2(mn, w[i]);
-        mx = bmax2(mx, w[i]);
-      }
-      std::uint32_t mm = bmin2(__byte_perm(mn, mx ^ 0x80008000u, 0x5410), __byte_perm(mn, mx ^ 0x80008000u, 0x7632));
-#pragma unroll
-      for (int o = 1; o <= 2; o <<= 1) mm = bmin2(mm, __shfl_xor_sync(0xffffffffu, mm, o));
-      const float lo = bf16_lo(mm), hi = -bf16_hi(mm);
-      float s = round_bf16(__fdiv_rn(hi - lo, mf));
-      if (!(s >= FLT_MIN)) s = FLT_MIN;
-      const float z = clampf_ref(rintf(__fdiv_rn(-lo, s)), 0.0f, mf);
-      const std::uint32_t zi = static_cast<std::uint32_t>(z);
-      const float y = __frcp_rn(s);
-      const bool fast = s >= 0x1p-80f && __fmul_rn(fmaxf(fabsf(lo), fabsf(hi)), y) < 0x1p60f;
-      std::uint32_t tq[16];
-      std::uint32_t zc;
-      if (fast) {
-        const float nz = -z, mz = mf - z;
-#pragma unroll
-        for (int i = 0; i < 16; ++i) {
-          const float x = (i & 1) ? bf16_hi(w[i >> 1]) : bf16_lo(w[i >> 1]);
-          const float q0 = __fmul_rn(x, y);
-          const float q1 = __fmaf_rn(__fmaf_rn(-q0, s, x), y, q0);
-          tq[i] = __float_as_uint(__fadd_rn(fminf(fmaxf(q1, nz), mz), kRintMagic));
-        }
-        zc = zi - kRintMagicBits;
-      } else {
-#pragma unroll
-        for (int i = 0; i < 16; ++i) {
-          const float x = (i & 1) ? bf16_hi(w[i >> 1]) : bf16_lo(w[i >> 1]);
-          tq[i] = static_cast<std::uint32_t>(clampf_ref(rintf(__fdiv_rn(x, s)) + z, 0.0f, mf));
-        }
-        zc = 0;
-      }
       std::uint32_t pk[(16 * CB + 31) / 32];
-      pack16<CB>(tq, zc, pk);
+      float s;
+      std::uint32_t zi;
+      quantize_quad<CB>(c0, c1, pk, s, zi);
       if (act) {
-        std::uint8_t* dst = kc + (512 * c + 16 * lane) * CB / 8;
-        if constexpr (CB == 8) {
-          *reinterpret_cast<uint4*>(dst) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
-        } else if constexpr (CB == 4) {
-          *reinterpret_cast<uint2*>(dst) = make_uint2(pk[0], pk[1]);
-        } else if constexpr (CB == 2) {
-          *reinterpret_cast<std::uint32_t*>(dst) = pk[0];
-        } else {  // 3 bits: 6 bytes
-          std::uint16_t* d = reinterpret_cast<std::uint16_t*>(dst);
-          d[0] = static_cast<std::uint16_t>(pk[0]);
-          d[1] = static_cast<std::uint16_t>(pk[0] >> 16);
-          d[2] = static_cast<std::uint16_t>(pk[1]);
-        }
+        store_codes16<CB>(kc + (512 * c + 16 * lane) * CB / 8, pk);
         if ((lane & 3) == 0) {
           const int gi = 8 * c + (lane >> 2);
           reinterpret_cast<std::uint16_t*>(meta)[gi] = static_cast<std::uint16_t>(float_to_bf16(s));
@@ -304,21 +285,12 @@ __global__ void __launch_bounds__(256) mla_store_gen_kernel(MlaStoreParams p, in
         }
       }
     }
-    constexpr float rm = static_cast<float>((1 << RB) - 1);
     for (int ri = 0; ri < R; ++ri) {  // RoPE group ri: lane holds dims 64 ri + 2 lane, + 1
       const std::uint32_t r01 = reinterpret_cast<const std::uint32_t*>(rop + 64 * ri)[lane];
-      std::uint32_t rm2 = bmin2(__byte_perm(r01, r01 ^ 0x80008000u, 0x7610), __byte_perm(r01, r01 ^ 0x80008000u, 0x5432));
-#pragma unroll
-      for (int o = 1; o <= 16; o <<= 1) rm2 = bmin2(rm2, __shfl_xor_sync(0xffffffffu, rm2, o));
-      const float rlo = bf16_lo(rm2), rhi = -bf16_hi(rm2);
-      const float y0 = bf16_lo(r01), y1 = bf16_hi(r01);
-      float rs = __fdiv_rn(rhi - rlo, rm);
-      if (!(rs >= FLT_MIN)) rs = FLT_MIN;
-      const float rz = clampf_ref(rintf(__fdiv_rn(-rlo, rs)), 0.0f, rm);
-      const std::uint32_t q0 = static_cast<std::uint32_t>(clampf_ref(rintf(__fdiv_rn(y0, rs)) + rz, 0.0f, rm));
-      const std::uint32_t q1 = static_cast<std::uint32_t>(clampf_ref(rintf(__fdiv_rn(y1, rs)) + rz, 0.0f, rm));
-      if constexpr (RB == 8) reinterpret_cast<std::uint16_t*>(vc + 64 * ri)[lane] = static_cast<std::uint16_t>(q0 | q1 << 8);
-      else vc[32 * ri + lane] = static_cast<std::uint8_t>(q0 | q1 << 4);
+      float rs, rz;
+      const std::uint32_t rq = quantize_rope_pair<RB>(r01, rs, rz);
+      if constexpr (RB == 8) reinterpret_cast<std::uint16_t*>(vc + 64 * ri)[lane] = static_cast<std::uint16_t>(rq);
+      else vc[32 * ri + lane] = static_cast<std::uint8_t>(rq);
       if (lane < 4) meta[3 * G + 4 * ri + lane] = static_cast<std::uint8_t>(__float_as_uint(rs) >> (8 * lane));
       if (lane == 4) meta[3 * G + 4 * R + ri] = static_cast<std::uint8_t>(rz);
     }
