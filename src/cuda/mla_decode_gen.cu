@@ -39,7 +39,7 @@ namespace detail {
 
 namespace {
 
-constexpr int kHG = 16, kTI = 16, kPT = 64, kNW = 8, kNT = 32 * kNW;
+constexpr int kHG = 16, kPT = 64, kNW = 8, kNT = 32 * kNW;
 constexpr int kMaxG = 16, kMaxR = 4;
 constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
 
@@ -104,18 +104,19 @@ struct GenWork {
   const std::uint16_t* prot;  // mla-tq: rotated protected latent rows, fp16 [batch][slots][d_c]
 };
 
-// Shared memory (bytes): the query (fp16; bf16 hi and lo for a bf16 cache) in rows of D + 8 halves
-// (the pad keeps ldmatrix free of bank conflicts); affine: the operand tile in such rows, then NS raw
-// stages (16 rows of content codes, RoPE codes and metadata, as in the page); bf16: NS stages that
-// are operand tiles. Then partial scores [8][16][17] floats, P [16][24] halves, rescale factors.
+// Shared memory (bytes) for tiles of TI tokens: the query (fp16; bf16 hi and lo for a bf16 cache) in
+// rows of D + 8 halves (the pad keeps ldmatrix free of bank conflicts); affine and mla-tq: the operand
+// tile in such rows, then NS raw stages (TI rows of content codes, RoPE codes and metadata, as in the
+// page); bf16: NS stages that are operand tiles. Then partial scores [8][16][TI + 8] floats, P
+// [16][TI + 8] halves, the rescale factors and the mla-tq code-pair table.
 __host__ __device__ constexpr int gen_row(int D) { return D + 8; }
 struct GenSmem {
   int q, tile, stage, tail;
-  __host__ __device__ GenSmem(int D, bool bf16, int raw_row) {
+  __host__ __device__ GenSmem(int D, bool bf16, int raw_row, int TI) {
     q = (bf16 ? 2 : 1) * kHG * gen_row(D) * 2;
-    tile = bf16 ? 0 : kTI * gen_row(D) * 2;
-    stage = bf16 ? kTI * gen_row(D) * 2 : kTI * raw_row;
-    tail = kNW * kHG * 17 * 4 + kHG * 24 * 2 + kHG * 4 + 256 * 4;  // + the mla-tq code-pair table
+    tile = bf16 ? 0 : TI * gen_row(D) * 2;
+    stage = bf16 ? TI * gen_row(D) * 2 : TI * raw_row;
+    tail = kNW * kHG * (TI + 8) * 4 + kHG * (TI + 8) * 2 + kHG * 4 + 256 * 4;
   }
   __host__ __device__ int bytes(int ns) const { return q + tile + ns * stage + tail; }
 };
@@ -132,8 +133,8 @@ __device__ __forceinline__ void cp_async16_zfill(std::uint32_t saddr, const void
 }
 
 // Format codes as in mla_decode.cu: 16 (bf16), 8, 4, 3, 2 (affine content bits), 100 + b (mla-tq).
-template <int CB, int RB>
-__global__ void __launch_bounds__(kNT) mla_decode_gen_kernel(const __grid_constant__ MlaDecodeParams p, GenWork wk) {
+template <int CB, int RB, int TI>
+__global__ void __launch_bounds__(kNT, 2) mla_decode_gen_kernel(const __grid_constant__ MlaDecodeParams p, GenWork wk) {
   constexpr bool kB = CB == 16;  // bf16 cache: bf16 operands, query hi + lo
   constexpr bool kTq = CB > 100;  // mla-tq: fp16 n C[idx] in the rotated domain, the RoPE key bf16 -> fp16
   constexpr int BITS = kTq ? CB - 100 : CB;
@@ -142,21 +143,25 @@ __global__ void __launch_bounds__(kNT) mla_decode_gen_kernel(const __grid_consta
   const PageLayout L = p.fmt.page;
   const int KCB = static_cast<int>(L.key_code_bytes), VCB = static_cast<int>(L.value_code_bytes), MB = static_cast<int>(L.meta_bytes);
   const int raw_row = KCB + VCB + MB;
-  const GenSmem lay(D, kB, raw_row);
+  const GenSmem lay(D, kB, raw_row, TI);
+  constexpr int SP = TI + 8;           // row stride of the partial scores (floats) and of P (halves)
+  constexpr int TPR = kNT / TI;        // threads per tile row in the copies and the operand fill
+  constexpr int NJ = TI / 8, NK = TI / 16;  // QK n-tiles (8 tokens), PV k-steps (16 tokens)
+  constexpr int TPT = TI / 16;         // softmax: tokens per thread
   const int NS = wk.ns;
   extern __shared__ __align__(16) std::uint8_t smem_raw[];
   std::uint16_t* sQ = reinterpret_cast<std::uint16_t*>(smem_raw);                  // [16][RW] (bf16: hi, then lo)
   std::uint16_t* sTile = reinterpret_cast<std::uint16_t*>(smem_raw + lay.q);        // affine: [16][RW]
   std::uint8_t* stages = smem_raw + lay.q + lay.tile;                               // NS x stage
-  float* spart = reinterpret_cast<float*>(stages + NS * lay.stage);                 // [8][16][17]
-  std::uint16_t* sP = reinterpret_cast<std::uint16_t*>(spart + kNW * kHG * 17);     // [16][24]
-  float* salpha = reinterpret_cast<float*>(sP + kHG * 24);                          // [16]
+  float* spart = reinterpret_cast<float*>(stages + NS * lay.stage);                 // [8][16][SP]
+  std::uint16_t* sP = reinterpret_cast<std::uint16_t*>(spart + kNW * kHG * SP);     // [16][SP]
+  float* salpha = reinterpret_cast<float*>(sP + kHG * SP);                          // [16]
   std::uint32_t* tbl = reinterpret_cast<std::uint32_t*>(salpha + kHG);              // mla-tq: [2^(2b)] (C[lo], C[hi]) fp16
   const int split = blockIdx.x, hg = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, t = lane & 3;
 
   const int Lq = p.seq_lens[b];
-  const MlaTiles<kTI> vtiles(p.protect, !kB && p.protect.enabled(), Lq, wk.nsplit, split);
+  const MlaTiles<TI> vtiles(p.protect, !kB && p.protect.enabled(), Lq, wk.nsplit, split);
   const int first = vtiles.first, nprt = vtiles.nprt, v0 = vtiles.v0, v1 = vtiles.v1;
   const int kb = max(v0, nprt), nks = max(0, v1 - kb);
   const std::int32_t* bt = p.block_tables + static_cast<std::size_t>(b) * p.max_pages;
@@ -166,19 +171,19 @@ __global__ void __launch_bounds__(kNT) mla_decode_gen_kernel(const __grid_consta
   auto issue = [&](int k, int slot) {
     if (k >= nks) return;
     const int pi = first + kb + k - nprt;
-    const std::uint8_t* page = p.pool + static_cast<std::size_t>(static_cast<unsigned>(bt[(pi * kTI) / kPT])) * L.page_bytes;
-    const int toff = (pi * kTI) % kPT;
+    const std::uint8_t* page = p.pool + static_cast<std::size_t>(static_cast<unsigned>(bt[(pi * TI) / kPT])) * L.page_bytes;
+    const int toff = (pi * TI) % kPT;
     const std::uint32_t dst = sbase + static_cast<std::uint32_t>(slot * lay.stage);
     if constexpr (kB) {  // padded operand rows; rows outside the sequence zero-filled (pages may hold NaN)
-      // thread = (row tid / 16, chunks tid % 16 + 16 j): no division
-      const int rows_ok = min(kTI, Lq - pi * kTI), cpr = D / 8, dcc = dc / 8, r = tid >> 4;
-      for (int c = tid & 15; c < cpr; c += 16) {
+      // thread = (row tid / TPR, chunks tid % TPR + TPR j): no division
+      const int rows_ok = min(TI, Lq - pi * TI), cpr = D / 8, dcc = dc / 8, r = tid / TPR;
+      for (int c = tid % TPR; c < cpr; c += TPR) {
         const std::uint8_t* src = c < dcc ? page + L.key_code_off + static_cast<std::size_t>(toff + r) * KCB + 16 * c
                                           : page + L.value_code_off + static_cast<std::size_t>(toff + r) * VCB + 16 * (c - dcc);
         cp_async16_zfill(dst + static_cast<std::uint32_t>(r * RW * 2 + 16 * c), r < rows_ok ? src : page, r < rows_ok);
       }
-    } else {  // the three regions of the tile's 16 rows, each contiguous in the page
-      const int n1 = KCB, n2 = VCB, n3 = MB;  // 16-byte chunks per region: 16 rows x bytes / 16
+    } else {  // the three regions of the tile's TI rows, each contiguous in the page
+      const int n1 = TI * KCB / 16, n2 = TI * VCB / 16, n3 = TI * MB / 16;  // 16-byte chunks per region
       for (int i = tid; i < n1 + n2 + n3; i += kNT) {
         const std::uint8_t* src = i < n1        ? page + L.key_code_off + static_cast<std::size_t>(toff) * KCB + 16 * i
                                   : i < n1 + n2 ? page + L.value_code_off + static_cast<std::size_t>(toff) * VCB + 16 * (i - n1)
@@ -235,9 +240,9 @@ __global__ void __launch_bounds__(kNT) mla_decode_gen_kernel(const __grid_consta
     } else {
       // ---- 1. the operand tile: item = (row r, 8 dims at column 8 c)
       const std::uint8_t* st = stages + (is_prot ? 0 : k % NS) * lay.stage;
-      // thread = (row r = tid / 16, chunks c = tid % 16 + 16 j): group c / 8, no division
-      const int chunks = D / 8, r = tid >> 4;
-      for (int c = tid & 15; c < chunks; c += 16) {
+      // thread = (row r = tid / TPR, chunks c = tid % TPR + TPR j): group c / 8, no division
+      const int chunks = D / 8, r = tid / TPR;
+      for (int c = tid % TPR; c < chunks; c += TPR) {
         const int d = 8 * c;
         uint4 v = make_uint4(0, 0, 0, 0);
         if (r >= lo && r < hi) {
@@ -249,7 +254,7 @@ __global__ void __launch_bounds__(kNT) mla_decode_gen_kernel(const __grid_consta
               v = bf16x8_to_half(*reinterpret_cast<const uint4*>(p.protect_rows + p.protect.row(b, slot) + d));
           } else if constexpr (kTq) {
             if (d < dc) {  // pairs of codes -> (C[lo], C[hi]) from the table, times the stored norm (n, n)
-              const std::uint32_t n = *reinterpret_cast<const std::uint16_t*>(st + kTI * (KCB + VCB) + r * MB);
+              const std::uint32_t n = *reinterpret_cast<const std::uint16_t*>(st + TI * (KCB + VCB) + r * MB);
               const std::uint32_t n2 = n * 0x10001u;
               const std::uint64_t cv = load_codes8<BITS>(st + r * KCB + d * BITS / 8);
               std::uint32_t wv[4];
@@ -261,10 +266,10 @@ __global__ void __launch_bounds__(kNT) mla_decode_gen_kernel(const __grid_consta
               }
               v = make_uint4(wv[0], wv[1], wv[2], wv[3]);
             } else {
-              v = bf16x8_to_half(*reinterpret_cast<const uint4*>(st + kTI * KCB + r * VCB + 2 * (d - dc)));
+              v = bf16x8_to_half(*reinterpret_cast<const uint4*>(st + TI * KCB + r * VCB + 2 * (d - dc)));
             }
           } else {
-            const std::uint8_t* meta = st + kTI * (KCB + VCB) + r * MB;
+            const std::uint8_t* meta = st + TI * (KCB + VCB) + r * MB;
             if (d < dc) {
               const int gi = d >> 6;
               const float s = bf16_bits_to_float(*reinterpret_cast<const std::uint16_t*>(meta + 2 * gi));
@@ -274,7 +279,7 @@ __global__ void __launch_bounds__(kNT) mla_decode_gen_kernel(const __grid_consta
               const int dd = d - dc, ri = dd >> 6;
               const float s = __uint_as_float(load_u32_any(meta + 3 * G + 4 * ri));
               const std::uint32_t z = meta[3 * G + 4 * R + ri];
-              v = dequant8<RB>(load_codes8<RB>(st + kTI * KCB + r * VCB + dd * RB / 8), 0x64006400u + z * 0x10001u,
+              v = dequant8<RB>(load_codes8<RB>(st + TI * KCB + r * VCB + dd * RB / 8), 0x64006400u + z * 0x10001u,
                                pack2<false>(s, s));
             }
           }
@@ -285,62 +290,86 @@ __global__ void __launch_bounds__(kNT) mla_decode_gen_kernel(const __grid_consta
     }
     // ---- 2. QK: warp w takes k-steps w, w + 8, ... (16 dims each) of the whole row
     {
-      float acc[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
+      float acc[NJ][4];
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
       const int ks_n = D / 16;
       const int qrow = lane & 15, qcol = (lane >> 4) * 8;
       const int krow = (lane >> 4) * 8 + (lane & 7), kcol = ((lane >> 3) & 1) * 8;
       for (int ks = w; ks < ks_n; ks += kNW) {
-        std::uint32_t a[4], kf[4];
+        std::uint32_t a[4], al[4], kf[NK][4];
         ldsm_x4(a, smem_u32(sQ + qrow * RW + 16 * ks + qcol));
-        ldsm_x4(kf, smem_u32(tile + krow * RW + 16 * ks + kcol));
-        mma16816<kB>(acc[0], a, kf[0], kf[1]);
-        mma16816<kB>(acc[1], a, kf[2], kf[3]);
-        if constexpr (kB) {
-          ldsm_x4(a, smem_u32(sQ + kHG * RW + qrow * RW + 16 * ks + qcol));
-          mma16816<kB>(acc[0], a, kf[0], kf[1]);
-          mma16816<kB>(acc[1], a, kf[2], kf[3]);
+        if constexpr (kB) ldsm_x4(al, smem_u32(sQ + kHG * RW + qrow * RW + 16 * ks + qcol));
+#pragma unroll
+        for (int kk = 0; kk < NK; ++kk) ldsm_x4(kf[kk], smem_u32(tile + (16 * kk + krow) * RW + 16 * ks + kcol));
+#pragma unroll
+        for (int kk = 0; kk < NK; ++kk) {
+          mma16816<kB>(acc[2 * kk], a, kf[kk][0], kf[kk][1]);
+          mma16816<kB>(acc[2 * kk + 1], a, kf[kk][2], kf[kk][3]);
+          if constexpr (kB) {
+            mma16816<kB>(acc[2 * kk], al, kf[kk][0], kf[kk][1]);
+            mma16816<kB>(acc[2 * kk + 1], al, kf[kk][2], kf[kk][3]);
+          }
         }
       }
-      float* dst = spart + (w * kHG) * 17;
+      float* dst = spart + (w * kHG) * SP;
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        dst[g * 17 + 8 * j + 2 * t] = acc[j][0];
-        dst[g * 17 + 8 * j + 2 * t + 1] = acc[j][1];
-        dst[(g + 8) * 17 + 8 * j + 2 * t] = acc[j][2];
-        dst[(g + 8) * 17 + 8 * j + 2 * t + 1] = acc[j][3];
+      for (int j = 0; j < NJ; ++j) {
+        *reinterpret_cast<float2*>(dst + g * SP + 8 * j + 2 * t) = make_float2(acc[j][0], acc[j][1]);
+        *reinterpret_cast<float2*>(dst + (g + 8) * SP + 8 * j + 2 * t) = make_float2(acc[j][2], acc[j][3]);
       }
     }
     __syncthreads();
-    // ---- 3. online softmax: thread (head sh, token sk); 16 threads of a head share a half-warp
+    // ---- 3. online softmax: thread (head sh, tokens TPT sk .. TPT sk + TPT - 1); 16 threads of a head
+    // share a half-warp
     {
-      float s = 0.0f;
+      float sv[TPT];
 #pragma unroll
-      for (int ww = 0; ww < kNW; ++ww) s += spart[(ww * kHG + sh) * 17 + sk];
-      const bool valid = sk >= lo && sk < hi;
-      s = valid ? s : -INFINITY;
-      float mx = s;
+      for (int i = 0; i < TPT; ++i) sv[i] = 0.0f;
+#pragma unroll
+      for (int ww = 0; ww < kNW; ++ww) {
+        const float* src = spart + (ww * kHG + sh) * SP + TPT * sk;
+        if constexpr (TPT == 2) {
+          const float2 v2 = *reinterpret_cast<const float2*>(src);
+          sv[0] += v2.x;
+          sv[1] += v2.y;
+        } else {
+          sv[0] += src[0];
+        }
+      }
+      float mx = -INFINITY;
+      bool valid[TPT];
+#pragma unroll
+      for (int i = 0; i < TPT; ++i) {
+        valid[i] = TPT * sk + i >= lo && TPT * sk + i < hi;
+        sv[i] = valid[i] ? sv[i] : -INFINITY;
+        mx = fmaxf(mx, sv[i]);
+      }
 #pragma unroll
       for (int off = 8; off >= 1; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
       const float mn = fmaxf(m_run, mx);
       const float alpha = mn == m_run ? 1.0f : ex2(m_run - mn);  // m_run = -inf: 0
-      const float pr = valid && mn != -INFINITY ? ex2(s - mn) : 0.0f;
-      std::uint16_t pbits;
-      float pq;
-      if constexpr (kB) {
-        const __nv_bfloat16 h = __float2bfloat16_rn(pr);
-        pbits = __bfloat16_as_ushort(h);
-        pq = __bfloat162float(h);
-      } else {
-        const __half h = __float2half_rn(pr);
-        pbits = __half_as_ushort(h);
-        pq = __half2float(h);
+      float ps = 0.0f;  // the sum of the P the PV product uses
+      std::uint16_t pbits[TPT];
+#pragma unroll
+      for (int i = 0; i < TPT; ++i) {
+        const float pr = valid[i] && mn != -INFINITY ? ex2(sv[i] - mn) : 0.0f;
+        if constexpr (kB) {
+          const __nv_bfloat16 h = __float2bfloat16_rn(pr);
+          pbits[i] = __bfloat16_as_ushort(h);
+          ps += __bfloat162float(h);
+        } else {
+          const __half h = __float2half_rn(pr);
+          pbits[i] = __half_as_ushort(h);
+          ps += __half2float(h);
+        }
       }
-      float ps = pq;  // the sum of the P the PV product uses
 #pragma unroll
       for (int off = 8; off >= 1; off >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, off);
       l_run = l_run * alpha + ps;
       m_run = mn;
-      sP[sh * 24 + sk] = pbits;
+#pragma unroll
+      for (int i = 0; i < TPT; ++i) sP[sh * SP + TPT * sk + i] = pbits[i];
       if (sk == 0) salpha[sh] = alpha;
     }
     __syncthreads();
@@ -356,15 +385,19 @@ __global__ void __launch_bounds__(kNT) mla_decode_gen_kernel(const __grid_consta
           o[n][3] *= a1;
         }
       }
-      std::uint32_t pa[4];
-      ldsm_x4(pa, smem_u32(sP + (lane & 15) * 24 + (lane >> 4) * 8));
+      std::uint32_t pa[NK][4];
+#pragma unroll
+      for (int kk = 0; kk < NK; ++kk) ldsm_x4(pa[kk], smem_u32(sP + (lane & 15) * SP + 16 * kk + (lane >> 4) * 8));
       const int vrow = lane & 15;
 #pragma unroll
       for (int n = 0; n < kMaxG; ++n) {
         if (n < G) {
-          std::uint32_t b0, b1;
-          ldsm_x2_trans(b0, b1, smem_u32(tile + vrow * RW + 8 * G * w + 8 * n));
-          mma16816<kB>(o[n], pa, b0, b1);
+#pragma unroll
+          for (int kk = 0; kk < NK; ++kk) {
+            std::uint32_t b0, b1;
+            ldsm_x2_trans(b0, b1, smem_u32(tile + (16 * kk + vrow) * RW + 8 * G * w + 8 * n));
+            mma16816<kB>(o[n], pa[kk], b0, b1);
+          }
         }
       }
     }
@@ -455,18 +488,39 @@ __global__ void __launch_bounds__(128) mla_combine_gen_kernel(const __grid_const
   }
 }
 
+// Stages for tiles of TI tokens: as many as fit (2..6) beside two CTAs per SM (<= 113 KB each) when
+// `two`, else in one CTA per SM; 0 if fewer than two fit.
+int gen_stages(const GenSmem& lay, bool two) {
+  constexpr int kTwoPerSm = 115712, kOnePerSm = 232448 - 1024;
+  const int ns = std::min(6, ((two ? kTwoPerSm : kOnePerSm) - lay.bytes(0)) / lay.stage);
+  return ns >= 2 ? ns : 0;
+}
+
+template <int CB, int RB, int TI>
+cudaError_t launch_gen_ti(const MlaDecodeParams& p, int nsplit, int ns, cudaStream_t st);
+
+// Tiles of 32 tokens (half the barriers and softmax steps per token) when they fit beside two CTAs
+// per SM, else 16-token tiles (two CTAs per SM, else one).
 template <int CB, int RB>
 cudaError_t launch_gen(const MlaDecodeParams& p, int nsplit, cudaStream_t st) {
   constexpr bool kB = CB == 16;
   const int D = p.fmt.d_latent + p.fmt.d_rope;
   const PageLayout& L = p.fmt.page;
-  const GenSmem lay(D, kB, static_cast<int>(L.key_code_bytes + L.value_code_bytes + L.meta_bytes));
-  // As many stages as fit beside two CTAs per SM (<= 113 KB each), else one CTA per SM; 2..6.
-  constexpr int kTwoPerSm = 115712, kOnePerSm = 232448 - 1024;
-  int ns = std::min(6, (kTwoPerSm - lay.bytes(0)) / lay.stage);
-  if (ns < 3) ns = std::min(6, (kOnePerSm - lay.bytes(0)) / lay.stage);
-  if (ns < 2) return cudaErrorInvalidValue;
-  cudaError_t e = smem_limit_once<mla_decode_gen_kernel<CB, RB>>(kOnePerSm);
+  const int raw = static_cast<int>(L.key_code_bytes + L.value_code_bytes + L.meta_bytes);
+  if (const int ns = gen_stages(GenSmem(D, kB, raw, 32), true)) return launch_gen_ti<CB, RB, 32>(p, nsplit, ns, st);
+  if (const int ns = gen_stages(GenSmem(D, kB, raw, 16), true)) return launch_gen_ti<CB, RB, 16>(p, nsplit, ns, st);
+  if (const int ns = gen_stages(GenSmem(D, kB, raw, 16), false)) return launch_gen_ti<CB, RB, 16>(p, nsplit, ns, st);
+  return cudaErrorInvalidValue;
+}
+
+template <int CB, int RB, int TI>
+cudaError_t launch_gen_ti(const MlaDecodeParams& p, int nsplit, int ns, cudaStream_t st) {
+  constexpr bool kB = CB == 16;
+  constexpr int kOnePerSm = 232448 - 1024;
+  const int D = p.fmt.d_latent + p.fmt.d_rope;
+  const PageLayout& L = p.fmt.page;
+  const GenSmem lay(D, kB, static_cast<int>(L.key_code_bytes + L.value_code_bytes + L.meta_bytes), TI);
+  cudaError_t e = smem_limit_once<mla_decode_gen_kernel<CB, RB, TI>>(kOnePerSm);
   if (e != cudaSuccess) return e;
   constexpr bool kTq = CB > 100;
   const int dc = p.fmt.d_latent;
@@ -487,7 +541,7 @@ cudaError_t launch_gen(const MlaDecodeParams& p, int nsplit, cudaStream_t st) {
     wk.q = qrot;
     wk.prot = prot;
   }
-  mla_decode_gen_kernel<CB, RB><<<dim3(nsplit, p.heads / kHG, p.batch), kNT, lay.bytes(ns), st>>>(p, wk);
+  mla_decode_gen_kernel<CB, RB, TI><<<dim3(nsplit, p.heads / kHG, p.batch), kNT, lay.bytes(ns), st>>>(p, wk);
   if ((e = cudaGetLastError()) != cudaSuccess) return e;
   mla_combine_gen_kernel<kTq><<<dim3(p.heads, p.batch), 128, kTq ? dc * sizeof(float) : 0, st>>>(p, wk.opart, wk.ml, nsplit);
   return cudaGetLastError();

@@ -493,6 +493,8 @@ int main(int argc, char** argv) {
     test_decode({"c4r4", 16, {5, 130}, false, 2, 8, 0, 3, false, 0, 576, 128});
     test_decode({"bf16", 16, {70}, false, 0, 0, 0, 4, false, 0, kDc, kDr, true});
     test_decode({"mla-tq4", 16, {5, 130}, false, 2, 8, 0, 3, false, 1, 576, 128});
+    test_decode({"c2r4", 16, {5, 130}, false, 2, 8, 0, 3, false, 0, 256, 64});  // 32-token tiles
+    test_decode({"bf16", 16, {70}, false, 0, 0, 0, 4, false, 0, 256, 64});
     return cudatest::finish();
   }
   const std::vector<std::string> fmts = {"bf16", "c8r8", "c4r8", "c4r4", "c3r4", "c2r4"};
