@@ -81,7 +81,7 @@ struct MlaDecodeParams {
   std::int32_t max_pages = 0;
   const std::int32_t* seq_lens = nullptr;      // [batch]
   std::int32_t batch = 0;
-  std::int32_t heads = 0;                      // multiple of 16, <= 128
+  std::int32_t heads = 0;                      // 1..128: groups of 16 share each tile (a partial last group pads its rows)
   std::int32_t max_seq_len = 0;                // host-side bound, for the split count
   const float* q = nullptr;                    // [batch][heads][d_c + d_r]
   float* out = nullptr;                        // [batch][heads][d_c]

@@ -462,14 +462,19 @@ __global__ void __launch_bounds__(kNT, 2) mla_decode_kernel(const __grid_constan
   const float sl2 = p.scale * kLog2e;
   float x0[16], x1[16];
   float2 xr0, xr1;
+  // Heads of this group that exist (the last group of a head count that is not a multiple of 16 is
+  // partial): the other rows get a zero query, and their outputs are not written.
+  const int nh = min(kHG, p.heads - hg * kHG);
   auto load_query = [&]() {
     const float* q0 = wk.q + (static_cast<std::size_t>(b) * p.heads + hg * kHG + g) * kD;
     const float* q1 = q0 + 8 * kD;
+    const bool ok0 = g < nh, ok1 = g + 8 < nh;
+    const float4 z4 = make_float4(0, 0, 0, 0);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int d = 64 * gq + (kPk ? 16 * t + 4 * i : (i < 2 ? 8 * t + 4 * i : 24 + 8 * t + 4 * i));
-      const float4 a = *reinterpret_cast<const float4*>(q0 + d);
-      const float4 c = *reinterpret_cast<const float4*>(q1 + d);
+      const float4 a = ok0 ? *reinterpret_cast<const float4*>(q0 + d) : z4;
+      const float4 c = ok1 ? *reinterpret_cast<const float4*>(q1 + d) : z4;
       x0[4 * i] = a.x;
       x0[4 * i + 1] = a.y;
       x0[4 * i + 2] = a.z;
@@ -480,8 +485,8 @@ __global__ void __launch_bounds__(kNT, 2) mla_decode_kernel(const __grid_constan
       x1[4 * i + 3] = c.w;
     }
     const int dr = kDc + 8 * gq + 2 * t;
-    xr0 = *reinterpret_cast<const float2*>(q0 + dr);
-    xr1 = *reinterpret_cast<const float2*>(q1 + dr);
+    xr0 = ok0 ? *reinterpret_cast<const float2*>(q0 + dr) : make_float2(0, 0);
+    xr1 = ok1 ? *reinterpret_cast<const float2*>(q1 + dr) : make_float2(0, 0);
   };
   if constexpr (!kTq) load_query();
   const int Lq = p.seq_lens[b];
@@ -801,13 +806,13 @@ __global__ void __launch_bounds__(kNT, 2) mla_decode_kernel(const __grid_constan
 #pragma unroll 8
     for (int j = 0; j < 2 * kHG; ++j) {
       const int h = j >> 1, d = (j & 1) * (kDc / 2) + tid;
-      dst[static_cast<std::size_t>(h) * wk.nsplit * kDc + d] = so[h * kOutRow + out_col(d)];
+      if (h < nh) dst[static_cast<std::size_t>(h) * wk.nsplit * kDc + d] = so[h * kOutRow + out_col(d)];
     }
   }
   if (w < kHG / HPW) {
 #pragma unroll
     for (int off = LPH / 2; off >= 1; off >>= 1) sl += __shfl_xor_sync(0xffffffffu, sl, off);
-    if (sub == 0) {
+    if (sub == 0 && sh_h < nh) {
       const std::size_t r = (static_cast<std::size_t>(b) * p.heads + hg * kHG + sh_h) * wk.nsplit + split;
       wk.ml[2 * r] = sm * kLn2;
       wk.ml[2 * r + 1] = sl;
@@ -947,7 +952,7 @@ cudaError_t launch_decode(const MlaDecodeParams& p, cudaStream_t st) {
     wk.prot = prot;
     for (int i = 0; i < 16; ++i) sg.w[i] = p.fmt.tq_signs[i];
   }
-  const dim3 grid(wk.nsplit, p.heads / kHG, p.batch);
+  const dim3 grid(wk.nsplit, (p.heads + kHG - 1) / kHG, p.batch);
   // Programmatic launches: the decode kernel after the mla-tq pre-kernel, the combine after the
   // decode kernel (each waits with griddepcontrol.wait before it reads its predecessor's output).
   // The first kernel of a call is launched normally: it may read anything earlier work wrote.
@@ -962,7 +967,7 @@ cudaError_t launch_decode(const MlaDecodeParams& p, cudaStream_t st) {
 int mla_decode_splits(const MlaDecodeParams& p) {
   const int pages = std::max(1, (p.max_seq_len + kPT - 1) / kPT);
   if (p.num_splits > 0) return std::min(p.num_splits, pages);
-  const int ctas = std::max(1, p.batch * (p.heads / kHG));
+  const int ctas = std::max(1, p.batch * ((p.heads + kHG - 1) / kHG));
   return std::clamp(2 * sm_count_of(p) / ctas, 1, pages);  // two CTAs per SM
 }
 
@@ -981,7 +986,7 @@ std::size_t mla_decode_workspace_bytes(const MlaDecodeParams& p) {
 
 cudaError_t mla_decode(const MlaDecodeParams& p, cudaStream_t stream) {
   const MlaFormat& f = p.fmt;
-  if (!mla_supported(f) || (p.warps != 0 && p.warps != 8 && p.warps != 16) || p.heads <= 0 || p.heads % kHG || p.heads > 128 || p.batch <= 0 || !p.pool ||
+  if (!mla_supported(f) || (p.warps != 0 && p.warps != 8 && p.warps != 16) || p.heads <= 0 || p.heads > 128 || p.batch <= 0 || !p.pool ||
       !p.block_tables || !p.seq_lens || !p.q || !p.out || !p.workspace)
     return cudaErrorInvalidValue;
   if (uses_protect(p) && (!p.protect_rows || p.protect.d_latent != f.d_latent || p.protect.d_rope != f.d_rope ||

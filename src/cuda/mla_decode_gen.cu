@@ -202,10 +202,11 @@ __global__ void __launch_bounds__(kNT, 2) mla_decode_gen_kernel(const __grid_con
 
   // ---- query: pre-scaled by scale * log2(e) (scores in log2 units)
   const float sl2 = p.scale * kLog2e;
+  const int nh = min(kHG, p.heads - hg * kHG);  // heads of this group that exist (the others: zero query, no output)
   for (int i = tid; i < kHG * D / 2; i += kNT) {
     const int h = i / (D / 2), d = 2 * (i % (D / 2));
     const float* qp = wk.q + (static_cast<std::size_t>(b) * p.heads + hg * kHG + h) * D + d;
-    const float x0 = qp[0] * sl2, x1 = qp[1] * sl2;
+    const float x0 = h < nh ? qp[0] * sl2 : 0.0f, x1 = h < nh ? qp[1] * sl2 : 0.0f;
     std::uint32_t hi, lo;
     if constexpr (kB) {
       split2<true>(x0, x1, hi, lo);
@@ -410,11 +411,11 @@ __global__ void __launch_bounds__(kNT, 2) mla_decode_gen_kernel(const __grid_con
   for (int n = 0; n < kMaxG; ++n) {
     if (n < G) {
       const int d = 8 * G * w + 8 * n + 2 * t;
-      *reinterpret_cast<float2*>(dst + g * hstride + d) = make_float2(o[n][0], o[n][1]);
-      *reinterpret_cast<float2*>(dst + (g + 8) * hstride + d) = make_float2(o[n][2], o[n][3]);
+      if (g < nh) *reinterpret_cast<float2*>(dst + g * hstride + d) = make_float2(o[n][0], o[n][1]);
+      if (g + 8 < nh) *reinterpret_cast<float2*>(dst + (g + 8) * hstride + d) = make_float2(o[n][2], o[n][3]);
     }
   }
-  if (sk == 0) {
+  if (sk == 0 && sh < nh) {
     const std::size_t r = (static_cast<std::size_t>(b) * p.heads + hg * kHG + sh) * wk.nsplit + split;
     wk.ml[2 * r] = m_run * kLn2;
     wk.ml[2 * r + 1] = l_run;
@@ -541,7 +542,7 @@ cudaError_t launch_gen_ti(const MlaDecodeParams& p, int nsplit, int ns, cudaStre
     wk.q = qrot;
     wk.prot = prot;
   }
-  mla_decode_gen_kernel<CB, RB, TI><<<dim3(nsplit, p.heads / kHG, p.batch), kNT, lay.bytes(ns), st>>>(p, wk);
+  mla_decode_gen_kernel<CB, RB, TI><<<dim3(nsplit, (p.heads + kHG - 1) / kHG, p.batch), kNT, lay.bytes(ns), st>>>(p, wk);
   if ((e = cudaGetLastError()) != cudaSuccess) return e;
   mla_combine_gen_kernel<kTq><<<dim3(p.heads, p.batch), 128, kTq ? dc * sizeof(float) : 0, st>>>(p, wk.opart, wk.ml, nsplit);
   return cudaGetLastError();

@@ -8,8 +8,8 @@
 // packed on the CPU (the oracle), and the kernel's output is compared with absorbed-MLA attention
 // in double over the decoded rows of the same packed cache (protected positions from their bf16
 // rows): output NMSE <= 1e-5, NaN never passes. Inputs: Gaussian rows with outlier channels and
-// constant groups, and the tiny-mla fixture's latent / k_rope rows; mixed lengths, 16 to 128
-// heads, forced split counts, protection on and off, rows scaled up along the sequence (the
+// constant groups, and the tiny-mla fixture's latent / k_rope rows; mixed lengths, 8 to 128
+// heads (also counts that are not a multiple of 16), forced split counts, protection on and off, rows scaled up along the sequence (the
 // running maximum keeps moving); mla-tq formats also with another layer's sign diagonal. Other
 // widths (multiples of 64, the generic-shape kernels) for every format, and the generic kernels at
 // 512 / 64 against the same references; shapes outside the kernels must be refused.
@@ -475,6 +475,13 @@ void test_rejects() {
     sp.n_tokens = 1;
     check(cuda::mla_store(sp) == cudaErrorInvalidValue, "writer refuses " + what);
   }
+  for (int heads : {0, 129}) {  // head counts outside 1..128
+    cuda::MlaDecodeParams p;
+    p.fmt = cuda::mla_format(find_format("c4r4"));
+    p.batch = 1;
+    p.heads = heads;
+    check(cuda::mla_decode(p) == cudaErrorInvalidValue, "decode refuses heads=" + std::to_string(heads));
+  }
 }
 
 }  // namespace
@@ -495,6 +502,9 @@ int main(int argc, char** argv) {
     test_decode({"mla-tq4", 16, {5, 130}, false, 2, 8, 0, 3, false, 1, 576, 128});
     test_decode({"c2r4", 16, {5, 130}, false, 2, 8, 0, 3, false, 0, 256, 64});  // 32-token tiles
     test_decode({"bf16", 16, {70}, false, 0, 0, 0, 4, false, 0, 256, 64});
+    test_decode({"c4r4", 8, {5, 130}, false, 2, 8, 0, 3});  // a partial head group
+    test_decode({"c2r4", 24, {70}, false, 0, 0, 0, 4, false, 0, 256, 64});
+    test_rejects();
     return cudatest::finish();
   }
   const std::vector<std::string> fmts = {"bf16", "c8r8", "c4r8", "c4r4", "c3r4", "c2r4"};
@@ -550,6 +560,13 @@ int main(int argc, char** argv) {
   test_decode({"c4r4", 128, {900, 64}, true, 4, 128, 0, 16, false, 0, 192, 128});
   test_decode({"c2r4", 64, {0, 300}, false, 0, 0, 0, 18, false, 0, 320, 64});
   for (const auto& f : {"bf16", "c4r4"}) test_decode({f, 16, {3000, 777}, false, 4, 16, 2, 17, true, 0, 256, 64});  // moving maximum
+  // Head counts that are not a multiple of 16 (the last group of 16 is partial): TP-split DeepSeek / Kimi (8 heads)
+  // and others, in the tuned and the generic kernels.
+  test_decode({"c4r4", 8, {1, 64, 700, 2500}, false, 4, 16, 0, 31});
+  test_decode({"bf16", 24, {1000, 3}, true, 0, 0, 0, 32});
+  test_decode({"mla-tq4", 40, {300, 129}, false, 4, 16, 0, 33});
+  test_decode({"c2r4", 8, {700, 65}, true, 4, 16, 0, 34, false, 0, 256, 64});
+  test_decode({"mla-tq3", 20, {500}, false, 0, 0, 0, 35, false, 1, 576, 64});
   test_rejects();
   return cudatest::finish();
 }

@@ -315,7 +315,7 @@ void register_bench_mla(CLI::App& app) {
   auto* cmd = bench->add_subcommand("mla", "absorbed MLA decode and the MLA writer: bf16 vs QuantMLA affine and mla-tq caches");
   cmd->add_option("--batch", o->batches, "batch sizes");
   cmd->add_option("--context", o->contexts, "context lengths");
-  cmd->add_option("--heads", o->heads, "query heads (multiples of 16, <= 128)");
+  cmd->add_option("--heads", o->heads, "query heads (1..128; groups of 16 share a tile)");
   cmd->add_option("--formats", o->formats, "cache formats (bf16, c8r8, c4r8, c4r4, c3r4, c2r4, mla-tq4, mla-tq3)");
   cmd->add_option("--protect", o->protect, "protection policies: none, paper (4 sinks + 128 recent rows)");
   cmd->add_option("--reps", o->reps, "timed replays (median)")->check(CLI::Range(1, 100000));
