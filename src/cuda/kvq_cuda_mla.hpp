@@ -106,7 +106,7 @@ std::size_t mla_decode_bytes_read(const MlaFormat& f, const int* seq_lens_host, 
 namespace detail {
 // d_c, d_r multiples of 64 within the generic kernels' limits (64..1024, 64..256).
 bool mla_generic_shape_ok(int d_latent, int d_rope);
-// The generic-shape decode (bf16 and affine formats; mla_decode validates the parameters).
+// The generic-shape decode (every format; mla_decode validates the parameters).
 cudaError_t mla_decode_generic(const MlaDecodeParams& p, int nsplit, cudaStream_t stream);
 }  // namespace detail
 

@@ -5,8 +5,9 @@
 // than d_c = 512, d_r = 64 (whose tuned kernel is in mla_decode.cu), and for that shape too when
 // MlaDecodeParams::generic is set (tests, benchmarks).
 //
-// One CTA (8 warps) = one sequence x 16 query heads x a contiguous range of 16-token tiles (a
-// split), as in the tuned kernel, with the same virtual tiles (protected bf16 rows first), the same
+// One CTA (8 warps) = one sequence x 16 query heads (the last group of a head count may be partial)
+// x a contiguous range of tiles of TI = 32 tokens (16 where 32-token tiles do not fit beside two
+// CTAs per SM) (a split), as in the tuned kernel, with the same virtual tiles (protected bf16 rows first), the same
 // split ranges of equal cost, the same operands (affine: fp16 s (q - z) and the query rounded once
 // to fp16; bf16: bf16 rows, the query as bf16 hi + lo) and the same partial-state layout, so the
 // two kernels share the error budget and the workspace. cp.async keeps NS - 1 packed tiles in
@@ -21,7 +22,7 @@
 //     memory (bf16 -> fp16);
 //  2. QK on tensor cores: warp w takes the k-steps (16 dims) w, w + 8, ... of the whole row
 //     (ldmatrix of the query and the tile), its partial scores meet in shared memory;
-//  3. online softmax with an exact running maximum, one thread per (head, token);
+//  3. online softmax with an exact running maximum, one thread per (head, TI / 16 tokens);
 //  4. PV: warp w owns output dims [8 G w, 8 G (w + 1)) of the 16 heads (ldmatrix.trans of the tile).
 // Slower than the tuned kernel (the tile goes through shared memory, four barriers per tile), but
 // any width runs on the same paged cache, protection included.
