@@ -104,6 +104,14 @@ cudaError_t mla_decode(const MlaDecodeParams& p, cudaStream_t stream = nullptr);
 std::size_t mla_decode_bytes_read(const MlaFormat& f, const int* seq_lens_host, int batch, const MlaProtectLayout& prot);
 
 namespace detail {
+// Byte offset of the mla-tq section of the workspace (rotated queries, then rotated protected rows)
+// after the splits' partial outputs and (max, sum) pairs of `rows` = batch x heads x splits rows:
+// rounded up to 16 bytes for the float4 / uint4 accesses (an odd row count with a head count that is
+// not a multiple of 16 would leave it 8 bytes off).
+inline std::size_t mla_tq_ws_offset(std::size_t rows, int d_latent) {
+  const std::size_t b = rows * (static_cast<std::size_t>(d_latent > 0 ? d_latent : 0) + 2) * sizeof(float);
+  return (b + 15) / 16 * 16;
+}
 // d_c, d_r multiples of 64 within the generic kernels' limits (64..1024, 64..256).
 bool mla_generic_shape_ok(int d_latent, int d_rope);
 // The generic-shape decode (every format; mla_decode validates the parameters).

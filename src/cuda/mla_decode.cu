@@ -941,9 +941,9 @@ cudaError_t launch_decode(const MlaDecodeParams& p, cudaStream_t st) {
   wk.prot = nullptr;
   TqSigns sg{};
   if constexpr (C::kTq) {
-    // Workspace after (opart, ml): the rotated queries [batch][heads][576] fp32, then the rotated
-    // protected latent rows [batch][slots][512] fp16.
-    float* qrot = wk.ml + rows * 2;
+    // Workspace after (opart, ml), at the next 16-byte boundary (mla_tq_ws_offset): the rotated
+    // queries [batch][heads][576] fp32, then the rotated protected latent rows [batch][slots][512] fp16.
+    float* qrot = reinterpret_cast<float*>(static_cast<char*>(p.workspace) + detail::mla_tq_ws_offset(rows, kDc));
     std::uint16_t* prot = reinterpret_cast<std::uint16_t*>(qrot + static_cast<std::size_t>(p.batch) * p.heads * kD);
     const int nblk = p.batch * p.heads + (p.protect.enabled() ? p.batch * p.protect.slots() : 0);
     mla_tq_rotate_kernel<<<nblk, 128, 0, st>>>(p, qrot, prot);
@@ -976,6 +976,7 @@ std::size_t mla_decode_workspace_bytes(const MlaDecodeParams& p) {
   const std::size_t bh = static_cast<std::size_t>(std::max(0, p.batch)) * static_cast<std::size_t>(std::max(0, p.heads));
   std::size_t bytes = bh * nsl * (static_cast<std::size_t>(std::max(0, p.fmt.d_latent)) + 2) * sizeof(float);
   if (p.fmt.tq) {  // rotated queries and protected latent rows (launch_decode, the generic launcher)
+    bytes = detail::mla_tq_ws_offset(bh * nsl, p.fmt.d_latent);
     const std::size_t dc = static_cast<std::size_t>(std::max(0, p.fmt.d_latent)), D = dc + static_cast<std::size_t>(std::max(0, p.fmt.d_rope));
     bytes += bh * D * sizeof(float);
     if (p.protect.enabled())

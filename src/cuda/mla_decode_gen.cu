@@ -534,8 +534,8 @@ cudaError_t launch_gen_ti(const MlaDecodeParams& p, int nsplit, int ns, cudaStre
   wk.ml = wk.opart + rows * dc;
   wk.q = p.q;
   wk.prot = nullptr;
-  if constexpr (kTq) {  // workspace after (opart, ml): rotated queries [batch][heads][D] fp32, rotated protected rows [batch][slots][d_c] fp16
-    float* qrot = wk.ml + rows * 2;
+  if constexpr (kTq) {  // workspace after (opart, ml) at the next 16-byte boundary: rotated queries [batch][heads][D] fp32, rotated protected rows [batch][slots][d_c] fp16
+    float* qrot = reinterpret_cast<float*>(static_cast<char*>(p.workspace) + mla_tq_ws_offset(rows, dc));
     std::uint16_t* prot = reinterpret_cast<std::uint16_t*>(qrot + static_cast<std::size_t>(p.batch) * p.heads * D);
     const int nblk = p.batch * p.heads + (p.protect.enabled() ? p.batch * p.protect.slots() : 0);
     mla_tq_rotate_gen_kernel<<<nblk, 128, dc * sizeof(float), st>>>(p, qrot, prot);

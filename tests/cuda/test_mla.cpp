@@ -567,6 +567,9 @@ int main(int argc, char** argv) {
   test_decode({"mla-tq4", 40, {300, 129}, false, 4, 16, 0, 33});
   test_decode({"c2r4", 8, {700, 65}, true, 4, 16, 0, 34, false, 0, 256, 64});
   test_decode({"mla-tq3", 20, {500}, false, 0, 0, 0, 35, false, 1, 576, 64});
+  // Odd batch x heads x splits: the mla-tq section of the workspace must still be 16-byte aligned.
+  test_decode({"mla-tq4", 7, {300}, false, 4, 16, 3, 36});
+  test_decode({"mla-tq3", 5, {200}, false, 4, 16, 3, 37, false, 0, 256, 64});
   test_rejects();
   return cudatest::finish();
 }
