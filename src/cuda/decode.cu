@@ -9,15 +9,6 @@
 
 namespace kvq::cuda {
 
-namespace detail {
-
-int device_sms() {
-  DeviceFacts f;
-  return device_facts(f) == cudaSuccess && f.sms > 0 ? f.sms : 132;
-}
-
-}  // namespace detail
-
 bool decode_supported(const FormatDesc& f) {
   switch (f.head_dim) {
     case 64: return detail::supported_d64(f);

@@ -90,6 +90,11 @@ cudaError_t smem_limit_once(int bytes) {
   if (e == cudaSuccess && bit != 0) done.fetch_or(bit, std::memory_order_acq_rel);
   return e;
 }
+// The current device's multiprocessors (132, an H200's, when the runtime cannot say).
+inline int device_sms() {
+  DeviceFacts f;
+  return device_facts(f) == cudaSuccess && f.sms > 0 ? f.sms : 132;
+}
 
 // D = A * B + D, m16n8k16, fp16 or bf16 operands, fp32 accumulators (PTX ISA fragment layout:
 // a0..a3 rows g / g+8 and k pairs 2t..2t+1 / 2t+8..; b0, b1 k pairs of column g; c0, c1 row g,
@@ -119,6 +124,21 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// cp.async of 16 bytes, zero-filled when !valid (nothing read); shared address as a 32-bit offset or
+// a generic pointer.
+__device__ __forceinline__ void cp_async16_zfill(std::uint32_t saddr, const void* gmem, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(gmem), "r"(valid ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, bool valid) {
+  cp_async16_zfill(static_cast<std::uint32_t>(__cvta_generic_to_shared(smem)), gmem, valid);
+}
+// 2^x (ex2.approx.ftz).
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
 }
 
 // Two floats rounded to a packed (lo, hi) pair of fp16 or bf16, and the rounding residuals.
@@ -151,6 +171,24 @@ __device__ __forceinline__ std::uint32_t bmax2(std::uint32_t a, std::uint32_t b)
 }
 __device__ __forceinline__ float bf16_lo(std::uint32_t w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf16_hi(std::uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
+// fp16 pairs held as 32-bit words: (x_lo - z, x_hi - z) of two codes held as fp16 1024 + code
+// (exponent trick: exact for codes and zero points <= 255); the pair product; codes 2k, 2k + 1 of a
+// little-endian B-bit code word v as the fp16 pair (1024 + code) (one LOP3); a bf16 pair as fp16.
+__device__ __forceinline__ std::uint32_t sub_zero(std::uint32_t w, std::uint32_t z2) {
+  const __half2 r = __hsub2(*reinterpret_cast<const __half2*>(&w), *reinterpret_cast<const __half2*>(&z2));
+  return *reinterpret_cast<const std::uint32_t*>(&r);
+}
+__device__ __forceinline__ std::uint32_t hmul2u(std::uint32_t a, std::uint32_t b) {
+  const __half2 r = __hmul2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
+  return *reinterpret_cast<const std::uint32_t*>(&r);
+}
+template <int B>
+__device__ __forceinline__ std::uint32_t code_pair(std::uint32_t v, int k) {
+  constexpr std::uint32_t lo = (1u << B) - 1u, hi = lo << 16;
+  const std::uint32_t x = v >> (2 * B * k);
+  return (x & lo) | ((x << (16 - B)) & hi) | 0x64006400u;
+}
+__device__ __forceinline__ std::uint32_t bf2_to_h2(std::uint32_t x) { return pack2<false>(bf16_lo(x), bf16_hi(x)); }
 
 // x = hi + lo with hi, lo in the 16-bit type: about twice its precision.
 template <bool kBf16>

@@ -109,11 +109,17 @@ bool mla_supported(const MlaFormat& f) {
 
 namespace {
 
+using detail::bf2_to_h2;
+using detail::code_pair;
 using detail::cp_async16;
+using detail::cp_async16_zfill;
 using detail::cp_async_commit;
 using detail::cp_async_wait;
+using detail::ex2;
+using detail::hmul2u;
 using detail::mma16816;
 using detail::split2;
+using detail::sub_zero;
 
 constexpr int kDc = 512, kD = 576, kPT = 64, kHG = 16, kNW = 8, kNT = 32 * kNW;
 constexpr int kSmemMax = 115712;  // two CTAs per SM: (228 KB - 2 x 1 KB reserved) / 2
@@ -142,11 +148,6 @@ __device__ __forceinline__ int wdim(int t, int k, int e) {
   else return 16 * t + i;
 }
 
-__device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, bool valid) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  const int n = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n) : "memory");
-}
 // Transposes the 8x8 b16 matrix held one 32-bit pair per lane (row lane / 4, columns 2 (lane % 4) ..).
 __device__ __forceinline__ std::uint32_t movt(std::uint32_t x) {
   std::uint32_t y;
@@ -167,25 +168,6 @@ __device__ __forceinline__ void mma1688(float (&c)[4], std::uint32_t a0, std::ui
   }
 }
 
-// (x_lo - z, x_hi - z) of two codes held as fp16 1024 + code (exponent trick: exact for codes,
-// zeros <= 255).
-__device__ __forceinline__ std::uint32_t sub_zero(std::uint32_t w, std::uint32_t z2) {
-  const __half2 r = __hsub2(*reinterpret_cast<const __half2*>(&w), *reinterpret_cast<const __half2*>(&z2));
-  return *reinterpret_cast<const std::uint32_t*>(&r);
-}
-// Codes 2k, 2k + 1 of a little-endian B-bit code word v as an fp16x2 (1024 + code) pair.
-template <int B>
-__device__ __forceinline__ std::uint32_t code_pair(std::uint32_t v, int k) {
-  constexpr std::uint32_t lo = (1u << B) - 1u, hi = lo << 16;
-  const std::uint32_t x = v >> (2 * B * k);
-  return (x & lo) | ((x << (16 - B)) & hi) | 0x64006400u;
-}
-// Sixteen consecutive codes (dims 16 t .. 16 t + 15 of one group) at `p` as eight fp16x2 pairs
-// q - z, word k holding codes widx(k, 0) and widx(k, 1).
-__device__ __forceinline__ std::uint32_t bf2_to_h2(std::uint32_t x) {
-  const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&x));
-  return detail::pack2<false>(f.x, f.y);
-}
 
 struct Work {
   float* opart;  // [batch][heads][nsplit][512]
@@ -235,19 +217,10 @@ __device__ __forceinline__ std::uint32_t andor(std::uint32_t x, std::uint32_t c)
   asm("lop3.b32 %0, %1, %2, %3, 0xea;\n" : "=r"(d) : "r"(x), "n"(kMask), "r"(c));
   return d;
 }
-__device__ __forceinline__ std::uint32_t hmul2u(std::uint32_t a, std::uint32_t b) {
-  const __half2 r = __hmul2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
-  return *reinterpret_cast<const std::uint32_t*>(&r);
-}
 __device__ __forceinline__ std::uint32_t hfma2u(std::uint32_t a, std::uint32_t b, std::uint32_t c) {
   const __half2 r = __hfma2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b),
                             *reinterpret_cast<const __half2*>(&c));
   return *reinterpret_cast<const std::uint32_t*>(&r);
-}
-__device__ __forceinline__ float ex2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
 }
 // Sixteen codes of one group (at p) as eight fp16x2 pairs s (q - z), word k holding codes
 // widx(k, 0) and widx(k, 1), from z2 = (1024 + z) x 2 and s2 = (s, s). The low field of each byte
@@ -918,11 +891,7 @@ __global__ void __launch_bounds__(128) mla_combine_kernel(const float* __restric
   reinterpret_cast<float4*>(out + bh * kDc)[threadIdx.x] = make_float4(r[0], r[1], r[2], r[3]);
 }
 
-int sm_count_of(const MlaDecodeParams& p) {
-  if (p.sm_count > 0) return p.sm_count;
-  detail::DeviceFacts f;
-  return detail::device_facts(f) == cudaSuccess && f.sms > 0 ? f.sms : 132;
-}
+int sm_count_of(const MlaDecodeParams& p) { return p.sm_count > 0 ? p.sm_count : detail::device_sms(); }
 
 bool uses_protect(const MlaDecodeParams& p) { return p.fmt.content_bits != 16 && p.protect.enabled(); }
 

@@ -55,11 +55,6 @@ __device__ __forceinline__ void ldsm_x4(std::uint32_t (&r)[4], std::uint32_t add
 __device__ __forceinline__ void ldsm_x2_trans(std::uint32_t& r0, std::uint32_t& r1, std::uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n" : "=r"(r0), "=r"(r1) : "r"(addr));
 }
-__device__ __forceinline__ float ex2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
 // Little-endian 32-bit value of 4 bytes at any address.
 __device__ __forceinline__ std::uint32_t load_u32_any(const std::uint8_t* p) {
   return static_cast<std::uint32_t>(p[0]) | static_cast<std::uint32_t>(p[1]) << 8 | static_cast<std::uint32_t>(p[2]) << 16 |
@@ -78,22 +73,14 @@ __device__ __forceinline__ std::uint64_t load_codes8(const std::uint8_t* p) {
 // LOP3 (exact for codes < 1024), minus (1024 + z) exactly, times (s, s) in fp16.
 template <int B>
 __device__ __forceinline__ uint4 dequant8(std::uint64_t v, std::uint32_t z2, std::uint32_t s2) {
-  constexpr std::uint32_t lo = (1u << B) - 1u, hi = lo << 16;
   std::uint32_t w[4];
 #pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const std::uint32_t x = static_cast<std::uint32_t>(v >> (2 * B * k));
-    const std::uint32_t c = (x & lo) | ((x << (16 - B)) & hi) | 0x64006400u;
-    const __half2 d = __hmul2(__hsub2(*reinterpret_cast<const __half2*>(&c), *reinterpret_cast<const __half2*>(&z2)),
-                              *reinterpret_cast<const __half2*>(&s2));
-    w[k] = *reinterpret_cast<const std::uint32_t*>(&d);
-  }
+  for (int k = 0; k < 4; ++k) w[k] = hmul2u(sub_zero(code_pair<B>(static_cast<std::uint32_t>(v >> (2 * B * k)), 0), z2), s2);
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 // Eight bf16 values (a uint4) as fp16, each rounded once.
 __device__ __forceinline__ uint4 bf16x8_to_half(uint4 x) {
-  auto cv = [](std::uint32_t u) { return pack2<false>(bf16_lo(u), bf16_hi(u)); };
-  return make_uint4(cv(x.x), cv(x.y), cv(x.z), cv(x.w));
+  return make_uint4(bf2_to_h2(x.x), bf2_to_h2(x.y), bf2_to_h2(x.z), bf2_to_h2(x.w));
 }
 
 struct GenWork {
@@ -128,9 +115,6 @@ __device__ __forceinline__ void wait_stages(int n) {  // cp.async.wait_group n f
     if (n >= N) cp_async_wait<N>();
     else wait_stages<N - 1>(n);
   }
-}
-__device__ __forceinline__ void cp_async16_zfill(std::uint32_t saddr, const void* gmem, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(gmem), "r"(valid ? 16 : 0) : "memory");
 }
 
 // Format codes as in mla_decode.cu: 16 (bf16), 8, 4, 3, 2 (affine content bits), 100 + b (mla-tq).
@@ -490,16 +474,18 @@ __global__ void __launch_bounds__(128) mla_combine_gen_kernel(const __grid_const
   }
 }
 
-// Stages for tiles of TI tokens: as many as fit (2..6) beside two CTAs per SM (<= 113 KB each) when
-// `two`, else in one CTA per SM; 0 if fewer than two fit.
+// Shared memory per CTA: two CTAs per SM ((228 KB - 2 x 1 KB reserved) / 2, as the tuned kernel),
+// or one.
+constexpr int kTwoPerSm = 115712, kOnePerSm = 232448 - 1024;
+// Stages for tiles of TI tokens: as many as fit (2..6) beside two CTAs per SM when `two`, else in
+// one CTA per SM; 0 if fewer than two fit.
 int gen_stages(const GenSmem& lay, bool two) {
-  constexpr int kTwoPerSm = 115712, kOnePerSm = 232448 - 1024;
   const int ns = std::min(6, ((two ? kTwoPerSm : kOnePerSm) - lay.bytes(0)) / lay.stage);
   return ns >= 2 ? ns : 0;
 }
 
 template <int CB, int RB, int TI>
-cudaError_t launch_gen_ti(const MlaDecodeParams& p, int nsplit, int ns, cudaStream_t st);
+cudaError_t launch_gen_ti(const MlaDecodeParams& p, int nsplit, const GenSmem& lay, int ns, cudaStream_t st);
 
 // Tiles of 32 tokens (half the barriers and softmax steps per token) when they fit beside two CTAs
 // per SM, else 16-token tiles (two CTAs per SM, else one).
@@ -509,19 +495,16 @@ cudaError_t launch_gen(const MlaDecodeParams& p, int nsplit, cudaStream_t st) {
   const int D = p.fmt.d_latent + p.fmt.d_rope;
   const PageLayout& L = p.fmt.page;
   const int raw = static_cast<int>(L.key_code_bytes + L.value_code_bytes + L.meta_bytes);
-  if (const int ns = gen_stages(GenSmem(D, kB, raw, 32), true)) return launch_gen_ti<CB, RB, 32>(p, nsplit, ns, st);
-  if (const int ns = gen_stages(GenSmem(D, kB, raw, 16), true)) return launch_gen_ti<CB, RB, 16>(p, nsplit, ns, st);
-  if (const int ns = gen_stages(GenSmem(D, kB, raw, 16), false)) return launch_gen_ti<CB, RB, 16>(p, nsplit, ns, st);
+  const GenSmem l32(D, kB, raw, 32), l16(D, kB, raw, 16);
+  if (const int ns = gen_stages(l32, true)) return launch_gen_ti<CB, RB, 32>(p, nsplit, l32, ns, st);
+  if (const int ns = gen_stages(l16, true)) return launch_gen_ti<CB, RB, 16>(p, nsplit, l16, ns, st);
+  if (const int ns = gen_stages(l16, false)) return launch_gen_ti<CB, RB, 16>(p, nsplit, l16, ns, st);
   return cudaErrorInvalidValue;
 }
 
 template <int CB, int RB, int TI>
-cudaError_t launch_gen_ti(const MlaDecodeParams& p, int nsplit, int ns, cudaStream_t st) {
-  constexpr bool kB = CB == 16;
-  constexpr int kOnePerSm = 232448 - 1024;
+cudaError_t launch_gen_ti(const MlaDecodeParams& p, int nsplit, const GenSmem& lay, int ns, cudaStream_t st) {
   const int D = p.fmt.d_latent + p.fmt.d_rope;
-  const PageLayout& L = p.fmt.page;
-  const GenSmem lay(D, kB, static_cast<int>(L.key_code_bytes + L.value_code_bytes + L.meta_bytes), TI);
   cudaError_t e = smem_limit_once<mla_decode_gen_kernel<CB, RB, TI>>(kOnePerSm);
   if (e != cudaSuccess) return e;
   constexpr bool kTq = CB > 100;

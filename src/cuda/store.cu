@@ -521,10 +521,6 @@ struct Stage {
   }
 };
 
-// cp.async of 16 bytes, zero-filled when !valid (nothing read).
-__device__ __forceinline__ void cp_async16_zfill(std::uint32_t saddr, const void* gmem, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(gmem), "r"(valid ? 16 : 0) : "memory");
-}
 // The lane's 32 staged elements: chunks at a, a ^ 16, a ^ 32, a ^ 48 (byte offsets into sb).
 __device__ __forceinline__ Raw32 lds_raw32(const char* sb, std::uint32_t a) {
   Raw32 r;
