@@ -136,7 +136,7 @@ __global__ void __launch_bounds__(kNT, 2) mla_decode_gen_kernel(const __grid_con
   const int NS = wk.ns;
   extern __shared__ __align__(16) std::uint8_t smem_raw[];
   std::uint16_t* sQ = reinterpret_cast<std::uint16_t*>(smem_raw);                  // [16][RW] (bf16: hi, then lo)
-  std::uint16_t* sTile = reinterpret_cast<std::uint16_t*>(smem_raw + lay.q);        // affine: [16][RW]
+  std::uint16_t* sTile = reinterpret_cast<std::uint16_t*>(smem_raw + lay.q);        // affine, mla-tq: [TI][RW]
   std::uint8_t* stages = smem_raw + lay.q + lay.tile;                               // NS x stage
   float* spart = reinterpret_cast<float*>(stages + NS * lay.stage);                 // [8][16][SP]
   std::uint16_t* sP = reinterpret_cast<std::uint16_t*>(spart + kNW * kHG * SP);     // [16][SP]
@@ -205,7 +205,7 @@ __global__ void __launch_bounds__(kNT, 2) mla_decode_gen_kernel(const __grid_con
   float o[kMaxG][4];
 #pragma unroll
   for (int n = 0; n < kMaxG; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
-  // softmax role: thread = (head sh, token sk); every thread of a head holds its state
+  // softmax role: thread = (head sh, tokens TPT sk ..); every thread of a head holds its state
   const int sh = tid >> 4, sk = tid & 15;
   float m_run = -INFINITY, l_run = 0.0f;
 
