@@ -169,6 +169,10 @@ __device__ __forceinline__ std::uint32_t bmax2(std::uint32_t a, std::uint32_t b)
   asm("max.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
   return r;
 }
+// Whether either bf16 of the pair is a NaN or an infinity (exponent all ones).
+__device__ __forceinline__ bool bf16x2_nonfinite(std::uint32_t w) {
+  return (w & 0x7f80u) == 0x7f80u || (w & 0x7f800000u) == 0x7f800000u;
+}
 __device__ __forceinline__ float bf16_lo(std::uint32_t w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf16_hi(std::uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
 // fp16 pairs held as 32-bit words: (x_lo - z, x_hi - z) of two codes held as fp16 1024 + code
@@ -273,6 +277,59 @@ __device__ __forceinline__ void warp_fwht4(float (&x)[4], int lane, int n) {
       x[j] = upper ? y - x[j] : x[j] + y;
     }
   }
+}
+
+// The FWHT stages 1 .. N / 2 over the N values of one lane (in place, lower index a + b, upper a - b).
+template <int N>
+__device__ __forceinline__ void inlane_fwht(float (&v)[N]) {
+#pragma unroll
+  for (int h = 1; h < N; h <<= 1) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      if ((i & h) == 0) {
+        const float a = v[i], b = v[i + h];
+        v[i] = a + b;
+        v[i + h] = a - b;
+      }
+    }
+  }
+}
+
+// Power-of-two n = 32 * NI held as v[i] = x[lane + 32 i]: butterflies across lanes by shuffles,
+// then within the lane; each output is the same a + b / a - b as the smem version.
+template <int NI>
+__device__ __forceinline__ void reg_fwht(float (&v)[NI], int lane) {
+#pragma unroll
+  for (int h = 1; h < 32; h <<= 1) {
+    const bool lower = (lane & h) == 0;
+#pragma unroll
+    for (int i = 0; i < NI; ++i) {
+      const float o = __shfl_xor_sync(0xffffffffu, v[i], h);
+      v[i] = lower ? v[i] + o : o - v[i];
+    }
+  }
+  inlane_fwht(v);
+  const float sc = static_cast<float>(1.0 / sqrt(static_cast<double>(32 * NI)));
+#pragma unroll
+  for (int i = 0; i < NI; ++i) v[i] *= sc;
+}
+
+// Number of the n sorted edges strictly below y (kvq::bucketize's binary search; the count does
+// not depend on the search order). kLdg: edges in global memory, read through the read-only path.
+template <bool kLdg>
+__device__ __forceinline__ int count_below(const float* __restrict__ edges, int n, float y) {
+  int lo = 0;
+  while (n > 0) {
+    const int half = n >> 1;
+    const float e = kLdg ? __ldg(edges + lo + half) : edges[lo + half];
+    if (e < y) {
+      lo += half + 1;
+      n -= half + 1;
+    } else {
+      n = half;
+    }
+  }
+  return lo;
 }
 
 }  // namespace kvq::cuda::detail

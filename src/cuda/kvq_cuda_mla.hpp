@@ -6,7 +6,7 @@
 // Pi (c / |c|), Pi = H D over d_c dims, fp16 stored norm with norm correction; bf16 RoPE key).
 // Shapes: d_c = 512, d_r = 64 (DeepSeek-V2/V3's) run the tuned kernels; every format also runs any
 // d_c = 64 G (G <= 16) and d_r = 64 R (R <= 4) through the generic-shape kernels (mla_decode_gen.cu
-// and the generic writer path; mla-tq has no GPU writer). One layer per
+// and the generic writer path; the mla-tq writer has one kernel for every width). One layer per
 // launch; pages are kvq::page_layout(find_format(name), geometry) with heads = 1 (64 tokens:
 // [content codes][rope codes][meta per token: G bf16 scales, G zero points, R fp32 RoPE scales, R
 // RoPE zero points, zero padding to the 16-byte record; 32 bytes at 512 / 64; mla-tq 16]). Protected rows follow
@@ -33,11 +33,12 @@ struct MlaFormat {
   PageLayout page;
   // mla-tq4 / mla-tq3 (content_bits 4 / 3, rope_bits 16): the layer's rotation Pi = H D as its
   // sign diagonal D (bit i of the mask set: D_ii = -1; H the block Hadamard of d_c, power-of-two
-  // blocks, largest first) and the sphere codebook's 2^b centroids (float32), both read off the
-  // quantizer make_quantizers(f, g, layer, 0) builds.
+  // blocks, largest first), the sphere codebook's 2^b centroids and its 2^b - 1 midpoints (float32,
+  // the CPU's bucket edges), all read off the quantizer make_quantizers(f, g, layer, 0) builds.
   bool tq = false;
   std::uint32_t tq_signs[32] = {};
   float tq_centroids[16] = {};
+  float tq_edges[15] = {};
 };
 // kvq::Error when the format is not an MLA format with a kernel (bf16, c*r* affine, mla-tq*).
 // `layer` selects the sign diagonal of mla-tq formats (ignored by the others).
@@ -45,9 +46,13 @@ MlaFormat mla_format(const FormatSpec& f, int d_latent = 512, int d_rope = 64, i
 bool mla_supported(const MlaFormat& f);
 
 // ---- writer --------------------------------------------------------------------------------
-// bf16 and the affine formats (mla-tq formats: cudaErrorInvalidValue). Quantizes n_tokens new (latent, rope key) rows exactly as kvq::AffineGroup (bit-identical
-// codes and metadata) and writes them into their paged slots; with protection also copies the
-// bf16 row of every protected position into its slot.
+// Quantizes n_tokens new (latent, rope key) rows exactly as the CPU cache does (bit-identical codes
+// and metadata: kvq::AffineGroup for the affine formats, kvq::TurboQuantMse with the layer's
+// rotation and norm correction for mla-tq4 / mla-tq3, the RoPE key copied as bf16 there) and writes
+// them into their paged slots; with protection also copies the bf16 row of every protected position
+// into its slot. A token whose latent or RoPE key holds a NaN or an infinity (or, mla-tq, whose
+// stored norm would exceed the fp16 range, which the CPU quantizer refuses too) is not written
+// anywhere: its slot and protection row keep their bytes, and `rejected`, when given, counts it.
 struct MlaStoreParams {
   MlaFormat fmt;
   const std::uint16_t* latent = nullptr;  // bf16 [n_tokens][d_latent], stride below
@@ -63,6 +68,7 @@ struct MlaStoreParams {
   const std::int32_t* seq_ids = nullptr;          // [n_tokens]
   const std::int32_t* protect_seq_lens = nullptr;  // [batch] lengths after this call (see kvq_cuda.hpp)
   bool generic = false;  // the generic-shape path even for d_c = 512, d_r = 64 (tests, benchmarks)
+  std::uint32_t* rejected = nullptr;  // optional device counter, incremented once per refused token (see above)
 };
 cudaError_t mla_store(const MlaStoreParams& p, cudaStream_t stream = nullptr);
 

@@ -83,6 +83,10 @@ MlaFormat mla_format(const FormatSpec& f, int d_latent, int d_rope, int layer) {
       if (sg[static_cast<std::size_t>(i)] < 0) m.tq_signs[i / 32] |= 1u << (i % 32);
     const std::vector<float>& c = tq->codebook().centroids_f;
     for (std::size_t i = 0; i < c.size() && i < 16; ++i) m.tq_centroids[i] = c[i];
+    const std::vector<float>& e = tq->codebook().edges_f;
+    if (c.size() != (std::size_t{1} << f.key_bits) || e.size() + 1 != c.size())
+      fail("format '" + f.name + "': codebook of " + std::to_string(c.size()) + " centroids for " + std::to_string(f.key_bits) + " bits");
+    for (std::size_t i = 0; i < e.size(); ++i) m.tq_edges[i] = e[i];
   }
   return m;
 }

@@ -1,4 +1,5 @@
-// mla_store.cu: the fused MLA cache writer. One warp per token: it reads the bf16 content latent
+// mla_store.cu: the fused MLA cache writers (affine formats and bf16 below; mla-tq4 / mla-tq3 in
+// mla_store_tq_kernel). One warp per token: it reads the bf16 content latent
 // (d_c = 512) and RoPE key (d_r = 64; other multiples of 64: mla_store_gen_kernel), quantizes them by QuantMLA's group-64 affine rule exactly
 // as kvq::AffineGroup::encode_reference (float32, correctly rounded division, rint ties to even,
 // a scale that is not a positive normal -> FLT_MIN; compiled with --fmad=false), packs the codes
@@ -33,8 +34,29 @@ __device__ __forceinline__ float clampf_ref(float v, float lo, float hi) { retur
 
 using detail::bf16_hi;
 using detail::bf16_lo;
+using detail::bf16x2_nonfinite;
 using detail::bmax2;
 using detail::bmin2;
+using detail::count_below;
+using detail::reg_fwht;
+
+// Whether the token's row holds a NaN or an infinity (any lane of the warp; every lane must call).
+// Such a token is written nowhere; lane 0 counts it in p.rejected.
+__device__ __forceinline__ bool reject_token(const MlaStoreParams& p, bool lane_bad, int lane) {
+  if (!__any_sync(0xffffffffu, lane_bad)) return false;
+  if (lane == 0 && p.rejected) atomicAdd(p.rejected, 1u);
+  return true;
+}
+// This lane's share of the non-finite check of a latent row of dc and a RoPE row of dr bf16 values.
+__device__ __forceinline__ bool row_nonfinite(const std::uint16_t* lat, int dc, const std::uint16_t* rop, int dr, int lane) {
+  bool bad = false;
+  for (int i = lane; i < dc / 8; i += 32) {
+    const uint4 c = reinterpret_cast<const uint4*>(lat)[i];
+    bad |= bf16x2_nonfinite(c.x) || bf16x2_nonfinite(c.y) || bf16x2_nonfinite(c.z) || bf16x2_nonfinite(c.w);
+  }
+  for (int i = lane; i < dr / 2; i += 32) bad |= bf16x2_nonfinite(reinterpret_cast<const std::uint32_t*>(rop)[i]);
+  return bad;
+}
 
 // Sum of 2^(pos & 31) over the codes k whose bit position CB*k starts in word i: the multiplier
 // that turns one per-lane constant into the constant part of every packed field of that word.
@@ -178,6 +200,10 @@ __global__ void __launch_bounds__(256) mla_store_kernel(MlaStoreParams p, int to
   const uint4 c0 = *reinterpret_cast<const uint4*>(lat + 16 * lane);
   const uint4 c1 = *reinterpret_cast<const uint4*>(lat + 16 * lane + 8);
   const std::uint32_t r01 = *reinterpret_cast<const std::uint32_t*>(rop + 2 * lane);
+  if (reject_token(p, bf16x2_nonfinite(c0.x) || bf16x2_nonfinite(c0.y) || bf16x2_nonfinite(c0.z) || bf16x2_nonfinite(c0.w) ||
+                          bf16x2_nonfinite(c1.x) || bf16x2_nonfinite(c1.y) || bf16x2_nonfinite(c1.z) || bf16x2_nonfinite(c1.w) ||
+                          bf16x2_nonfinite(r01), lane))
+    return;
 
   if (std::uint16_t* row = protected_row(p, t)) {
     *reinterpret_cast<uint4*>(row + 16 * lane) = c0;
@@ -250,6 +276,7 @@ __global__ void __launch_bounds__(256) mla_store_gen_kernel(MlaStoreParams p, in
   const std::int64_t slot = p.slot_mapping[t];
   const std::uint16_t* lat = p.latent + static_cast<std::int64_t>(t) * (p.latent_stride ? p.latent_stride : dc);
   const std::uint16_t* rop = p.rope + static_cast<std::int64_t>(t) * (p.rope_stride ? p.rope_stride : dr);
+  if (reject_token(p, row_nonfinite(lat, dc, rop, dr, lane), lane)) return;
   if (std::uint16_t* row = protected_row(p, t)) {
     for (int i = lane; i < dc / 8; i += 32) reinterpret_cast<uint4*>(row)[i] = reinterpret_cast<const uint4*>(lat)[i];
     for (int i = lane; i < dr / 2; i += 32)
@@ -298,11 +325,141 @@ __global__ void __launch_bounds__(256) mla_store_gen_kernel(MlaStoreParams p, in
   }
 }
 
+// ---- mla-tq4 / mla-tq3 ------------------------------------------------------------------------
+// kvq::TurboQuantMse::encode_reference of the latent (any d_c = 64 G <= 1024), one warp per token,
+// operation by operation (this file is compiled with --fmad=false), so records are bit-identical:
+//   norm = float(sqrt(sum x^2)) with the CPU's sixteen double partial sums (x_j, x_{j+16}, ... added
+//   in order by lane j < 16, then (s_j + s_{j+4}) + (s_{j+8} + s_{j+12}) and (t0 + t1) + (t2 + t3),
+//   the tree of sum_squares_4lane; every square is exact, so each add rounds as the CPU's);
+//   u = x * (1 / norm) (0 for a zero row), the sign diagonal (an exact negation), the block FWHT of
+//   each power-of-two block (largest first) in registers (reg_fwht: the stage order and the sums of
+//   kvq::fwht, 1 / sqrt(block) last), the code = number of codebook midpoints below y;
+//   stored = float(norm / sqrt(sum c^2)) over the chosen centroids (the same sixteen-sum tree), fp16.
+// The RoPE key is copied as bf16. The latent is staged in shared memory as floats (the partial sums
+// read it by column j + 16 k; the FWHT reads it by lane + 32 i) and the codes go back through it.
+
+// The CPU's sum_squares_4lane tree over the sixteen partial sums held by lanes 0..15 (every lane calls).
+__device__ __forceinline__ double sum16_tree(double s) {
+  const double a = s + __shfl_down_sync(0xffffffffu, s, 4);  // lane j: s_j + s_{j+4}; lane j + 8: s_{j+8} + s_{j+12}
+  const double t = a + __shfl_down_sync(0xffffffffu, a, 8);  // lane j < 4: t_j
+  const double u = t + __shfl_down_sync(0xffffffffu, t, 1);  // lanes 0, 2: t0 + t1, t2 + t3
+  return __shfl_sync(0xffffffffu, u + __shfl_down_sync(0xffffffffu, u, 2), 0);
+}
+
+// One Hadamard block of bs = 32 NI dims at offset off: scale, signs, FWHT, codes into cs.
+template <int NI>
+__device__ __forceinline__ void tq_block(const MlaStoreParams& p, const float* xs, std::uint8_t* cs, const float* edges, int ne,
+                                         int off, float inv, int lane) {
+  float v[NI];
+#pragma unroll
+  for (int i = 0; i < NI; ++i) {
+    const float u = xs[off + lane + 32 * i] * inv;
+    v[i] = (p.fmt.tq_signs[(off >> 5) + i] >> lane) & 1u ? -u : u;
+  }
+  reg_fwht<NI>(v, lane);
+#pragma unroll
+  for (int i = 0; i < NI; ++i) cs[off + lane + 32 * i] = static_cast<std::uint8_t>(count_below<false>(edges, ne, v[i]));
+}
+
+template <int B>
+__global__ void __launch_bounds__(256) mla_store_tq_kernel(const __grid_constant__ MlaStoreParams p, int tok_shift) {
+  __shared__ __align__(16) float xs_all[8][1024];
+  __shared__ __align__(16) std::uint8_t cs_all[8][1024];
+  __shared__ float edges[16], cent[16];
+  if (threadIdx.x < 16) {
+    edges[threadIdx.x] = p.fmt.tq_edges[threadIdx.x < 15 ? threadIdx.x : 14];
+    cent[threadIdx.x] = p.fmt.tq_centroids[threadIdx.x];
+  }
+  __syncthreads();
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  const int t = blockIdx.x * 8 + w;
+  if (t >= p.n_tokens) return;
+  const int dc = p.fmt.d_latent, dr = p.fmt.d_rope;
+  float* xs = xs_all[w];
+  std::uint8_t* cs = cs_all[w];
+  const std::uint16_t* lat = p.latent + static_cast<std::int64_t>(t) * (p.latent_stride ? p.latent_stride : dc);
+  const std::uint16_t* rop = p.rope + static_cast<std::int64_t>(t) * (p.rope_stride ? p.rope_stride : dr);
+  bool bad = false;
+  for (int i = lane; i < dc / 8; i += 32) {
+    const uint4 c = reinterpret_cast<const uint4*>(lat)[i];
+    bad |= bf16x2_nonfinite(c.x) || bf16x2_nonfinite(c.y) || bf16x2_nonfinite(c.z) || bf16x2_nonfinite(c.w);
+    reinterpret_cast<float4*>(xs)[2 * i] = make_float4(bf16_lo(c.x), bf16_hi(c.x), bf16_lo(c.y), bf16_hi(c.y));
+    reinterpret_cast<float4*>(xs)[2 * i + 1] = make_float4(bf16_lo(c.z), bf16_hi(c.z), bf16_lo(c.w), bf16_hi(c.w));
+  }
+  for (int i = lane; i < dr / 2; i += 32) bad |= bf16x2_nonfinite(reinterpret_cast<const std::uint32_t*>(rop)[i]);
+  __syncwarp();
+  double s = 0;
+  if (lane < 16)
+    for (int k = lane; k < dc; k += 16) {
+      const double x = xs[k];
+      s = __fma_rn(x, x, s);  // x * x is exact: the CPU's s + x * x
+    }
+  const float norm = static_cast<float>(sqrt(sum16_tree(s)));
+  const float inv = norm > 0 ? 1.0f / norm : 0.0f;
+  constexpr int ne = (1 << B) - 1;
+  for (int off = 0, rem = dc; rem > 0;) {  // blocks of the CPU's hadamard_blocks (multiples of 64), largest first
+    const int bs = 1 << (31 - __clz(rem));
+    switch (bs) {
+      case 64: tq_block<2>(p, xs, cs, edges, ne, off, inv, lane); break;
+      case 128: tq_block<4>(p, xs, cs, edges, ne, off, inv, lane); break;
+      case 256: tq_block<8>(p, xs, cs, edges, ne, off, inv, lane); break;
+      case 512: tq_block<16>(p, xs, cs, edges, ne, off, inv, lane); break;
+      default: tq_block<32>(p, xs, cs, edges, ne, off, inv, lane); break;
+    }
+    off += bs;
+    rem -= bs;
+  }
+  __syncwarp();
+  double c2 = 0;
+  if (lane < 16)
+    for (int k = lane; k < dc; k += 16) {
+      const double c = cent[cs[k]];
+      c2 = __fma_rn(c, c, c2);
+    }
+  c2 = sum16_tree(c2);
+  const float stored = norm > 0 ? static_cast<float>(static_cast<double>(norm) / sqrt(c2)) : norm;
+  // The CPU refuses a norm beyond fp16 (and non-finite rows): write nothing.
+  if (reject_token(p, bad || !(fabsf(stored) <= 65504.0f), lane)) return;
+  if (std::uint16_t* row = protected_row(p, t)) {
+    for (int i = lane; i < dc / 8; i += 32) reinterpret_cast<uint4*>(row)[i] = reinterpret_cast<const uint4*>(lat)[i];
+    for (int i = lane; i < dr / 2; i += 32)
+      reinterpret_cast<std::uint32_t*>(row + dc)[i] = reinterpret_cast<const std::uint32_t*>(rop)[i];
+  }
+  const std::int64_t slot = p.slot_mapping[t];
+  if (slot < 0) return;
+  const TokenSlot ts = token_slot(p, slot, tok_shift);
+  // Codes: lane q packs codes 32 q .. 32 q + 31 LSB-first into B words.
+  for (int q = lane; q < dc / 32; q += 32) {
+    std::uint32_t c[8], wv[B] = {};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) c[i] = reinterpret_cast<const std::uint32_t*>(cs)[8 * q + i];
+#pragma unroll
+    for (int k = 0; k < 32; ++k) {
+      const std::uint32_t code = (c[k >> 2] >> (8 * (k & 3))) & 0xffu;
+      const int pos = B * k, wi = pos >> 5, o = pos & 31;
+      wv[wi] |= code << o;
+      if (o + B > 32) wv[wi + 1] |= code >> (32 - o);
+    }
+#pragma unroll
+    for (int i = 0; i < B; ++i) reinterpret_cast<std::uint32_t*>(ts.kc)[B * q + i] = wv[i];
+  }
+  for (int i = lane; i < dr / 2; i += 32) reinterpret_cast<std::uint32_t*>(ts.vc)[i] = reinterpret_cast<const std::uint32_t*>(rop)[i];
+  // Metadata: the fp16 stored norm, then zeros up to the record's metadata bytes.
+  for (int i = lane; i < static_cast<int>(p.fmt.page.meta_bytes) / 4; i += 32)
+    reinterpret_cast<std::uint32_t*>(ts.meta)[i] = i == 0 ? static_cast<std::uint32_t>(float_to_fp16(stored)) : 0u;
+}
+
+// page.tokens as a shift when it is a power of two (64), else -1.
+int tok_shift_of(const MlaFormat& f) {
+  int shift = -1;
+  for (int s = 0; s < 31; ++s)
+    if (f.page.tokens == (1 << s)) shift = s;
+  return shift;
+}
+
 template <int CB, int RB>
 cudaError_t launch_store(const MlaStoreParams& p, cudaStream_t st) {
-  int shift = -1;  // page.tokens as a shift when it is a power of two (64)
-  for (int s = 0; s < 31; ++s)
-    if (p.fmt.page.tokens == (1 << s)) shift = s;
+  const int shift = tok_shift_of(p.fmt);
   if (p.generic || p.fmt.d_latent != kDc || p.fmt.d_rope != kDr) mla_store_gen_kernel<CB, RB><<<(p.n_tokens + 7) / 8, 256, 0, st>>>(p, shift);
   else mla_store_kernel<CB, RB><<<(p.n_tokens + 7) / 8, 256, 0, st>>>(p, shift);
   return cudaGetLastError();
@@ -312,7 +469,7 @@ cudaError_t launch_store(const MlaStoreParams& p, cudaStream_t st) {
 
 cudaError_t mla_store(const MlaStoreParams& p, cudaStream_t stream) {
   const MlaFormat& f = p.fmt;
-  if (!mla_supported(f) || f.tq || !p.latent || !p.rope || !p.slot_mapping || !p.pool) return cudaErrorInvalidValue;
+  if (!mla_supported(f) || !p.latent || !p.rope || !p.slot_mapping || !p.pool) return cudaErrorInvalidValue;
   if (p.protect.enabled() && p.protect_rows &&
       (p.protect.d_latent != f.d_latent || p.protect.d_rope != f.d_rope || reinterpret_cast<std::uintptr_t>(p.protect_rows) % 16))
     return cudaErrorInvalidValue;
@@ -322,6 +479,12 @@ cudaError_t mla_store(const MlaStoreParams& p, cudaStream_t stream) {
   if (p.protect.enabled() && p.protect_rows && (!p.positions || !p.seq_ids)) return cudaErrorInvalidValue;
   if (p.n_tokens <= 0) return cudaSuccess;
   const int c = f.content_bits, r = f.rope_bits;
+  if (f.tq) {
+    const int blocks = (p.n_tokens + 7) / 8;
+    if (c == 4) mla_store_tq_kernel<4><<<blocks, 256, 0, stream>>>(p, tok_shift_of(f));
+    else mla_store_tq_kernel<3><<<blocks, 256, 0, stream>>>(p, tok_shift_of(f));
+    return cudaGetLastError();
+  }
   if (c == 16) return launch_store<16, 16>(p, stream);
   if (c == 8 && r == 8) return launch_store<8, 8>(p, stream);
   if (c == 4 && r == 8) return launch_store<4, 8>(p, stream);

@@ -46,48 +46,9 @@ __device__ inline void warp_fwht(float* x, int n, int lane) {
   __syncwarp();
 }
 
-// Power-of-two n = 32 * NI held as v[i] = x[lane + 32 i]: butterflies across lanes by shuffles,
-// then within the lane; each output is the same a + b / a - b as the smem version.
-template <int NI>
-__device__ __forceinline__ void reg_fwht(float (&v)[NI], int lane) {
-#pragma unroll
-  for (int h = 1; h < 32; h <<= 1) {
-    const bool lower = (lane & h) == 0;
-#pragma unroll
-    for (int i = 0; i < NI; ++i) {
-      const float o = __shfl_xor_sync(0xffffffffu, v[i], h);
-      v[i] = lower ? v[i] + o : o - v[i];
-    }
-  }
-#pragma unroll
-  for (int hh = 1; hh < NI; hh <<= 1) {
-#pragma unroll
-    for (int i = 0; i < NI; ++i) {
-      if ((i & hh) == 0) {
-        const float a = v[i], b = v[i + hh];
-        v[i] = a + b;
-        v[i + hh] = a - b;
-      }
-    }
-  }
-  const float sc = static_cast<float>(1.0 / sqrt(static_cast<double>(32 * NI)));
-#pragma unroll
-  for (int i = 0; i < NI; ++i) v[i] *= sc;
-}
-
 // Number of the 2^bits - 1 sorted edges strictly below y (kvq::bucketize).
 __device__ __forceinline__ int bucket(const float* __restrict__ edges, int bits, float y) {
-  int lo = 0, n = (1 << bits) - 1;
-  while (n > 0) {
-    const int half = n >> 1;
-    if (__ldg(edges + lo + half) < y) {
-      lo += half + 1;
-      n -= half + 1;
-    } else {
-      n = half;
-    }
-  }
-  return lo;
+  return count_below<true>(edges, (1 << bits) - 1, y);
 }
 
 __device__ inline double warp_sum(double v) {
@@ -601,17 +562,7 @@ __device__ __forceinline__ void tq_encode32(const StoreTables& T, int t, int sg,
   const float inv = norm > 0 ? 1.0f / norm : 0.0f;
 #pragma unroll
   for (int k = 0; k < kLaneElems; ++k) v[k] = v[k] * inv;  // signs already applied: RN(s x inv) = s RN(x inv)
-#pragma unroll
-  for (int h = 1; h < kLaneElems; h <<= 1) {
-#pragma unroll
-    for (int k = 0; k < kLaneElems; ++k) {
-      if ((k & h) == 0) {
-        const float a = v[k], b = v[k + h];
-        v[k] = a + b;
-        v[k + h] = a - b;
-      }
-    }
-  }
+  inlane_fwht(v);
   // Across lanes: lower lane a + b, upper lane b - a, as fma(+-1, v, o): the product is exact,
   // so this is the same single rounding as the sum or difference.
 #pragma unroll

@@ -1,10 +1,12 @@
-// GPU tests of the MLA writer and decode kernels (bf16, c8r8, c4r8, c4r4, c3r4, c2r4; decode also
-// mla-tq4 / mla-tq3, which have no GPU writer) against the scalar references of kvq_quant.
+// GPU tests of the MLA writer and decode kernels (bf16, c8r8, c4r8, c4r4, c3r4, c2r4, mla-tq4,
+// mla-tq3) against the scalar references of kvq_quant.
 //
 // Writer: the GPU packs rows into a pool poisoned with 0xff and must reproduce, byte for byte,
-// the pool that the CPU builds with make_quantizers (AffineGroup) and the page layout; tokens are
-// appended in several calls through a shuffled slot mapping, and the bf16 protection ring must
-// match the CPU's after every call (rows leaving the window are overwritten). Decode: the cache is
+// the pool that the CPU builds with make_quantizers (AffineGroup; TurboQuantMse with the layer's
+// rotation) and the page layout; tokens are appended in several calls through a shuffled slot
+// mapping, and the bf16 protection ring must match the CPU's after every call (rows leaving the
+// window are overwritten). Rows the CPU quantizers refuse (NaN / inf; mla-tq: a norm beyond fp16)
+// must be refused and counted by the GPU writer too, leaving their slots and ring rows untouched. Decode: the cache is
 // packed on the CPU (the oracle), and the kernel's output is compared with absorbed-MLA attention
 // in double over the decoded rows of the same packed cache (protected positions from their bf16
 // rows): output NMSE <= 1e-5, NaN never passes. Inputs: Gaussian rows with outlier channels and
@@ -15,6 +17,7 @@
 // 512 / 64 against the same references; shapes outside the kernels must be refused.
 // `--small` runs a reduced set (for compute-sanitizer).
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -131,6 +134,55 @@ std::vector<std::uint16_t> make_edge_rows(int n, int cb, int rb, unsigned seed, 
   return r;
 }
 
+// Rows for the edges of the mla-tq writer's arithmetic (mf: the format, for its sign diagonal): per
+// row i by i % 8, an all-zero latent (norm 0), a one-hot latent, powers of two from 2^-60 to 2^8 (the
+// partial sums of squares are exact only in the CPU's order), Gaussians times 1e-30, Gaussians times
+// 1500 (stored norms near the top of fp16), D times a Hadamard row in the first block (the rotated
+// vector is one-hot: exact zeros meet the midpoints), a constant row, and Gaussians with outliers.
+std::vector<std::uint16_t> make_tq_edge_rows(int n, const cuda::MlaFormat& mf, unsigned seed) {
+  const int dc = mf.d_latent, dr = mf.d_rope, D = dc + dr;
+  std::vector<std::uint16_t> r(static_cast<std::size_t>(n) * D);
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  int bs = 1;
+  while (2 * bs <= dc) bs *= 2;  // the first (largest) Hadamard block
+  for (int i = 0; i < n; ++i) {
+    std::uint16_t* row = r.data() + static_cast<std::size_t>(i) * D;
+    const int k = static_cast<int>(rng() % static_cast<unsigned>(bs));
+    for (int d = 0; d < dc; ++d) {
+      const bool neg = (mf.tq_signs[d / 32] >> (d % 32)) & 1u;
+      float x;
+      switch (i % 8) {
+        case 0: x = 0.0f; break;
+        case 1: x = d == (i * 37) % dc ? (i % 16 == 1 ? -3.0f : 0.5f) : 0.0f; break;
+        case 2: x = std::ldexp(d % 2 ? -1.0f : 1.0f, -60 + (d * 68) / dc); break;
+        case 3: x = nd(rng) * 1e-30f; break;
+        case 4: x = nd(rng) * 1500.0f; break;
+        case 5: x = d < bs ? ((__builtin_popcount(static_cast<unsigned>(k & d)) & 1) != neg ? -1.0f : 1.0f) : 0.0f; break;
+        case 6: x = 0.75f; break;
+        default: x = nd(rng) * (d % 97 == 5 ? 12.0f : 1.0f); break;
+      }
+      row[d] = float_to_bf16(x);
+    }
+    for (int d = 0; d < dr; ++d) row[dc + d] = float_to_bf16(i % 8 == 0 ? 0.0f : nd(rng) * 3.0f);
+  }
+  return r;
+}
+
+// Rows the writers must refuse, in place: a NaN in the latent, an infinity in the RoPE key, -inf in
+// the latent, and (refused by the mla-tq writer only: a stored norm beyond fp16) a latent of 8192s.
+void poison_rows(std::vector<std::uint16_t>& rows, int dc, int dr) {
+  const int D = dc + dr, n = static_cast<int>(rows.size() / static_cast<std::size_t>(D));
+  for (int i = 0; i < n; ++i) {
+    std::uint16_t* row = rows.data() + static_cast<std::size_t>(i) * D;
+    if (i % 29 == 7) row[(i * 13) % dc] = 0x7fc0;           // NaN
+    if (i % 29 == 19) row[dc + (i * 5) % dr] = 0x7f80;      // +inf
+    if (i % 29 == 24) row[dc - 1 - i % dc] = 0xff80;        // -inf
+    if (i % 29 == 13)
+      for (int d = 0; d < dc; ++d) row[d] = float_to_bf16(8192.0f);
+  }
+}
+
 struct Cpu {
   FormatSpec f;
   int dc, dr, D;
@@ -145,22 +197,32 @@ struct Cpu {
     g.d_rope = dr;
     q = make_quantizers(f, g, layer, 0);
   }
-  // Writes one token into its page slot exactly as the CPU paged cache lays it out.
-  void put(std::vector<std::uint8_t>& pool, std::int64_t slot, const std::uint16_t* row) const {
+  // Writes one token into its page slot exactly as the CPU paged cache lays it out. Returns false,
+  // writing nothing, when the CPU quantizers refuse the row (non-finite values; mla-tq: a norm
+  // beyond fp16), which the GPU writer must refuse too.
+  bool put(std::vector<std::uint8_t>& pool, std::int64_t slot, const std::uint16_t* row) const {
     const PageLayout& L = mf.page;
     std::uint8_t* page = pool.data() + static_cast<std::size_t>(slot / L.tokens) * L.page_bytes;
     const int off = static_cast<int>(slot % L.tokens);
     std::vector<float> x(static_cast<std::size_t>(D));
     for (int d = 0; d < D; ++d) x[static_cast<std::size_t>(d)] = bf16_to_float(row[d]);
-    std::vector<std::uint8_t> km(q.key->meta_bytes() + 1), vm(q.value->meta_bytes() + 1);
-    q.key->encode(x.data(), page + L.key_code(0, off), km.data());
-    q.value->encode(x.data() + dc, page + L.value_code(0, off), vm.data());
+    std::vector<std::uint8_t> kc(q.key->code_bytes()), vc(q.value->code_bytes()), km(q.key->meta_bytes() + 1),
+        vm(q.value->meta_bytes() + 1);
+    try {
+      q.key->encode(x.data(), kc.data(), km.data());
+      q.value->encode(x.data() + dc, vc.data(), vm.data());
+    } catch (const std::exception&) {
+      return false;
+    }
+    std::memcpy(page + L.key_code(0, off), kc.data(), kc.size());
+    std::memcpy(page + L.value_code(0, off), vc.data(), vc.size());
     if (L.meta_bytes) {
       std::uint8_t* meta = page + L.key_meta(0, off);
       std::memset(meta, 0, L.meta_bytes);
       std::memcpy(meta, km.data(), q.key->meta_bytes());
       std::memcpy(meta + q.key->meta_bytes(), vm.data(), q.value->meta_bytes());
     }
+    return true;
   }
   void get(const std::vector<std::uint8_t>& pool, std::int64_t slot, double* out) const {
     const PageLayout& L = mf.page;
@@ -176,8 +238,8 @@ struct Cpu {
 
 // ---- writer ------------------------------------------------------------------------------
 void test_writer(const std::string& fmt, bool fixture, int sinks, int window, bool edge = false, int dc = kDc, int dr = kDr,
-                 bool generic = false) {
-  const Cpu cpu(fmt, 0, dc, dr);
+                 bool generic = false, int layer = 0, bool poison = false) {
+  const Cpu cpu(fmt, layer, dc, dr);
   const int D = dc + dr;
   const PageLayout& L = cpu.mf.page;
   const std::vector<int> lens = {1, 70, 300, 131};
@@ -187,8 +249,12 @@ void test_writer(const std::string& fmt, bool fixture, int sinks, int window, bo
     total += l;
     pages += (l + 63) / 64;
   }
-  std::vector<std::uint16_t> rows =
-      edge ? make_edge_rows(total, cpu.mf.content_bits, cpu.mf.rope_bits, 13, dc, dr) : make_rows(total, fixture, 11, dc, dr);
+  std::vector<std::uint16_t> rows = edge ? (cpu.mf.tq ? make_tq_edge_rows(total, cpu.mf, 13)
+                                                     : make_edge_rows(total, cpu.mf.content_bits, cpu.mf.rope_bits, 13, dc, dr))
+                                          : make_rows(total, fixture, 11, dc, dr);
+  if (poison) poison_rows(rows, dc, dr);
+  std::uint32_t* drej = upload(std::vector<std::uint32_t>(1, 0));
+  std::uint32_t want_rejected = 0;
   // Block tables: a shuffled page order per sequence.
   std::vector<int> perm(static_cast<std::size_t>(pages));
   for (int i = 0; i < pages; ++i) perm[static_cast<std::size_t>(i)] = i;
@@ -214,6 +280,7 @@ void test_writer(const std::string& fmt, bool fixture, int sinks, int window, bo
     std::vector<std::uint16_t> lat, rop;
     std::vector<std::int64_t> slots;
     std::vector<std::int32_t> pos, seq, after(static_cast<std::size_t>(B));
+    std::vector<bool> refused_row(static_cast<std::size_t>(total), false);
     for (int b = 0; b < B; ++b) {
       const int l = lens[static_cast<std::size_t>(b)];
       const int upto = call == 2 ? l : std::min(l, (call + 1) * (l / 3 + 1));
@@ -225,13 +292,17 @@ void test_writer(const std::string& fmt, bool fixture, int sinks, int window, bo
         slots.push_back(slot);
         pos.push_back(i);
         seq.push_back(b);
-        cpu.put(cpool, slot, row);
+        if (!cpu.put(cpool, slot, row)) {
+          refused_row[static_cast<std::size_t>(row0[static_cast<std::size_t>(b)] + i)] = true;
+          ++want_rejected;
+        }
       }
       after[static_cast<std::size_t>(b)] = upto;
       // CPU ring: a position is kept if it is a sink or among the last `window` after this call.
       for (int i = done[static_cast<std::size_t>(b)]; i < upto; ++i) {
         const int s = prot.slot(i);
-        if (s < 0 || (i >= sinks && i < upto - window)) continue;
+        if (s < 0 || (i >= sinks && i < upto - window) || refused_row[static_cast<std::size_t>(row0[static_cast<std::size_t>(b)] + i)])
+          continue;
         std::memcpy(cprot.data() + prot.row(b, s), rows.data() + static_cast<std::size_t>(row0[static_cast<std::size_t>(b)] + i) * D, D * 2);
       }
       done[static_cast<std::size_t>(b)] = upto;
@@ -265,6 +336,7 @@ void test_writer(const std::string& fmt, bool fixture, int sinks, int window, bo
     sp.seq_ids = upload(seq2);
     sp.protect_seq_lens = upload(after);
     sp.generic = generic;
+    sp.rejected = drej;
     KVQ_CUDA_OK(cuda::mla_store(sp));
     KVQ_CUDA_OK(cudaDeviceSynchronize());
     const std::vector<std::uint8_t> gpool = download(dpool, pool_bytes);
@@ -283,10 +355,15 @@ void test_writer(const std::string& fmt, bool fixture, int sinks, int window, bo
     cudaFree(const_cast<std::int32_t*>(sp.seq_ids));
     cudaFree(const_cast<std::int32_t*>(sp.protect_seq_lens));
   }
-  const std::string what = fmt + (edge ? " edge" : fixture ? " fixture" : " random") + " S=" + std::to_string(sinks) + " W=" + std::to_string(window) +
-                           " d_c=" + std::to_string(dc) + " d_r=" + std::to_string(dr) + (generic ? " generic" : "");
+  const std::string what = fmt + (edge ? " edge" : fixture ? " fixture" : " random") + (poison ? " poisoned" : "") + " S=" +
+                           std::to_string(sinks) + " W=" + std::to_string(window) + " d_c=" + std::to_string(dc) +
+                           " d_r=" + std::to_string(dr) + (generic ? " generic" : "") + (layer ? " layer=" + std::to_string(layer) : "");
   check(ok_pool, "writer bytes identical to the CPU reference: " + what);
   if (prot.enabled()) check(ok_prot, "writer protection ring identical: " + what);
+  const std::uint32_t got_rejected = download(drej, 1)[0];
+  if (got_rejected != want_rejected) std::printf("  %s: %u tokens refused, CPU refuses %u\n", what.c_str(), got_rejected, want_rejected);
+  check(got_rejected == want_rejected && (!poison || want_rejected > 0), "writer refuses the rows the CPU refuses: " + what);
+  cudaFree(drej);
   cudaFree(dpool);
   cudaFree(dprot);
 }
@@ -497,6 +574,8 @@ int main(int argc, char** argv) {
     test_decode({"mla-tq4", 16, {5, 130}, false, 2, 8, 0, 3});
     test_decode({"mla-tq3", 32, {70}, false, 0, 0, 0, 4});
     test_writer("c3r4", false, 2, 8, false, 576, 128);
+    test_writer("mla-tq4", false, 2, 8, false, kDc, kDr, false, 0, true);
+    test_writer("mla-tq3", false, 0, 0, true, 576, 128);
     test_decode({"c4r4", 16, {5, 130}, false, 2, 8, 0, 3, false, 0, 576, 128});
     test_decode({"bf16", 16, {70}, false, 0, 0, 0, 4, false, 0, kDc, kDr, true});
     test_decode({"mla-tq4", 16, {5, 130}, false, 2, 8, 0, 3, false, 1, 576, 128});
@@ -514,6 +593,25 @@ int main(int argc, char** argv) {
     test_writer(f, true, 4, 16);
     if (f != "bf16") test_writer(f, false, 0, 0, true);
   }
+  for (const auto& f : fmts) test_writer(f, false, 4, 32, false, kDc, kDr, false, 0, true);  // refused rows
+  test_writer("c4r4", false, 4, 32, false, 576, 128, false, 0, true);
+  test_writer("c2r4", false, 4, 32, false, kDc, kDr, true, 0, true);
+  // mla-tq4 / mla-tq3 writer: TurboQuantMse of the latent at every width (block Hadamard 576 = 512 + 64,
+  // 192 = 128 + 64), other layers' sign diagonals, edge rows and refused rows.
+  for (const auto& f : {"mla-tq4", "mla-tq3"}) {
+    test_writer(f, false, 0, 0);
+    test_writer(f, false, 4, 32);
+    test_writer(f, true, 4, 16);
+    test_writer(f, false, 0, 0, true);
+    test_writer(f, false, 4, 32, false, kDc, kDr, false, 3);
+    test_writer(f, false, 0, 0, true, kDc, kDr, false, 2);
+    test_writer(f, false, 4, 32, false, kDc, kDr, false, 0, true);
+    for (const auto& sh : {std::array<int, 2>{256, 64}, {64, 128}, {576, 64}, {1024, 256}, {192, 128}, {448, 64}}) {
+      test_writer(f, false, 4, 32, false, sh[0], sh[1], false, 1);
+      test_writer(f, false, 0, 0, true, sh[0], sh[1]);
+    }
+    test_writer(f, false, 4, 32, false, 320, 64, false, 0, true);
+  }
   for (const auto& f : fmts) {
     test_decode({f, 16, {1, 64, 65, 700, 2500}, false, 0, 0, 0, 1});
     test_decode({f, 32, {1000, 3, 129}, true, 4, 64, 0, 2});
@@ -524,7 +622,8 @@ int main(int argc, char** argv) {
   test_decode({"bf16", 128, {1500, 17}, true, 0, 0, 0, 6});
   test_decode({"c4r4", 64, {0, 300}, false, 0, 0, 0, 7});
   for (const auto& f : {"bf16", "c4r4", "c2r4"}) test_decode({f, 16, {3000, 777}, false, 4, 16, 2, 8, true});  // moving maximum
-  // mla-tq4 / mla-tq3 (decode only: no GPU writer; the pages come from the CPU quantizers).
+  // mla-tq4 / mla-tq3 decode (the pages come from the CPU quantizers, which the writer tests above
+  // show the GPU writer reproduces byte for byte).
   for (const auto& f : {"mla-tq4", "mla-tq3"}) {
     test_decode({f, 16, {1, 64, 65, 700, 2500}, false, 0, 0, 0, 1});
     test_decode({f, 32, {1000, 3, 129}, true, 4, 64, 0, 2});

@@ -6,9 +6,8 @@
 // replayed; before every timed replay the L2 is flushed (--flush: a read-only pass over 4x L2 by
 // default, or the earlier memset; bench_gpu.hpp) and the replay is
 // bracketed by CUDA events; median of --reps replays after --warmup. Caches are written by the
-// writer kernel from random bf16 rows, so metadata is realistic (mla-tq formats, which have no GPU
-// writer: 64 pages encoded by the CPU quantizers from random rows, repeated over the pool; no
-// writer row). mla-tq rows include the pre-kernel that rotates the queries and protected rows.
+// writer kernel (every format) from random bf16 rows, so metadata is realistic. mla-tq rows include
+// the pre-kernel that rotates the queries and protected rows.
 // GB/s counts every byte the
 // kernel must read (whole pages of the packed range, protected bf16 rows, block tables).
 // speedup_vs_bf16 divides our bf16 kernel's time for the same batch / context / heads by the
@@ -59,40 +58,6 @@ using gpu::DevBuf;
 using gpu::L2Flush;
 using gpu::ok;
 using gpu::time_us;
-
-// Fills n_pages pages of a format without a GPU writer (mla-tq): 64 pages encoded on the host by
-// the CPU quantizers (layer 0) from Gaussian rows, then repeated by device copies.
-void fill_pool_host(const FormatSpec& f, const cuda::MlaFormat& mf, std::uint8_t* pool, std::size_t n_pages, cudaStream_t st) {
-  const PageLayout& L = mf.page;
-  CacheGeometry g;
-  g.n_layers = 1;
-  g.mla = true;
-  g.d_latent = mf.d_latent;
-  g.d_rope = mf.d_rope;
-  const QuantizerPair q = make_quantizers(f, g, 0, 0);
-  const std::size_t np = std::min<std::size_t>(n_pages, 64);
-  std::vector<std::uint8_t> host(np * L.page_bytes, 0);
-  std::mt19937 rng(3);
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  std::vector<float> x(static_cast<std::size_t>(mf.d_latent + mf.d_rope));
-  std::vector<std::uint8_t> km(q.key->meta_bytes() + 1), vm(q.value->meta_bytes() + 1);
-  for (std::size_t pi = 0; pi < np; ++pi)
-    for (int t = 0; t < L.tokens; ++t) {
-      for (auto& v : x) v = nd(rng);
-      std::uint8_t* page = host.data() + pi * L.page_bytes;
-      q.key->encode(x.data(), page + L.key_code(0, t), km.data());
-      q.value->encode(x.data() + mf.d_latent, page + L.value_code(0, t), vm.data());
-      std::memcpy(page + L.key_meta(0, t), km.data(), q.key->meta_bytes());
-      std::memcpy(page + L.key_meta(0, t) + q.key->meta_bytes(), vm.data(), q.value->meta_bytes());
-    }
-  ok(cudaMemcpy(pool, host.data(), host.size(), cudaMemcpyHostToDevice), "fill pool");
-  for (std::size_t done = np; done < n_pages;) {
-    const std::size_t n = std::min(done, n_pages - done);
-    ok(cudaMemcpyAsync(pool + done * L.page_bytes, pool, n * L.page_bytes, cudaMemcpyDeviceToDevice, st), "fill pool");
-    done += n;
-  }
-  ok(cudaStreamSynchronize(st), "fill pool");
-}
 
 MlaProtectLayout protect_of(const std::string& name, int dc, int dr) {
   if (name == "none") return MlaProtectLayout{0, 0, dc, dr};
@@ -169,7 +134,7 @@ void run_mla_bench(const MlaBenchOptions& o) {
       return sp;
     };
     // Writer: src_tokens tokens; bytes = bf16 rows + slot ids read, page records written.
-    if (!mf.tq) {
+    {
       DevBuf pool((src_tokens / 64 + 1) * pg.page_bytes);
       const cuda::MlaStoreParams sp = store_params(pool.as<std::uint8_t>(), src_tokens);
       const double us =
@@ -183,8 +148,7 @@ void run_mla_bench(const MlaBenchOptions& o) {
         const int pages_per_seq = (ctx + 63) / 64;
         const std::size_t n_pages = static_cast<std::size_t>(B) * pages_per_seq;
         DevBuf pool(n_pages * pg.page_bytes);
-        if (mf.tq) fill_pool_host(find_format(fname), mf, pool.as<std::uint8_t>(), n_pages, st);
-        for (std::size_t t0 = 0; !mf.tq && t0 < n_pages * 64; t0 += src_tokens) {
+        for (std::size_t t0 = 0; t0 < n_pages * 64; t0 += src_tokens) {
           const std::size_t n = std::min(src_tokens, n_pages * 64 - t0);
           ok(cuda::mla_store(store_params(pool.as<std::uint8_t>() + (t0 / 64) * pg.page_bytes, n), st), "fill pool");
         }
