@@ -575,6 +575,7 @@ int main(int argc, char** argv) {
     test_decode({"mla-tq3", 32, {70}, false, 0, 0, 0, 4});
     test_writer("c3r4", false, 2, 8, false, 576, 128);
     test_writer("mla-tq4", false, 2, 8, false, kDc, kDr, false, 0, true);
+    test_writer("c4r4", false, 2, 8, false, kDc, kDr, false, 0, true);
     test_writer("mla-tq3", false, 0, 0, true, 576, 128);
     test_decode({"c4r4", 16, {5, 130}, false, 2, 8, 0, 3, false, 0, 576, 128});
     test_decode({"bf16", 16, {70}, false, 0, 0, 0, 4, false, 0, kDc, kDr, true});
