@@ -169,6 +169,17 @@ __device__ __forceinline__ std::uint32_t bmax2(std::uint32_t a, std::uint32_t b)
   asm("max.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
   return r;
 }
+// The same with NaN propagated (a NaN operand half gives a NaN half).
+__device__ __forceinline__ std::uint32_t bmin2n(std::uint32_t a, std::uint32_t b) {
+  std::uint32_t r;
+  asm("min.NaN.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+__device__ __forceinline__ std::uint32_t bmax2n(std::uint32_t a, std::uint32_t b) {
+  std::uint32_t r;
+  asm("max.NaN.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
 // Whether either bf16 of the pair is a NaN or an infinity (exponent all ones).
 __device__ __forceinline__ bool bf16x2_nonfinite(std::uint32_t w) {
   return (w & 0x7f80u) == 0x7f80u || (w & 0x7f800000u) == 0x7f800000u;

@@ -79,7 +79,11 @@ bool decode_supported(const FormatDesc& f);
 
 // ---- store ---------------------------------------------------------------------------------
 // Quantizes n_tokens new (key, value) rows per KV head and writes them into their paged slots;
-// with a protection buffer also copies protected positions' bf16 rows there.
+// with a protection buffer also copies protected positions' bf16 rows there. A (token, KV head)
+// record that the CPU encoders refuse (a NaN or an infinity in its key or value row; TurboQuant: a
+// stored norm beyond fp16; uniform values: a min or max beyond fp16) is written nowhere (its slot and
+// protection row keep their bytes) and counted in `rejected` when given, whether or not its token
+// has a slot: the caller treats a non-zero count as the error the CPU cache raises.
 struct StoreParams {
   FormatDesc fmt;
   const std::uint16_t* key = nullptr;    // bf16 [n_tokens][kv_heads][head_dim], token stride below
@@ -98,6 +102,7 @@ struct StoreParams {
   // last `window` positions (several positions of one call can share a ring slot). nullptr:
   // the caller guarantees that no two positions of one sequence in this call share a slot.
   const std::int32_t* protect_seq_lens = nullptr;
+  std::uint32_t* rejected = nullptr;  // optional device counter of refused records (see above)
 };
 cudaError_t store(const StoreParams& p, cudaStream_t stream = nullptr);
 

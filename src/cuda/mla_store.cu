@@ -107,9 +107,10 @@ __device__ __forceinline__ std::uint16_t* protected_row(const MlaStoreParams& p,
 // Latent group g of 64 values held 16 per lane (c0, c1) by the lanes 4g..4g+3: AffineGroup's rule in
 // float32 (the file comment gives the argument), every lane of the quad taking part in the shuffles.
 // Returns this lane's 16 codes packed LSB-first and the group's scale s (bf16-rounded) and zero point.
+// range_bad: the group's max - min overflows float32 (AffineGroup refuses such a group).
 template <int CB>
 __device__ __forceinline__ void quantize_quad(const uint4& c0, const uint4& c1, std::uint32_t (&pk)[(16 * CB + 31) / 32], float& s_out,
-                                              std::uint32_t& zi_out) {
+                                              std::uint32_t& zi_out, bool& range_bad) {
   const std::uint32_t w[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
   std::uint32_t mn = bmin2(w[0], w[1]), mx = bmax2(w[0], w[1]);
 #pragma unroll
@@ -122,6 +123,7 @@ __device__ __forceinline__ void quantize_quad(const uint4& c0, const uint4& c1, 
 #pragma unroll
   for (int o = 1; o <= 2; o <<= 1) mm = bmin2(mm, __shfl_xor_sync(0xffffffffu, mm, o));
   const float lo = bf16_lo(mm), hi = -bf16_hi(mm);
+  range_bad = !(hi - lo <= FLT_MAX);
   constexpr float mf = static_cast<float>((1 << CB) - 1);
   float s = round_bf16(__fdiv_rn(hi - lo, mf));
   if (!(s >= FLT_MIN)) s = FLT_MIN;
@@ -170,13 +172,15 @@ __device__ __forceinline__ void store_codes16(std::uint8_t* dst, const std::uint
   }
 }
 // A RoPE group of 64 values held two per lane (r01) by the whole warp: fp32 scale rs, zero point rz
-// and the lane's two codes packed (q0 | q1 << RB), with the per-element division.
+// and the lane's two codes packed (q0 | q1 << RB), with the per-element division; range_bad as for
+// quantize_quad.
 template <int RB>
-__device__ __forceinline__ std::uint32_t quantize_rope_pair(std::uint32_t r01, float& rs_out, float& rz_out) {
+__device__ __forceinline__ std::uint32_t quantize_rope_pair(std::uint32_t r01, float& rs_out, float& rz_out, bool& range_bad) {
   std::uint32_t rm2 = bmin2(__byte_perm(r01, r01 ^ 0x80008000u, 0x7610), __byte_perm(r01, r01 ^ 0x80008000u, 0x5432));
 #pragma unroll
   for (int o = 1; o <= 16; o <<= 1) rm2 = bmin2(rm2, __shfl_xor_sync(0xffffffffu, rm2, o));
   const float rlo = bf16_lo(rm2), rhi = -bf16_hi(rm2);
+  range_bad = !(rhi - rlo <= FLT_MAX);
   const float y0 = bf16_lo(r01), y1 = bf16_hi(r01);
   constexpr float rm = static_cast<float>((1 << RB) - 1);
   float rs = __fdiv_rn(rhi - rlo, rm);
@@ -200,35 +204,40 @@ __global__ void __launch_bounds__(256) mla_store_kernel(MlaStoreParams p, int to
   const uint4 c0 = *reinterpret_cast<const uint4*>(lat + 16 * lane);
   const uint4 c1 = *reinterpret_cast<const uint4*>(lat + 16 * lane + 8);
   const std::uint32_t r01 = *reinterpret_cast<const std::uint32_t*>(rop + 2 * lane);
-  if (reject_token(p, bf16x2_nonfinite(c0.x) || bf16x2_nonfinite(c0.y) || bf16x2_nonfinite(c0.z) || bf16x2_nonfinite(c0.w) ||
-                          bf16x2_nonfinite(c1.x) || bf16x2_nonfinite(c1.y) || bf16x2_nonfinite(c1.z) || bf16x2_nonfinite(c1.w) ||
-                          bf16x2_nonfinite(r01), lane))
-    return;
-
-  if (std::uint16_t* row = protected_row(p, t)) {
-    *reinterpret_cast<uint4*>(row + 16 * lane) = c0;
-    *reinterpret_cast<uint4*>(row + 16 * lane + 8) = c1;
-    *reinterpret_cast<std::uint32_t*>(row + kDc + 2 * lane) = r01;
-  }
-  if (slot < 0) return;
-  const TokenSlot ts = token_slot(p, slot, tok_shift);
-  std::uint8_t *kc = ts.kc, *vc = ts.vc;
-
+  const bool in_bad = bf16x2_nonfinite(c0.x) || bf16x2_nonfinite(c0.y) || bf16x2_nonfinite(c0.z) || bf16x2_nonfinite(c0.w) ||
+                      bf16x2_nonfinite(c1.x) || bf16x2_nonfinite(c1.y) || bf16x2_nonfinite(c1.z) || bf16x2_nonfinite(c1.w) ||
+                      bf16x2_nonfinite(r01);
+  auto copy_protected = [&]() {
+    if (std::uint16_t* row = protected_row(p, t)) {
+      *reinterpret_cast<uint4*>(row + 16 * lane) = c0;
+      *reinterpret_cast<uint4*>(row + 16 * lane + 8) = c1;
+      *reinterpret_cast<std::uint32_t*>(row + kDc + 2 * lane) = r01;
+    }
+  };
   if constexpr (CB == 16) {
-    reinterpret_cast<uint4*>(kc)[2 * lane] = c0;
-    reinterpret_cast<uint4*>(kc)[2 * lane + 1] = c1;
-    reinterpret_cast<std::uint32_t*>(vc)[lane] = r01;
+    if (reject_token(p, in_bad, lane)) return;
+    copy_protected();
+    if (slot < 0) return;
+    const TokenSlot ts = token_slot(p, slot, tok_shift);
+    reinterpret_cast<uint4*>(ts.kc)[2 * lane] = c0;
+    reinterpret_cast<uint4*>(ts.kc)[2 * lane + 1] = c1;
+    reinterpret_cast<std::uint32_t*>(ts.vc)[lane] = r01;
   } else {
-    std::uint8_t* meta = ts.meta;
-    // Content: lane holds dims [16 lane, 16 lane + 16); lanes 4g..4g+3 form group g.
+    // Content: lane holds dims [16 lane, 16 lane + 16); lanes 4g..4g+3 form group g. RoPE key: lane
+    // holds dims 2 lane, 2 lane + 1; one group of 64, fp32 scale. Quantized before anything is
+    // written: a token is refused whole.
     std::uint32_t pk[(16 * CB + 31) / 32];
-    float s;
+    float s, rs, rz;
     std::uint32_t zi;
-    quantize_quad<CB>(c0, c1, pk, s, zi);
+    bool cbad, rbad;
+    quantize_quad<CB>(c0, c1, pk, s, zi, cbad);
+    const std::uint32_t rq = quantize_rope_pair<RB>(r01, rs, rz, rbad);
+    if (reject_token(p, in_bad || cbad || rbad, lane)) return;
+    copy_protected();
+    if (slot < 0) return;
+    const TokenSlot ts = token_slot(p, slot, tok_shift);
+    std::uint8_t *kc = ts.kc, *vc = ts.vc, *meta = ts.meta;
     store_codes16<CB>(kc + 2 * CB * lane, pk);
-    // RoPE key: lane holds dims 2 lane, 2 lane + 1; one group of 64, fp32 scale.
-    float rs, rz;
-    const std::uint32_t rq = quantize_rope_pair<RB>(r01, rs, rz);
     if constexpr (RB == 8) reinterpret_cast<std::uint16_t*>(vc)[lane] = static_cast<std::uint16_t>(rq);
     else vc[lane] = static_cast<std::uint8_t>(rq);
     // Metadata record, one 32-bit word from each of 8 lanes (one store instruction):
@@ -276,50 +285,74 @@ __global__ void __launch_bounds__(256) mla_store_gen_kernel(MlaStoreParams p, in
   const std::int64_t slot = p.slot_mapping[t];
   const std::uint16_t* lat = p.latent + static_cast<std::int64_t>(t) * (p.latent_stride ? p.latent_stride : dc);
   const std::uint16_t* rop = p.rope + static_cast<std::int64_t>(t) * (p.rope_stride ? p.rope_stride : dr);
-  if (reject_token(p, row_nonfinite(lat, dc, rop, dr, lane), lane)) return;
-  if (std::uint16_t* row = protected_row(p, t)) {
-    for (int i = lane; i < dc / 8; i += 32) reinterpret_cast<uint4*>(row)[i] = reinterpret_cast<const uint4*>(lat)[i];
-    for (int i = lane; i < dr / 2; i += 32)
-      reinterpret_cast<std::uint32_t*>(row + dc)[i] = reinterpret_cast<const std::uint32_t*>(rop)[i];
-  }
-  if (slot < 0) return;
-  const PageLayout& pg = p.fmt.page;
-  const TokenSlot ts = token_slot(p, slot, tok_shift);
-  std::uint8_t *kc = ts.kc, *vc = ts.vc;
+  const bool in_bad = row_nonfinite(lat, dc, rop, dr, lane);
+  auto copy_protected = [&]() {
+    if (std::uint16_t* row = protected_row(p, t)) {
+      for (int i = lane; i < dc / 8; i += 32) reinterpret_cast<uint4*>(row)[i] = reinterpret_cast<const uint4*>(lat)[i];
+      for (int i = lane; i < dr / 2; i += 32)
+        reinterpret_cast<std::uint32_t*>(row + dc)[i] = reinterpret_cast<const std::uint32_t*>(rop)[i];
+    }
+  };
   if constexpr (CB == 16) {
-    for (int i = lane; i < dc / 8; i += 32) reinterpret_cast<uint4*>(kc)[i] = reinterpret_cast<const uint4*>(lat)[i];
+    if (reject_token(p, in_bad, lane)) return;
+    copy_protected();
+    if (slot < 0) return;
+    const TokenSlot ts = token_slot(p, slot, tok_shift);
+    for (int i = lane; i < dc / 8; i += 32) reinterpret_cast<uint4*>(ts.kc)[i] = reinterpret_cast<const uint4*>(lat)[i];
     for (int i = lane; i < dr / 2; i += 32)
-      reinterpret_cast<std::uint32_t*>(vc)[i] = reinterpret_cast<const std::uint32_t*>(rop)[i];
+      reinterpret_cast<std::uint32_t*>(ts.vc)[i] = reinterpret_cast<const std::uint32_t*>(rop)[i];
   } else {
-    std::uint8_t* meta = ts.meta;
-    for (int c = 0; c < (G + 7) / 8; ++c) {  // warp-uniform: every lane takes part in the shuffles
+    // Everything is quantized first (at most 2 chunks of 512 latent dims, 4 RoPE groups), so that a
+    // refused token writes nothing.
+    constexpr int NW = (16 * CB + 31) / 32;
+    std::uint32_t pk[2][NW], zi[2], rq[4];
+    float s[2], rs[4], rz[4];
+    bool bad = in_bad;
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      if (c >= (G + 7) / 8) break;  // warp-uniform: every lane takes part in the shuffles
       const bool act = lane < 4 * min(8, G - 8 * c);
       uint4 c0 = make_uint4(0, 0, 0, 0), c1 = c0;
       if (act) {
         c0 = *reinterpret_cast<const uint4*>(lat + 512 * c + 16 * lane);
         c1 = *reinterpret_cast<const uint4*>(lat + 512 * c + 16 * lane + 8);
       }
-      std::uint32_t pk[(16 * CB + 31) / 32];
-      float s;
-      std::uint32_t zi;
-      quantize_quad<CB>(c0, c1, pk, s, zi);
-      if (act) {
-        store_codes16<CB>(kc + (512 * c + 16 * lane) * CB / 8, pk);
+      bool rb;
+      quantize_quad<CB>(c0, c1, pk[c], s[c], zi[c], rb);
+      bad |= rb;
+    }
+#pragma unroll
+    for (int ri = 0; ri < 4; ++ri) {  // RoPE group ri: lane holds dims 64 ri + 2 lane, + 1
+      if (ri >= R) break;
+      bool rb;
+      rq[ri] = quantize_rope_pair<RB>(reinterpret_cast<const std::uint32_t*>(rop + 64 * ri)[lane], rs[ri], rz[ri], rb);
+      bad |= rb;
+    }
+    if (reject_token(p, bad, lane)) return;
+    copy_protected();
+    if (slot < 0) return;
+    const PageLayout& pg = p.fmt.page;
+    const TokenSlot ts = token_slot(p, slot, tok_shift);
+    std::uint8_t *kc = ts.kc, *vc = ts.vc, *meta = ts.meta;
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      if (c >= (G + 7) / 8) break;
+      if (lane < 4 * min(8, G - 8 * c)) {
+        store_codes16<CB>(kc + (512 * c + 16 * lane) * CB / 8, pk[c]);
         if ((lane & 3) == 0) {
           const int gi = 8 * c + (lane >> 2);
-          reinterpret_cast<std::uint16_t*>(meta)[gi] = static_cast<std::uint16_t>(float_to_bf16(s));
-          meta[2 * G + gi] = static_cast<std::uint8_t>(zi);
+          reinterpret_cast<std::uint16_t*>(meta)[gi] = static_cast<std::uint16_t>(float_to_bf16(s[c]));
+          meta[2 * G + gi] = static_cast<std::uint8_t>(zi[c]);
         }
       }
     }
-    for (int ri = 0; ri < R; ++ri) {  // RoPE group ri: lane holds dims 64 ri + 2 lane, + 1
-      const std::uint32_t r01 = reinterpret_cast<const std::uint32_t*>(rop + 64 * ri)[lane];
-      float rs, rz;
-      const std::uint32_t rq = quantize_rope_pair<RB>(r01, rs, rz);
-      if constexpr (RB == 8) reinterpret_cast<std::uint16_t*>(vc + 64 * ri)[lane] = static_cast<std::uint16_t>(rq);
-      else vc[32 * ri + lane] = static_cast<std::uint8_t>(rq);
-      if (lane < 4) meta[3 * G + 4 * ri + lane] = static_cast<std::uint8_t>(__float_as_uint(rs) >> (8 * lane));
-      if (lane == 4) meta[3 * G + 4 * R + ri] = static_cast<std::uint8_t>(rz);
+#pragma unroll
+    for (int ri = 0; ri < 4; ++ri) {
+      if (ri >= R) break;
+      if constexpr (RB == 8) reinterpret_cast<std::uint16_t*>(vc + 64 * ri)[lane] = static_cast<std::uint16_t>(rq[ri]);
+      else vc[32 * ri + lane] = static_cast<std::uint8_t>(rq[ri]);
+      if (lane < 4) meta[3 * G + 4 * ri + lane] = static_cast<std::uint8_t>(__float_as_uint(rs[ri]) >> (8 * lane));
+      if (lane == 4) meta[3 * G + 4 * R + ri] = static_cast<std::uint8_t>(rz[ri]);
     }
     for (int i = 3 * G + 5 * R + lane; i < static_cast<int>(pg.meta_bytes); i += 32) meta[i] = 0;
   }

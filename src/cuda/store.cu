@@ -96,9 +96,11 @@ __device__ inline void put_fp16(std::uint8_t* p, float v) {
   p[1] = static_cast<std::uint8_t>(h >> 8);
 }
 
-// TurboQuant (one or two segments) of one head's vector.
+// TurboQuant (one or two segments) of one head's vector: the codes into `codes` (segment order) and
+// each segment's stored (norm-corrected) norm into stored[s], the same in every lane. Writes nothing
+// to global memory (write_tq does, once the record is accepted).
 __device__ void encode_tq(const FormatDesc& f, bool is_key, int head, const std::uint16_t* row, float* x, float* y,
-                          std::uint8_t* codes, std::uint8_t* dst_codes, std::uint8_t* dst_meta, int lane) {
+                          std::uint8_t* codes, float* stored, int lane) {
   const int D = f.head_dim;
   const std::int32_t* perm = (is_key ? f.key_perm : f.value_perm) + static_cast<std::size_t>(head) * D;
   const float* signs = (is_key ? f.key_signs : f.value_signs) + static_cast<std::size_t>(head) * D;
@@ -111,7 +113,7 @@ __device__ void encode_tq(const FormatDesc& f, bool is_key, int head, const std:
     for (int i = lane; i < D; i += 32) x[i] = bf16_bits_to_float(row[perm[i]]);
   }
   __syncwarp();
-  int off = 0, code_off = 0;
+  int off = 0;
   for (int s = 0; s < f.segments; ++s) {
     const int n = f.seg_dims[s], bits = is_key ? f.key_bits[s] : f.value_bits[s];
     const float* cent = (is_key ? f.key_centroids : f.value_centroids) + s * kMaxCodebook;
@@ -123,7 +125,7 @@ __device__ void encode_tq(const FormatDesc& f, bool is_key, int head, const std:
     double c2 = 0;
     auto finish = [&](int i, float yi) {
       const int c = bucket(edges, bits, yi);
-      codes[i] = static_cast<std::uint8_t>(c);
+      codes[off + i] = static_cast<std::uint8_t>(c);
       const double cv = __ldg(cent + c);
       c2 += cv * cv;
     };
@@ -145,17 +147,28 @@ __device__ void encode_tq(const FormatDesc& f, bool is_key, int head, const std:
     }
 #undef KVQ_REG_PATH
     c2 = warp_sum(c2);
+    stored[s] = norm > 0 ? static_cast<float>(static_cast<double>(norm) / sqrt(c2)) : norm;
     __syncwarp();
-    warp_pack(codes, n, bits, dst_codes + code_off, lane);
-    if (lane == 0) put_fp16(dst_meta + 2 * s, norm > 0 ? static_cast<float>(static_cast<double>(norm) / sqrt(c2)) : norm);
-    __syncwarp();
+    off += n;
+  }
+}
+// Packs the codes of encode_tq and writes its stored norms (fp16).
+__device__ void write_tq(const FormatDesc& f, bool is_key, const std::uint8_t* codes, const float* stored, std::uint8_t* dst_codes,
+                         std::uint8_t* dst_meta, int lane) {
+  int off = 0, code_off = 0;
+  for (int s = 0; s < f.segments; ++s) {
+    const int n = f.seg_dims[s], bits = is_key ? f.key_bits[s] : f.value_bits[s];
+    warp_pack(codes + off, n, bits, dst_codes + code_off, lane);
+    if (lane == 0) put_fp16(dst_meta + 2 * s, stored[s]);
     off += n;
     code_off += (n * bits + 7) / 8;
   }
+  __syncwarp();
 }
 
-__device__ void encode_uniform(int D, int bits, const std::uint16_t* row, float* x, std::uint8_t* codes,
-                               std::uint8_t* dst_codes, std::uint8_t* dst_meta, int lane) {
+// vLLM's uniform values: codes into `codes`; the scale, min and max (lane-uniform) out.
+__device__ void encode_uniform(int D, int bits, const std::uint16_t* row, float* x, std::uint8_t* codes, float& s_out, float& lo_out,
+                               float& hi_out, int lane) {
   float lo = INFINITY, hi = -INFINITY;
   for (int i = lane; i < D; i += 32) {
     x[i] = bf16_bits_to_float(row[i]);
@@ -174,17 +187,16 @@ __device__ void encode_uniform(int D, int bits, const std::uint16_t* row, float*
     codes[i] = static_cast<std::uint8_t>(fminf(fmaxf(q, 0.0f), static_cast<float>(m)));
   }
   __syncwarp();
-  warp_pack(codes, D, bits, dst_codes, lane);
-  if (lane == 0) {
-    put_fp16(dst_meta, s);
-    put_fp16(dst_meta + 2, lo);
-  }
-  __syncwarp();
+  s_out = s;
+  lo_out = lo;
+  hi_out = hi;
 }
 
+// One warp per (token, KV head); every check before any write (the record is refused whole, as
+// by the CPU encoders: non-finite rows, TurboQuant stored norms and uniform min / max beyond fp16).
 __global__ void __launch_bounds__(kStoreWarps * 32) store_generic_kernel(const StoreParams p) {
   __shared__ float xs[kStoreWarps][kStoreMaxDim], ys[kStoreWarps][kStoreMaxDim];
-  __shared__ std::uint8_t cs[kStoreWarps][kStoreMaxDim];
+  __shared__ std::uint8_t cs[kStoreWarps][2][kStoreMaxDim];
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const FormatDesc& f = p.fmt;
   const long gid = static_cast<long>(blockIdx.x) * kStoreWarps + w;
@@ -196,6 +208,27 @@ __global__ void __launch_bounds__(kStoreWarps * 32) store_generic_kernel(const S
   const std::int64_t vs = p.value_token_stride ? p.value_token_stride : static_cast<std::int64_t>(H) * D;
   const std::uint16_t* krow = p.key + tok * ks + static_cast<std::int64_t>(head) * D;
   const std::uint16_t* vrow = p.value + tok * vs + static_cast<std::int64_t>(head) * D;
+  bool bad = false;
+  for (int i = lane; i < D; i += 32) bad |= (krow[i] & 0x7f80u) == 0x7f80u || (vrow[i] & 0x7f80u) == 0x7f80u;
+  bad = __any_sync(0xffffffffu, bad);
+  float kst[2] = {0, 0}, vst[2] = {0, 0}, us = 0, ulo = 0, uhi = 0;
+  if (!bad) {  // warp-uniform; the stored norms and the uniform range are the same in every lane
+    if (f.key == KeyCode::kTq) {
+      encode_tq(f, true, head, krow, xs[w], ys[w], cs[w][0], kst, lane);
+      for (int s = 0; s < f.segments; ++s) bad |= !(fabsf(kst[s]) <= 65504.0f);
+    }
+    if (f.value == ValueCode::kTq) {
+      encode_tq(f, false, head, vrow, xs[w], ys[w], cs[w][1], vst, lane);
+      for (int s = 0; s < f.segments; ++s) bad |= !(fabsf(vst[s]) <= 65504.0f);
+    } else if (f.value == ValueCode::kUniform) {
+      encode_uniform(D, f.value_bits[0], vrow, xs[w], cs[w][1], us, ulo, uhi, lane);
+      bad |= !(fabsf(ulo) <= 65504.0f && fabsf(uhi) <= 65504.0f);
+    }
+  }
+  if (bad) {
+    if (lane == 0 && p.rejected) atomicAdd(p.rejected, 1u);
+    return;
+  }
   if (slot >= 0) {
     const PageLayout& pg = f.page;
     std::uint8_t* base = p.pool + static_cast<std::size_t>(slot / pg.tokens) * pg.page_bytes;
@@ -205,7 +238,7 @@ __global__ void __launch_bounds__(kStoreWarps * 32) store_generic_kernel(const S
     std::uint8_t* km = base + pg.key_meta(head, off);
     std::uint8_t* vm = base + pg.value_meta(head, off);
     switch (f.key) {
-      case KeyCode::kTq: encode_tq(f, true, head, krow, xs[w], ys[w], cs[w], kc, km, lane); break;
+      case KeyCode::kTq: write_tq(f, true, cs[w][0], kst, kc, km, lane); break;
       case KeyCode::kFp8:
         for (int i = 4 * lane; i < D; i += 128) {
           std::uint32_t w = 0;
@@ -219,10 +252,15 @@ __global__ void __launch_bounds__(kStoreWarps * 32) store_generic_kernel(const S
           reinterpret_cast<std::uint32_t*>(kc)[i] = reinterpret_cast<const std::uint32_t*>(krow)[i];
         break;
     }
-    __syncwarp();
     switch (f.value) {
-      case ValueCode::kTq: encode_tq(f, false, head, vrow, xs[w], ys[w], cs[w], vc, vm, lane); break;
-      case ValueCode::kUniform: encode_uniform(D, f.value_bits[0], vrow, xs[w], cs[w], vc, vm, lane); break;
+      case ValueCode::kTq: write_tq(f, false, cs[w][1], vst, vc, vm, lane); break;
+      case ValueCode::kUniform:
+        warp_pack(cs[w][1], D, f.value_bits[0], vc, lane);
+        if (lane == 0) {
+          put_fp16(vm, us);
+          put_fp16(vm + 2, ulo);
+        }
+        break;
       case ValueCode::kBf16:
         for (int i = lane; i < D / 2; i += 32)
           reinterpret_cast<std::uint32_t*>(vc)[i] = reinterpret_cast<const std::uint32_t*>(vrow)[i];
@@ -352,12 +390,9 @@ __host__ __device__ constexpr std::uint32_t word_mult(int b, int i) {
   return m;
 }
 
-// Packs 32 codes of B bits, code k = t[k] + zc (mod 2^32), LSB first into B words, and stores
-// them (4 B bytes, 4-byte aligned destination).
+// Packs 32 codes of B bits, code k = t[k] + zc (mod 2^32), LSB first into words w[0..B).
 template <int B>
-__device__ __forceinline__ void pack_store32(const std::uint32_t (&t)[kLaneElems], std::uint32_t zc, std::uint8_t* dst,
-                                             bool write) {
-  std::uint32_t w[B];
+__device__ __forceinline__ void pack32(const std::uint32_t (&t)[kLaneElems], std::uint32_t zc, std::uint32_t (&w)[4]) {
 #pragma unroll
   for (int i = 0; i < B; ++i) w[i] = zc * word_mult(B, i);
 #pragma unroll
@@ -366,12 +401,14 @@ __device__ __forceinline__ void pack_store32(const std::uint32_t (&t)[kLaneElems
     w[i] += t[k] << o;  // bits above the field wrap out of the word or cancel with the constant
     if (o + B > 32) w[i + 1] += (t[k] + zc) >> (32 - o);
   }
-  if (!write) return;
+}
+// Stores the B packed words (4 B bytes, 4-byte aligned destination), as wide as the address allows.
+template <int B>
+__device__ __forceinline__ void store_words(const std::uint32_t (&w)[4], std::uint8_t* dst) {
   const std::uintptr_t a = reinterpret_cast<std::uintptr_t>(dst);
   if constexpr (B % 4 == 0) {
     if ((a & 15) == 0) {
-#pragma unroll
-      for (int i = 0; i < B; i += 4) reinterpret_cast<uint4*>(dst)[i / 4] = make_uint4(w[i], w[i + 1], w[i + 2], w[i + 3]);
+      reinterpret_cast<uint4*>(dst)[0] = make_uint4(w[0], w[1], w[2], w[3]);
       return;
     }
   } else if constexpr (B % 2 == 0) {
@@ -543,12 +580,12 @@ struct FastFmt {
 };
 
 // TurboQuant of one side of P-lane vectors (lane ls of its segment of PS lanes, segment size
-// 32 PS; bits B0 for segment 0, B1 for segment 1), the sign diagonal already applied to v. Packs this lane's codes (store predicated on
-// `write`); returns the segment's norm and the norm-correction sum of squared centroids (the
-// same in every lane of the segment).
+// 32 PS; bits B0 for segment 0, B1 for segment 1), the sign diagonal already applied to v. Packs this
+// lane's codes into pw (the caller stores them once the record is accepted); returns the segment's
+// norm and the norm-correction sum of squared centroids (the same in every lane of the segment).
 template <int PS, int B0, int B1>
-__device__ __forceinline__ void tq_encode32(const StoreTables& T, int t, int sg, float (&v)[kLaneElems], std::uint8_t* dst,
-                                            bool write, int ls, float& norm_out, double& c2_out) {
+__device__ __forceinline__ void tq_encode32(const StoreTables& T, int t, int sg, float (&v)[kLaneElems], std::uint32_t (&pw)[4],
+                                            int ls, float& norm_out, double& c2_out) {
   double s4[4] = {0, 0, 0, 0};
 #pragma unroll
   for (int k = 0; k < kLaneElems; ++k) {
@@ -613,8 +650,8 @@ __device__ __forceinline__ void tq_encode32(const StoreTables& T, int t, int sg,
   double c2 = (c4[0] + c4[1]) + (c4[2] + c4[3]);
 #pragma unroll
   for (int o = 1; o < PS; o <<= 1) c2 += __shfl_xor_sync(0xffffffffu, c2, o);
-  if (B0 == B1 || sg == 0) pack_store32<B0>(c, 0u, dst, write);
-  else pack_store32<B1>(c, 0u, dst, write);
+  if (B0 == B1 || sg == 0) pack32<B0>(c, 0u, pw);
+  else pack32<B1>(c, 0u, pw);
   norm_out = norm;
   c2_out = c2;
 }
@@ -748,6 +785,11 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
 
     float knorm = 0, vnorm = 0, vs_scale = 0, vs_lo = 0;
     double kc2 = 0, vc2 = 0;
+    // Everything is computed before anything is written: a record the CPU encoders would refuse
+    // (a NaN or an infinity in its rows, a TurboQuant stored norm or a uniform min / max beyond
+    // fp16) is written nowhere and counted in p.rejected.
+    bool bad = false;
+    std::uint32_t kw[4] = {0, 0, 0, 0}, vw[4] = {0, 0, 0, 0};
     // ---- keys ----
     if constexpr (KTQ) {
       float x[kLaneElems];
@@ -760,23 +802,11 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
       } else {
         gather32_global<D>(sb, kside + rowb, f.key_perm + hd, f.key_signs + hd, x);
       }
-      tq_encode32<PS, F::KB0, F::KB1>(T, sg, sg, x, kc + kdst_off, write, ls, knorm, kc2);
-    } else {  // fp8 e4m3, saturating
+      tq_encode32<PS, F::KB0, F::KB1>(T, sg, sg, x, kw, ls, knorm, kc2);
+    } else {  // fp8 e4m3 (converted when stored): the CPU refuses non-finite rows
       const Raw32 kr = lds_raw32(sb, kside + own);
-      std::uint32_t o[8];
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const std::uint32_t w0 = raw_word(kr, 2 * j), w1 = raw_word(kr, 2 * j + 1);
-        const std::uint32_t lo =
-            __nv_cvt_float2_to_fp8x2(make_float2(__uint_as_float(w0 << 16), __uint_as_float(w0 & 0xffff0000u)), __NV_SATFINITE, __NV_E4M3);
-        const std::uint32_t hi =
-            __nv_cvt_float2_to_fp8x2(make_float2(__uint_as_float(w1 << 16), __uint_as_float(w1 & 0xffff0000u)), __NV_SATFINITE, __NV_E4M3);
-        o[j] = (lo & 0xffffu) | (hi << 16);
-      }
-      if (write) {
-        reinterpret_cast<uint4*>(kc + 32 * l)[0] = make_uint4(o[0], o[1], o[2], o[3]);
-        reinterpret_cast<uint4*>(kc + 32 * l)[1] = make_uint4(o[4], o[5], o[6], o[7]);
-      }
+      for (int j = 0; j < kLaneElems / 2; ++j) bad |= bf16x2_nonfinite(raw_word(kr, j));
     }
     // ---- values ----
     if constexpr (VTQ) {
@@ -790,21 +820,23 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
       } else {
         gather32_global<D>(sb, vside + rowb, f.value_perm + hd, f.value_signs + hd, x);
       }
-      tq_encode32<PS, F::VB0, F::VB1>(T, 2 + sg, sg, x, vc + vdst_off, write, ls, vnorm, vc2);
+      tq_encode32<PS, F::VB0, F::VB1>(T, 2 + sg, sg, x, vw, ls, vnorm, vc2);
     } else {  // uniform
       const Raw32 vr = lds_raw32(sb, vside + own);
       constexpr int B = F::VB0, m = (1 << B) - 1;
-      // (min, -max) of the lane as one bf16 pair, then over the vector's P lanes.
-      std::uint32_t mn = bmin2(raw_word(vr, 0), raw_word(vr, 1)), mx = bmax2(raw_word(vr, 0), raw_word(vr, 1));
+      // (min, -max) of the lane as one bf16 pair, then over the vector's P lanes; NaN propagates
+      // (the record is refused).
+      std::uint32_t mn = bmin2n(raw_word(vr, 0), raw_word(vr, 1)), mx = bmax2n(raw_word(vr, 0), raw_word(vr, 1));
 #pragma unroll
       for (int j = 2; j < kLaneElems / 2; ++j) {
-        mn = bmin2(mn, raw_word(vr, j));
-        mx = bmax2(mx, raw_word(vr, j));
+        mn = bmin2n(mn, raw_word(vr, j));
+        mx = bmax2n(mx, raw_word(vr, j));
       }
-      std::uint32_t mm = bmin2(__byte_perm(mn, mx ^ 0x80008000u, 0x5410), __byte_perm(mn, mx ^ 0x80008000u, 0x7632));
+      std::uint32_t mm = bmin2n(__byte_perm(mn, mx ^ 0x80008000u, 0x5410), __byte_perm(mn, mx ^ 0x80008000u, 0x7632));
 #pragma unroll
-      for (int o = 1; o < P; o <<= 1) mm = bmin2(mm, __shfl_xor_sync(0xffffffffu, mm, o));
+      for (int o = 1; o < P; o <<= 1) mm = bmin2n(mm, __shfl_xor_sync(0xffffffffu, mm, o));
       const float lo = bf16_lo(mm), hi = -bf16_hi(mm);
+      bad |= !(fabsf(lo) <= 65504.0f && fabsf(hi) <= 65504.0f);  // UniformAffine: min and max within fp16
       float s = (hi - lo) / static_cast<float>(m);
       if (!(s > 1e-8f)) s = 1e-8f;
       const float y = __frcp_rn(s);
@@ -826,7 +858,7 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
           t[2 * j + h] = __float_as_uint(__fadd_rd(fminf(q + 0.5f, top), kFloorMagic));
         }
       }
-      pack_store32<B>(t, 0u - kMagicBits, vc + 4 * B * l, write);
+      pack32<B>(t, 0u - kMagicBits, vw);
       vs_scale = s;
       vs_lo = lo;
     }
@@ -834,10 +866,13 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
     // TurboQuant unit takes the norm and correction sum of that unit's segment from its lanes
     // (one fp64 division per unit instead of one per lane and side) ----
     constexpr int NU = F::KMU + F::VMU;
+    constexpr int NR = (NU + P - 1) / P;
+    std::uint16_t mval[NR];
 #pragma unroll
-    for (int r = 0; r < NU; r += P) {
-      const int u = r + l;
-      std::uint16_t val = 0;
+    for (int ri = 0; ri < NR; ++ri) {
+      const int u = ri * P + l;
+      float fv = 0.0f;
+      bool tq_unit = false;
       if constexpr (KTQ && VTQ) {
         const bool isk = u < F::KMU;
         const int src = gbase + ((isk ? u : u - F::KMU) & (NSEG - 1)) * PS;
@@ -845,19 +880,53 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
         const double ck = __shfl_sync(0xffffffffu, kc2, src), cv = __shfl_sync(0xffffffffu, vc2, src);
         const float n = isk ? nk : nv;
         const double cc = isk ? ck : cv;
-        val = fp16_bits(n > 0 ? static_cast<float>(static_cast<double>(n) / sqrt(cc)) : n);
+        fv = n > 0 ? static_cast<float>(static_cast<double>(n) / sqrt(cc)) : n;
+        tq_unit = true;
       } else if constexpr (KTQ) {  // one key segment, uniform values
-        val = fp16_bits(u == 0 ? (knorm > 0 ? static_cast<float>(static_cast<double>(knorm) / sqrt(kc2)) : knorm)
-                               : (u == 1 ? vs_scale : vs_lo));
+        fv = u == 0 ? (knorm > 0 ? static_cast<float>(static_cast<double>(knorm) / sqrt(kc2)) : knorm) : (u == 1 ? vs_scale : vs_lo);
+        tq_unit = u == 0;
       } else {  // fp8 keys, uniform values
-        val = fp16_bits(u == 0 ? vs_scale : vs_lo);
+        fv = u == 0 ? vs_scale : vs_lo;
       }
-      if (write && u < NU) reinterpret_cast<std::uint16_t*>(meta)[u] = val;
+      // TurboQuantMse refuses a stored norm beyond fp16 (NaN / inf rows end here too).
+      if (u < NU && tq_unit) bad |= !(fabsf(fv) <= 65504.0f);
+      mval[ri] = fp16_bits(fv);
     }
-    if (write)
+#pragma unroll
+    for (int o = 1; o < P; o <<= 1) bad |= __shfl_xor_sync(0xffffffffu, bad, o);  // the record's P lanes
+    if (bad && valid && l == 0 && p.rejected) atomicAdd(p.rejected, 1u);
+    if (write && !bad) {
+      if constexpr (KTQ) {
+        if (F::KB0 == F::KB1 || sg == 0) store_words<F::KB0>(kw, kc + kdst_off);
+        else store_words<F::KB1>(kw, kc + kdst_off);
+      } else {
+        const Raw32 kr = lds_raw32(sb, kside + own);
+        std::uint32_t o[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const std::uint32_t w0 = raw_word(kr, 2 * j), w1 = raw_word(kr, 2 * j + 1);
+          const std::uint32_t lo =
+              __nv_cvt_float2_to_fp8x2(make_float2(__uint_as_float(w0 << 16), __uint_as_float(w0 & 0xffff0000u)), __NV_SATFINITE, __NV_E4M3);
+          const std::uint32_t hi =
+              __nv_cvt_float2_to_fp8x2(make_float2(__uint_as_float(w1 << 16), __uint_as_float(w1 & 0xffff0000u)), __NV_SATFINITE, __NV_E4M3);
+          o[j] = (lo & 0xffffu) | (hi << 16);
+        }
+        reinterpret_cast<uint4*>(kc + 32 * l)[0] = make_uint4(o[0], o[1], o[2], o[3]);
+        reinterpret_cast<uint4*>(kc + 32 * l)[1] = make_uint4(o[4], o[5], o[6], o[7]);
+      }
+      if constexpr (VTQ) {
+        if (F::VB0 == F::VB1 || sg == 0) store_words<F::VB0>(vw, vc + vdst_off);
+        else store_words<F::VB1>(vw, vc + vdst_off);
+      } else {
+        store_words<F::VB0>(vw, vc + 4 * F::VB0 * l);
+      }
+#pragma unroll
+      for (int ri = 0; ri < NR; ++ri)
+        if (ri * P + l < NU) reinterpret_cast<std::uint16_t*>(meta)[ri * P + l] = mval[ri];
       for (int u = NU + l; u < mu; u += P) reinterpret_cast<std::uint16_t*>(meta)[u] = 0;
+    }
     // ---- protected bf16 rows ----
-    if (protect && valid) {
+    if (protect && valid && !bad) {
       const std::int32_t pos = p.positions[vt];
       const std::int32_t psl = p.protect.slot(pos);
       const bool keep = pos < p.protect.sinks || !p.protect_seq_lens ||
@@ -877,22 +946,39 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
 }
 
 // bf16 cache: a copy. Thread i moves 16-byte chunk i % (D / 8) of key and value row i / (D / 8)
-// (consecutive threads, consecutive bytes of a row), and the protected rows.
+// (consecutive threads, consecutive bytes of a row), and the protected rows. A record's D / 8
+// threads are consecutive lanes of one warp (D / 8 divides 32), which vote on its finiteness first.
 template <int D>
 __global__ void __launch_bounds__(256) store_bf16_kernel(const StoreParams p, int tok_shift) {
   constexpr int C = D / 8;  // 16-byte chunks per row
+  static_assert(32 % C == 0, "a record's chunks within one warp");
   const FormatDesc& f = p.fmt;
-  const int H = f.kv_heads;
+  const int H = f.kv_heads, lane = threadIdx.x & 31;
   const PageLayout& pg = f.page;
   const std::int64_t ks = p.key_token_stride ? p.key_token_stride : static_cast<std::int64_t>(H) * D;
   const std::int64_t vs = p.value_token_stride ? p.value_token_stride : static_cast<std::int64_t>(H) * D;
   const long n = static_cast<long>(p.n_tokens) * H * C;
-  for (long i = static_cast<long>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += static_cast<long>(gridDim.x) * blockDim.x) {
-    const long row = i / C;
+  const long step = static_cast<long>(gridDim.x) * blockDim.x;
+  for (long i0 = static_cast<long>(blockIdx.x) * blockDim.x + (threadIdx.x & ~31u); i0 < n; i0 += step) {  // warp-uniform
+    const long i = i0 + lane;
+    const bool act = i < n;
+    const long row = act ? i / C : 0;
     const int ch = static_cast<int>(i % C);
     const int tok = static_cast<int>(row / H), head = static_cast<int>(row % H);
-    const uint4 kq = __ldg(reinterpret_cast<const uint4*>(p.key + tok * ks + static_cast<std::int64_t>(head) * D) + ch);
-    const uint4 vq = __ldg(reinterpret_cast<const uint4*>(p.value + tok * vs + static_cast<std::int64_t>(head) * D) + ch);
+    uint4 kq = make_uint4(0, 0, 0, 0), vq = kq;
+    if (act) {
+      kq = __ldg(reinterpret_cast<const uint4*>(p.key + tok * ks + static_cast<std::int64_t>(head) * D) + ch);
+      vq = __ldg(reinterpret_cast<const uint4*>(p.value + tok * vs + static_cast<std::int64_t>(head) * D) + ch);
+    }
+    bool bad = bf16x2_nonfinite(kq.x) || bf16x2_nonfinite(kq.y) || bf16x2_nonfinite(kq.z) || bf16x2_nonfinite(kq.w) ||
+               bf16x2_nonfinite(vq.x) || bf16x2_nonfinite(vq.y) || bf16x2_nonfinite(vq.z) || bf16x2_nonfinite(vq.w);
+#pragma unroll
+    for (int o = 1; o < C; o <<= 1) bad |= __shfl_xor_sync(0xffffffffu, bad, o);
+    if (!act) continue;
+    if (bad) {
+      if (ch == 0 && p.rejected) atomicAdd(p.rejected, 1u);
+      continue;
+    }
     const std::int64_t slot = p.slot_mapping[tok];
     if (slot >= 0) {
       const std::size_t page = tok_shift >= 0 ? static_cast<std::size_t>(slot >> tok_shift) : static_cast<std::size_t>(slot / pg.tokens);

@@ -6,12 +6,15 @@
 // budget of docs/kernels.md), NaN never passes, outputs poisoned before every run, the pool
 // poisoned with 0xff bytes (NaN in every float type) outside the written records. The store
 // kernel packs the same rows on the GPU and must reproduce the CPU bytes (tolerating records
-// whose double-precision norm rounds differently, counted and bounded). Inputs: Gaussian rows
+// whose double-precision norm rounds differently, counted and bounded); records the CPU encoders
+// refuse (NaN / inf rows, norms or uniform ranges beyond fp16) must be refused and counted, their
+// slots left untouched. Inputs: Gaussian rows
 // with outlier channels and the tiny-gqa fixture keys / values (before RoPE: a kernel test needs
 // none). `--small` runs a reduced set (for compute-sanitizer).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <string>
@@ -77,6 +80,21 @@ std::uint8_t* pack_record(const PageLayout& pl, const QuantizerPair& q, const fl
   q.value->encode(v, base + pl.value_code(h, off), base + pl.value_meta(h, off));
   for (std::uint32_t i = pl.key_meta_bytes + pl.value_meta_bytes; i < pl.meta_bytes; ++i) base[pl.key_meta(h, off) + i] = 0;
   return base;
+}
+
+// Whether the CPU encoders accept the record (k, v): they refuse non-finite rows, TurboQuant stored
+// norms beyond fp16 and uniform values whose min or max is beyond fp16; the GPU store must refuse
+// the same records.
+bool cpu_accepts(const QuantizerPair& q, const float* k, const float* v) {
+  std::vector<std::uint8_t> kc(q.key->code_bytes()), km(q.key->meta_bytes() + 1), vc(q.value->code_bytes()),
+      vm(q.value->meta_bytes() + 1);
+  try {
+    q.key->encode(k, kc.data(), km.data());
+    q.value->encode(v, vc.data(), vm.data());
+  } catch (const std::exception&) {
+    return false;
+  }
+  return true;
 }
 
 double run_case(const Case& c) {
@@ -399,7 +417,7 @@ double run_case(const Case& c) {
 // k + 1/2 (4-bit: s = 1); large (x 300) and tiny (x 1e-20) Gaussian rows; typical rows. Tokens
 // go to shuffled slots; a stride wider than the row and a token count that leaves the last
 // warp partly empty.
-void test_store_edges(const std::string& fmt, int D, int H, int n_tok, unsigned seed) {
+void test_store_edges(const std::string& fmt, int D, int H, int n_tok, unsigned seed, bool poison = false) {
   const FormatSpec& f = find_format(fmt);
   CacheGeometry g;
   g.n_layers = 1;
@@ -435,6 +453,15 @@ void test_store_edges(const std::string& fmt, int D, int H, int n_tok, unsigned 
         k[d] = round_bf16(a);
         v[d] = round_bf16(b);
       }
+      // Records the encoders refuse: NaN in the key, +inf in the value, a value of 70000 (beyond
+      // fp16: the uniform max, the TurboQuant norm), keys of 8000 (a TurboQuant norm beyond fp16;
+      // fp8 keys saturate and keep them).
+      const int pk = (t * H + h) % 13;
+      if (poison && pk == 2) k[(t + h) % D] = std::numeric_limits<float>::quiet_NaN();
+      if (poison && pk == 5) v[(3 * t + h) % D] = std::numeric_limits<float>::infinity();
+      if (poison && pk == 7) v[(t + 2 * h) % D] = 70144.0f;  // a bf16 value
+      if (poison && pk == 11)
+        for (int d = 0; d < D; ++d) k[d] = 8000.0f;
     }
   OutlierChannels oc;
   if (f.kind == FormatKind::kTqSplit) {
@@ -469,12 +496,16 @@ void test_store_edges(const std::string& fmt, int D, int H, int n_tok, unsigned 
     kbf[i] = float_to_bf16(K[i]);
     vbf[i] = float_to_bf16(Vv[i]);
   }
+  std::uint32_t want_rejected = 0;
   for (int t = 0; t < n_tok; ++t) {
     const std::int64_t sl = slots[static_cast<std::size_t>(t)];
-    if (sl < 0) continue;
     for (int h = 0; h < H; ++h) {
       const std::size_t r = static_cast<std::size_t>(t) * stride + static_cast<std::size_t>(h) * D;
-      pack_record(pl, qp[static_cast<std::size_t>(h)], &K[r], &Vv[r], pool, sl, h);
+      if (!cpu_accepts(qp[static_cast<std::size_t>(h)], &K[r], &Vv[r])) {
+        ++want_rejected;  // counted whether or not the token has a slot; its record keeps the poison
+        continue;
+      }
+      if (sl >= 0) pack_record(pl, qp[static_cast<std::size_t>(h)], &K[r], &Vv[r], pool, sl, h);
     }
   }
   cuda::LayerTables tabs(f, g, 0, &oc);
@@ -492,8 +523,10 @@ void test_store_edges(const std::string& fmt, int D, int H, int n_tok, unsigned 
   sp.slot_mapping = dslots;
   sp.n_tokens = n_tok;
   sp.pool = dpool;
+  std::uint32_t* drej = upload(std::vector<std::uint32_t>(1, 0));
+  sp.rejected = drej;
   const cudaError_t se = cuda::store(sp);
-  const std::string name = fmt + " d" + std::to_string(D) + " H" + std::to_string(H) + " edge rows";
+  const std::string name = fmt + " d" + std::to_string(D) + " H" + std::to_string(H) + (poison ? " poisoned" : "") + " edge rows";
   check(se == cudaSuccess, name + ": store launch: " + cudaGetErrorString(se));
   KVQ_CUDA_OK(cudaDeviceSynchronize());
   KVQ_CUDA_OK(cudaMemcpy(pool2.data(), dpool, pool2.size(), cudaMemcpyDeviceToHost));
@@ -514,6 +547,11 @@ void test_store_edges(const std::string& fmt, int D, int H, int n_tok, unsigned 
                                       " records differ from the CPU reference");
   check(pool2 == pool || differ > 0, name + ": bytes outside the written records changed");
   std::printf("  %-58s store: %zu / %zu records differ\n", name.c_str(), differ, records);
+  std::uint32_t got_rejected = 0;
+  KVQ_CUDA_OK(cudaMemcpy(&got_rejected, drej, 4, cudaMemcpyDeviceToHost));
+  if (got_rejected != want_rejected) std::printf("  %s: %u records refused, the CPU refuses %u\n", name.c_str(), got_rejected, want_rejected);
+  check(got_rejected == want_rejected && (!poison || want_rejected > 0), name + ": refuses the records the CPU refuses");
+  cudaFree(drej);
   cudaFree(dpool);
   cudaFree(dk);
   cudaFree(dv);
@@ -639,9 +677,14 @@ int main(int argc, char** argv) {
   test_decode_rejects();
   if (small) {
     test_store_edges("tq-3.5bit", 128, 2, 45, 3);
+    test_store_edges("tq-k8v4", 128, 4, 77, 4, true);
+    test_store_edges("tq-4bit", 96, 2, 40, 5, true);  // the generic kernel
+    test_store_edges("bf16", 128, 2, 40, 6, true);    // the copy kernel
   } else {
     for (const auto& fm : formats) {
       test_store_edges(fm, 128, 8, 777, 21);
+      test_store_edges(fm, 128, 8, 301, 25, true);  // refused records
+      test_store_edges(fm, 96, 2, 130, 26, true);    // the generic kernel
       test_store_edges(fm, 64, 3, 301, 22);
       test_store_edges(fm, 256, 2, 150, 23);
       test_store_edges(fm, 128, 40, 37, 24);  // 40 heads: sign masks and channel order from global memory

@@ -170,7 +170,9 @@ std::vector<std::uint16_t> make_tq_edge_rows(int n, const cuda::MlaFormat& mf, u
 }
 
 // Rows the writers must refuse, in place: a NaN in the latent, an infinity in the RoPE key, -inf in
-// the latent, and (refused by the mla-tq writer only: a stored norm beyond fp16) a latent of 8192s.
+// the latent, a latent of 8192s (refused by mla-tq only: a stored norm beyond fp16), a latent group
+// and a RoPE group spanning -3.3e38 .. 3.3e38 (max - min overflows float32: refused by the affine
+// formats; mla-tq refuses the latent one, whose norm overflows, and keeps the bf16 RoPE one).
 void poison_rows(std::vector<std::uint16_t>& rows, int dc, int dr) {
   const int D = dc + dr, n = static_cast<int>(rows.size() / static_cast<std::size_t>(D));
   for (int i = 0; i < n; ++i) {
@@ -180,6 +182,14 @@ void poison_rows(std::vector<std::uint16_t>& rows, int dc, int dr) {
     if (i % 29 == 24) row[dc - 1 - i % dc] = 0xff80;        // -inf
     if (i % 29 == 13)
       for (int d = 0; d < dc; ++d) row[d] = float_to_bf16(8192.0f);
+    if (i % 29 == 2) {
+      row[64 * (i % (dc / 64)) + 5] = 0x7f78;  // 3.3e38
+      row[64 * (i % (dc / 64)) + 9] = 0xff78;  // -3.3e38
+    }
+    if (i % 29 == 27) {
+      row[dc + 64 * (i % (dr / 64)) + 1] = 0x7f78;
+      row[dc + 64 * (i % (dr / 64)) + 2] = 0xff78;
+    }
   }
 }
 
