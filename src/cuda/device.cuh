@@ -157,27 +157,21 @@ __device__ __forceinline__ float round_elt(float x) {
   if constexpr (kBf16) return __bfloat162float(__float2bfloat16_rn(x));
   else return __half2float(__float2half_rn(x));
 }
-// Elementwise min / max of two bf16 pairs (exact: bf16 order is the order of the values), and
-// the low / high bf16 of a pair as float.
+// Elementwise min / max of two bf16 pairs (exact: bf16 order is the order of the values; kNaN: a
+// NaN operand half gives a NaN half, else the other operand), and the low / high bf16 of a pair as
+// float.
+template <bool kNaN = false>
 __device__ __forceinline__ std::uint32_t bmin2(std::uint32_t a, std::uint32_t b) {
   std::uint32_t r;
-  asm("min.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  if constexpr (kNaN) asm("min.NaN.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  else asm("min.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
   return r;
 }
+template <bool kNaN = false>
 __device__ __forceinline__ std::uint32_t bmax2(std::uint32_t a, std::uint32_t b) {
   std::uint32_t r;
-  asm("max.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-  return r;
-}
-// The same with NaN propagated (a NaN operand half gives a NaN half).
-__device__ __forceinline__ std::uint32_t bmin2n(std::uint32_t a, std::uint32_t b) {
-  std::uint32_t r;
-  asm("min.NaN.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-  return r;
-}
-__device__ __forceinline__ std::uint32_t bmax2n(std::uint32_t a, std::uint32_t b) {
-  std::uint32_t r;
-  asm("max.NaN.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  if constexpr (kNaN) asm("max.NaN.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  else asm("max.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
   return r;
 }
 // Whether either bf16 of the pair is a NaN or an infinity (exponent all ones).

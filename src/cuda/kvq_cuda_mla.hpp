@@ -50,9 +50,10 @@ bool mla_supported(const MlaFormat& f);
 // and metadata: kvq::AffineGroup for the affine formats, kvq::TurboQuantMse with the layer's
 // rotation and norm correction for mla-tq4 / mla-tq3, the RoPE key copied as bf16 there) and writes
 // them into their paged slots; with protection also copies the bf16 row of every protected position
-// into its slot. A token whose latent or RoPE key holds a NaN or an infinity (or, mla-tq, whose
-// stored norm would exceed the fp16 range, which the CPU quantizer refuses too) is not written
-// anywhere: its slot and protection row keep their bytes, and `rejected`, when given, counts it.
+// into its slot. A token the CPU quantizers refuse (a NaN or an infinity in its latent or RoPE key;
+// affine formats: a group whose max - min overflows float32; mla-tq: a stored norm beyond fp16) is
+// not written anywhere: its slot and protection row keep their bytes, and `rejected`, when given,
+// counts it.
 struct MlaStoreParams {
   MlaFormat fmt;
   const std::uint16_t* latent = nullptr;  // bf16 [n_tokens][d_latent], stride below

@@ -826,15 +826,15 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
       constexpr int B = F::VB0, m = (1 << B) - 1;
       // (min, -max) of the lane as one bf16 pair, then over the vector's P lanes; NaN propagates
       // (the record is refused).
-      std::uint32_t mn = bmin2n(raw_word(vr, 0), raw_word(vr, 1)), mx = bmax2n(raw_word(vr, 0), raw_word(vr, 1));
+      std::uint32_t mn = bmin2<true>(raw_word(vr, 0), raw_word(vr, 1)), mx = bmax2<true>(raw_word(vr, 0), raw_word(vr, 1));
 #pragma unroll
       for (int j = 2; j < kLaneElems / 2; ++j) {
-        mn = bmin2n(mn, raw_word(vr, j));
-        mx = bmax2n(mx, raw_word(vr, j));
+        mn = bmin2<true>(mn, raw_word(vr, j));
+        mx = bmax2<true>(mx, raw_word(vr, j));
       }
-      std::uint32_t mm = bmin2n(__byte_perm(mn, mx ^ 0x80008000u, 0x5410), __byte_perm(mn, mx ^ 0x80008000u, 0x7632));
+      std::uint32_t mm = bmin2<true>(__byte_perm(mn, mx ^ 0x80008000u, 0x5410), __byte_perm(mn, mx ^ 0x80008000u, 0x7632));
 #pragma unroll
-      for (int o = 1; o < P; o <<= 1) mm = bmin2n(mm, __shfl_xor_sync(0xffffffffu, mm, o));
+      for (int o = 1; o < P; o <<= 1) mm = bmin2<true>(mm, __shfl_xor_sync(0xffffffffu, mm, o));
       const float lo = bf16_lo(mm), hi = -bf16_hi(mm);
       bad |= !(fabsf(lo) <= 65504.0f && fabsf(hi) <= 65504.0f);  // UniformAffine: min and max within fp16
       float s = (hi - lo) / static_cast<float>(m);
