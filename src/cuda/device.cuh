@@ -306,11 +306,13 @@ template <int NI>
 __device__ __forceinline__ void reg_fwht(float (&v)[NI], int lane) {
 #pragma unroll
   for (int h = 1; h < 32; h <<= 1) {
-    const bool lower = (lane & h) == 0;
+    // Lower lane a + b, upper lane a - b, both as fma(+-1, own, other): the product is exact, so
+    // this is the same single rounding as the sum or difference.
+    const float sgn = (lane & h) == 0 ? 1.0f : -1.0f;
 #pragma unroll
     for (int i = 0; i < NI; ++i) {
       const float o = __shfl_xor_sync(0xffffffffu, v[i], h);
-      v[i] = lower ? v[i] + o : o - v[i];
+      v[i] = __fmaf_rn(v[i], sgn, o);
     }
   }
   inlane_fwht(v);

@@ -19,6 +19,7 @@
 
 #include <cfloat>
 
+#include "bins.cuh"
 #include "device.cuh"
 #include "kvq/numeric.hpp"
 #include "kvq_cuda_mla.hpp"
@@ -33,11 +34,11 @@ constexpr std::uint32_t kRintMagicBits = 0x4B400000u;
 __device__ __forceinline__ float clampf_ref(float v, float lo, float hi) { return v < lo ? lo : (v > hi ? hi : v); }
 
 using detail::bf16_hi;
+using detail::bin_bucket;
 using detail::bf16_lo;
 using detail::bf16x2_nonfinite;
 using detail::bmax2;
 using detail::bmin2;
-using detail::count_below;
 using detail::reg_fwht;
 
 // Whether the token's row holds a NaN or an infinity (any lane of the warp; every lane must call).
@@ -366,7 +367,8 @@ __global__ void __launch_bounds__(256) mla_store_gen_kernel(MlaStoreParams p, in
 //   the tree of sum_squares_4lane; every square is exact, so each add rounds as the CPU's);
 //   u = x * (1 / norm) (0 for a zero row), the sign diagonal (an exact negation), the block FWHT of
 //   each power-of-two block (largest first) in registers (reg_fwht: the stage order and the sums of
-//   kvq::fwht, 1 / sqrt(block) last), the code = number of codebook midpoints below y;
+//   kvq::fwht, 1 / sqrt(block) last), the code = number of codebook midpoints below y (the bin
+//   tables of bins.cuh);
 //   stored = float(norm / sqrt(sum c^2)) over the chosen centroids (the same sixteen-sum tree), fp16.
 // The RoPE key is copied as bf16. The latent is staged in shared memory as floats (the partial sums
 // read it by column j + 16 k; the FWHT reads it by lane + 32 i) and the codes go back through it.
@@ -381,8 +383,8 @@ __device__ __forceinline__ double sum16_tree(double s) {
 
 // One Hadamard block of bs = 32 NI dims at offset off: scale, signs, FWHT, codes into cs.
 template <int NI>
-__device__ __forceinline__ void tq_block(const MlaStoreParams& p, const float* xs, std::uint8_t* cs, const float* edges, int ne,
-                                         int off, float inv, int lane) {
+__device__ __forceinline__ void tq_block(const MlaStoreParams& p, const float* xs, std::uint8_t* cs, const detail::StoreTables& T,
+                                         int ne, int off, float inv, int lane) {
   float v[NI];
 #pragma unroll
   for (int i = 0; i < NI; ++i) {
@@ -391,18 +393,15 @@ __device__ __forceinline__ void tq_block(const MlaStoreParams& p, const float* x
   }
   reg_fwht<NI>(v, lane);
 #pragma unroll
-  for (int i = 0; i < NI; ++i) cs[off + lane + 32 * i] = static_cast<std::uint8_t>(count_below<false>(edges, ne, v[i]));
+  for (int i = 0; i < NI; ++i) cs[off + lane + 32 * i] = static_cast<std::uint8_t>(bin_bucket(T, 0, ne, v[i]));
 }
 
 template <int B>
 __global__ void __launch_bounds__(256) mla_store_tq_kernel(const __grid_constant__ MlaStoreParams p, int tok_shift) {
   __shared__ __align__(16) float xs_all[8][1024];
   __shared__ __align__(16) std::uint8_t cs_all[8][1024];
-  __shared__ float edges[16], cent[16];
-  if (threadIdx.x < 16) {
-    edges[threadIdx.x] = p.fmt.tq_edges[threadIdx.x < 15 ? threadIdx.x : 14];
-    cent[threadIdx.x] = p.fmt.tq_centroids[threadIdx.x];
-  }
+  __shared__ detail::StoreTables T;  // table 0: the codebook's bins, midpoints and squared centroids
+  if (threadIdx.x < 32) detail::build_store_table(T, 0, p.fmt.tq_edges, p.fmt.tq_centroids, B, threadIdx.x);
   __syncthreads();
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
   const int t = blockIdx.x * 8 + w;
@@ -423,7 +422,8 @@ __global__ void __launch_bounds__(256) mla_store_tq_kernel(const __grid_constant
   __syncwarp();
   double s = 0;
   if (lane < 16)
-    for (int k = lane; k < dc; k += 16) {
+#pragma unroll 4
+    for (int k = lane; k < dc; k += 16) {  // dc / 16 is a multiple of 4
       const double x = xs[k];
       s = __fma_rn(x, x, s);  // x * x is exact: the CPU's s + x * x
     }
@@ -433,11 +433,11 @@ __global__ void __launch_bounds__(256) mla_store_tq_kernel(const __grid_constant
   for (int off = 0, rem = dc; rem > 0;) {  // blocks of the CPU's hadamard_blocks (multiples of 64), largest first
     const int bs = 1 << (31 - __clz(rem));
     switch (bs) {
-      case 64: tq_block<2>(p, xs, cs, edges, ne, off, inv, lane); break;
-      case 128: tq_block<4>(p, xs, cs, edges, ne, off, inv, lane); break;
-      case 256: tq_block<8>(p, xs, cs, edges, ne, off, inv, lane); break;
-      case 512: tq_block<16>(p, xs, cs, edges, ne, off, inv, lane); break;
-      default: tq_block<32>(p, xs, cs, edges, ne, off, inv, lane); break;
+      case 64: tq_block<2>(p, xs, cs, T, ne, off, inv, lane); break;
+      case 128: tq_block<4>(p, xs, cs, T, ne, off, inv, lane); break;
+      case 256: tq_block<8>(p, xs, cs, T, ne, off, inv, lane); break;
+      case 512: tq_block<16>(p, xs, cs, T, ne, off, inv, lane); break;
+      default: tq_block<32>(p, xs, cs, T, ne, off, inv, lane); break;
     }
     off += bs;
     rem -= bs;
@@ -445,10 +445,8 @@ __global__ void __launch_bounds__(256) mla_store_tq_kernel(const __grid_constant
   __syncwarp();
   double c2 = 0;
   if (lane < 16)
-    for (int k = lane; k < dc; k += 16) {
-      const double c = cent[cs[k]];
-      c2 = __fma_rn(c, c, c2);
-    }
+#pragma unroll 4
+    for (int k = lane; k < dc; k += 16) c2 += T.csq[0][cs[k]];  // c * c is exact: the CPU's s + c * c
   c2 = sum16_tree(c2);
   const float stored = norm > 0 ? static_cast<float>(static_cast<double>(norm) / sqrt(c2)) : norm;
   // The CPU refuses a norm beyond fp16 (and non-finite rows): write nothing.

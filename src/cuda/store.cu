@@ -14,6 +14,7 @@
 #include <cfloat>
 #include <cstdint>
 
+#include "bins.cuh"
 #include "device.cuh"
 #include "kvq/numeric.hpp"
 #include "kvq_cuda.hpp"
@@ -290,93 +291,13 @@ __global__ void __launch_bounds__(kStoreWarps * 32) store_generic_kernel(const S
 // 32 consecutive segment-order elements each (position 32 l + k), so a warp works on 32 / P
 // vectors at once: the FWHT stages h = 1..16 run inside a lane and only h >= 32 cross lanes;
 // the sums of squares, the bucketization and the packing (4 * bits bytes per lane) need no shared
-// memory. Buckets come from a table of bins over y: bin(y) = floor(sat(y a + b) n) (a saturating
-// FMA and a round-down FMA with 1.5 * 2^23), with n large enough that no bin holds two midpoints;
-// bin k stores the number `base` of midpoints in bins below k, and the bucket is
-// base + (mid[base] < y): mid[base] is the midpoint inside the bin if there is one, else the next
-// one above (> y), or +inf -- the count of midpoints strictly below y, exactly kvq::bucketize,
-// because the bin is a monotone function computed the same way for y and for the midpoints.
-// Both lookups and the squared centroid of the norm correction hit tables of at most 16 words or
-// doubles, so random codes never conflict on a bank. Uniform values divide without a division per
+// memory. Buckets come from the bin tables of bins.cuh (no search). Both lookups and the squared
+// centroid of the norm correction hit tables of at most 16 words or doubles, so random codes never
+// conflict on a bank. Uniform values divide without a division per
 // element: q = RN((x - lo) / s) by Markstein's two remainder corrections from RN(1/s), which is
 // the correctly rounded quotient. Same operations otherwise as the generic kernel above.
 constexpr int kFastThreads = 256;
 constexpr int kLaneElems = 32;
-constexpr int kMaxBins = 256;
-constexpr float kFloorMagic = 12582912.0f;  // 1.5 * 2^23: fl_down(t + magic) = magic + floor(t), 0 <= t < 2^22
-constexpr std::uint32_t kMagicBits = 0x4B400000u;
-
-struct StoreTables {
-  std::uint8_t base[4][kMaxBins];  // [key seg 0, key seg 1, value seg 0, value seg 1]: midpoints in lower bins
-  float edges[4][16];              // midpoints, +inf after the last
-  double csq[4][16];               // squared centroids (norm correction); 16 doubles: any 16 lanes, no bank conflict
-  float ba[4], bb[4], bn[4];       // bin(y) = floor(sat(y * ba + bb) * bn)
-  int ok[4];
-};
-
-__device__ __forceinline__ float fma_sat(float a, float b, float c) {
-  float r;
-  asm("fma.rn.sat.f32 %0, %1, %2, %3;" : "=f"(r) : "f"(a), "f"(b), "f"(c));
-  return r;
-}
-__device__ __forceinline__ int bin_of(float y, float a, float b, float n) {
-  return __float_as_int(__fmaf_rd(fma_sat(y, a, b), n, kFloorMagic)) - static_cast<int>(kMagicBits);
-}
-
-// Warp-wide: table t from a codebook with `bits` (1..4) bits.
-__device__ void build_store_table(StoreTables& T, int t, const float* __restrict__ edges_g,
-                                  const float* __restrict__ cent_g, int bits, int lane) {
-  const int ne = (1 << bits) - 1, nc = 1 << bits;
-  for (int i = lane; i < 16; i += 32) {
-    T.edges[t][i] = i < ne ? edges_g[i] : INFINITY;
-    const double c = i < nc ? cent_g[i] : 0.0;
-    T.csq[t][i] = c * c;
-  }
-  __syncwarp();
-  float gap = INFINITY, emax = 0.0f;
-  for (int i = lane; i < ne; i += 32) {
-    emax = fmaxf(emax, fabsf(T.edges[t][i]));
-    if (i + 1 < ne) gap = fminf(gap, T.edges[t][i + 1] - T.edges[t][i]);
-  }
-  for (int o = 16; o > 0; o >>= 1) {
-    gap = fminf(gap, __shfl_xor_sync(0xffffffffu, gap, o));
-    emax = fmaxf(emax, __shfl_xor_sync(0xffffffffu, emax, o));
-  }
-  const float R = emax * 1.0625f + 1e-30f;
-  if (ne == 1) gap = R;
-  bool ok = gap > 0.0f && R < 1e30f;
-  float n = ok ? fmaxf(2.0f, ceilf(2.0f * R / gap * 1.25f)) : 0.0f;
-  const float a = 0.5f / R, b = 0.5f;
-  for (int attempt = 0; ok; ++attempt) {
-    if (!(n <= static_cast<float>(kMaxBins - 1)) || attempt > 8) {
-      ok = false;
-      break;
-    }
-    bool bad = false;
-    for (int i = lane; i < ne; i += 32) {
-      const int bi = bin_of(T.edges[t][i], a, b, n);
-      for (int j = 0; j < ne; ++j)
-        if (j != i && bin_of(T.edges[t][j], a, b, n) == bi) bad = true;
-    }
-    if (!__any_sync(0xffffffffu, bad)) break;
-    n = ceilf(n * 1.5f);
-  }
-  if (ok) {
-    for (int k = lane; k <= static_cast<int>(n); k += 32) {
-      int base = 0;
-      for (int i = 0; i < ne; ++i)
-        if (bin_of(T.edges[t][i], a, b, n) < k) ++base;
-      T.base[t][k] = static_cast<std::uint8_t>(base);
-    }
-  }
-  if (lane == 0) {
-    T.ba[t] = a;
-    T.bb[t] = b;
-    T.bn[t] = n;
-    T.ok[t] = ok ? 1 : 0;
-  }
-}
-
 // float_to_fp16 (round to nearest even, overflow to Inf, subnormals) by the conversion
 // instruction; NaN through the software path for its payload.
 __device__ __forceinline__ std::uint16_t fp16_bits(float v) {
@@ -626,20 +547,7 @@ __device__ __forceinline__ void tq_encode32(const StoreTables& T, int t, int sg,
   } else {
     const int ne = (1 << (sg ? B1 : B0)) - 1;
 #pragma unroll
-    for (int k = 0; k < kLaneElems; ++k) {
-      const float y = v[k] * sc;
-      int lo = 0, n = ne;
-      while (n > 0) {
-        const int hf = n >> 1;
-        if (T.edges[t][lo + hf] < y) {
-          lo += hf + 1;
-          n -= hf + 1;
-        } else {
-          n = hf;
-        }
-      }
-      c[k] = static_cast<std::uint32_t>(lo);
-    }
+    for (int k = 0; k < kLaneElems; ++k) c[k] = static_cast<std::uint32_t>(count_below<false>(T.edges[t], ne, v[k] * sc));
   }
   double c4[4] = {0, 0, 0, 0};
   {
