@@ -47,6 +47,13 @@ cudaError_t launch_maybe_pdl(void (*k)(Params...), dim3 grid, dim3 block, std::s
   return cudaLaunchKernelEx(&cfg, k, std::forward<Args>(args)...);
 }
 
+// log2 of a page's token count when it is a power of two (the writers' slot -> page shift), else -1.
+inline int page_shift(int tokens) {
+  for (int s = 0; s < 31; ++s)
+    if (tokens == (1 << s)) return s;
+  return -1;
+}
+
 // ---- host: what a launcher asks the runtime on every launch, asked once per device ----------
 struct DeviceFacts {
   int sms = 0;            // multiprocessors

@@ -105,6 +105,16 @@ __device__ __forceinline__ std::uint16_t* protected_row(const MlaStoreParams& p,
   if (keep && pos >= p.protect.sinks && p.protect_seq_lens) keep = pos >= p.protect_seq_lens[seq] - p.protect.window;
   return keep ? p.protect_rows + p.protect.row(seq, s) : nullptr;
 }
+// Copies token t's bf16 latent (dc) and RoPE key (dr) rows into its protection row, if it has one
+// (the whole warp).
+__device__ __forceinline__ void copy_if_protected(const MlaStoreParams& p, int t, const std::uint16_t* lat, int dc,
+                                                  const std::uint16_t* rop, int dr, int lane) {
+  if (std::uint16_t* row = protected_row(p, t)) {
+    for (int i = lane; i < dc / 8; i += 32) reinterpret_cast<uint4*>(row)[i] = reinterpret_cast<const uint4*>(lat)[i];
+    for (int i = lane; i < dr / 2; i += 32)
+      reinterpret_cast<std::uint32_t*>(row + dc)[i] = reinterpret_cast<const std::uint32_t*>(rop)[i];
+  }
+}
 // Latent group g of 64 values held 16 per lane (c0, c1) by the lanes 4g..4g+3: AffineGroup's rule in
 // float32 (the file comment gives the argument), every lane of the quad taking part in the shuffles.
 // Returns this lane's 16 codes packed LSB-first and the group's scale s (bf16-rounded) and zero point.
@@ -287,13 +297,7 @@ __global__ void __launch_bounds__(256) mla_store_gen_kernel(MlaStoreParams p, in
   const std::uint16_t* lat = p.latent + static_cast<std::int64_t>(t) * (p.latent_stride ? p.latent_stride : dc);
   const std::uint16_t* rop = p.rope + static_cast<std::int64_t>(t) * (p.rope_stride ? p.rope_stride : dr);
   const bool in_bad = row_nonfinite(lat, dc, rop, dr, lane);
-  auto copy_protected = [&]() {
-    if (std::uint16_t* row = protected_row(p, t)) {
-      for (int i = lane; i < dc / 8; i += 32) reinterpret_cast<uint4*>(row)[i] = reinterpret_cast<const uint4*>(lat)[i];
-      for (int i = lane; i < dr / 2; i += 32)
-        reinterpret_cast<std::uint32_t*>(row + dc)[i] = reinterpret_cast<const std::uint32_t*>(rop)[i];
-    }
-  };
+  auto copy_protected = [&]() { copy_if_protected(p, t, lat, dc, rop, dr, lane); };
   if constexpr (CB == 16) {
     if (reject_token(p, in_bad, lane)) return;
     copy_protected();
@@ -371,7 +375,8 @@ __global__ void __launch_bounds__(256) mla_store_gen_kernel(MlaStoreParams p, in
 //   tables of bins.cuh);
 //   stored = float(norm / sqrt(sum c^2)) over the chosen centroids (the same sixteen-sum tree), fp16.
 // The RoPE key is copied as bf16. The latent is staged in shared memory as floats (the partial sums
-// read it by column j + 16 k; the FWHT reads it by lane + 32 i) and the codes go back through it.
+// read it by column j + 16 k; the FWHT reads it by lane + 32 i), and the codes go through shared
+// memory too (the c^2 sums read them by column, the packing by runs of 32).
 
 // The CPU's sum_squares_4lane tree over the sixteen partial sums held by lanes 0..15 (every lane calls).
 __device__ __forceinline__ double sum16_tree(double s) {
@@ -451,11 +456,7 @@ __global__ void __launch_bounds__(256) mla_store_tq_kernel(const __grid_constant
   const float stored = norm > 0 ? static_cast<float>(static_cast<double>(norm) / sqrt(c2)) : norm;
   // The CPU refuses a norm beyond fp16 (and non-finite rows): write nothing.
   if (reject_token(p, bad || !(fabsf(stored) <= 65504.0f), lane)) return;
-  if (std::uint16_t* row = protected_row(p, t)) {
-    for (int i = lane; i < dc / 8; i += 32) reinterpret_cast<uint4*>(row)[i] = reinterpret_cast<const uint4*>(lat)[i];
-    for (int i = lane; i < dr / 2; i += 32)
-      reinterpret_cast<std::uint32_t*>(row + dc)[i] = reinterpret_cast<const std::uint32_t*>(rop)[i];
-  }
+  copy_if_protected(p, t, lat, dc, rop, dr, lane);
   const std::int64_t slot = p.slot_mapping[t];
   if (slot < 0) return;
   const TokenSlot ts = token_slot(p, slot, tok_shift);
@@ -480,17 +481,9 @@ __global__ void __launch_bounds__(256) mla_store_tq_kernel(const __grid_constant
     reinterpret_cast<std::uint32_t*>(ts.meta)[i] = i == 0 ? static_cast<std::uint32_t>(float_to_fp16(stored)) : 0u;
 }
 
-// page.tokens as a shift when it is a power of two (64), else -1.
-int tok_shift_of(const MlaFormat& f) {
-  int shift = -1;
-  for (int s = 0; s < 31; ++s)
-    if (f.page.tokens == (1 << s)) shift = s;
-  return shift;
-}
-
 template <int CB, int RB>
 cudaError_t launch_store(const MlaStoreParams& p, cudaStream_t st) {
-  const int shift = tok_shift_of(p.fmt);
+  const int shift = detail::page_shift(p.fmt.page.tokens);
   if (p.generic || p.fmt.d_latent != kDc || p.fmt.d_rope != kDr) mla_store_gen_kernel<CB, RB><<<(p.n_tokens + 7) / 8, 256, 0, st>>>(p, shift);
   else mla_store_kernel<CB, RB><<<(p.n_tokens + 7) / 8, 256, 0, st>>>(p, shift);
   return cudaGetLastError();
@@ -512,8 +505,8 @@ cudaError_t mla_store(const MlaStoreParams& p, cudaStream_t stream) {
   const int c = f.content_bits, r = f.rope_bits;
   if (f.tq) {
     const int blocks = (p.n_tokens + 7) / 8;
-    if (c == 4) mla_store_tq_kernel<4><<<blocks, 256, 0, stream>>>(p, tok_shift_of(f));
-    else mla_store_tq_kernel<3><<<blocks, 256, 0, stream>>>(p, tok_shift_of(f));
+    if (c == 4) mla_store_tq_kernel<4><<<blocks, 256, 0, stream>>>(p, detail::page_shift(f.page.tokens));
+    else mla_store_tq_kernel<3><<<blocks, 256, 0, stream>>>(p, detail::page_shift(f.page.tokens));
     return cudaGetLastError();
   }
   if (c == 16) return launch_store<16, 16>(p, stream);

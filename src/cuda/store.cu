@@ -911,11 +911,6 @@ __global__ void __launch_bounds__(256) store_bf16_kernel(const StoreParams p, in
   }
 }
 
-int page_shift(int tokens) {  // log2 of the page size when it is a power of two, else -1
-  for (int s = 0; s < 31; ++s)
-    if (tokens == (1 << s)) return s;
-  return -1;
-}
 
 // Resident CTAs of Kernel (threads per CTA, dyn_smem bytes) on the current device: the grid of the
 // grid-stride kernels. Found once per device (devices 0..63).
