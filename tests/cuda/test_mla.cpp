@@ -5,8 +5,9 @@
 // the pool that the CPU builds with make_quantizers (AffineGroup; TurboQuantMse with the layer's
 // rotation) and the page layout; tokens are appended in several calls through a shuffled slot
 // mapping, and the bf16 protection ring must match the CPU's after every call (rows leaving the
-// window are overwritten). Rows the CPU quantizers refuse (NaN / inf; mla-tq: a norm beyond fp16)
-// must be refused and counted by the GPU writer too, leaving their slots and ring rows untouched. Decode: the cache is
+// window are overwritten). Rows the CPU quantizers refuse (NaN / inf; affine: a group range beyond
+// float32; mla-tq: a norm beyond fp16) must be refused and counted by the GPU writer too, leaving
+// their slots and ring rows untouched. Decode: the cache is
 // packed on the CPU (the oracle), and the kernel's output is compared with absorbed-MLA attention
 // in double over the decoded rows of the same packed cache (protected positions from their bf16
 // rows): output NMSE <= 1e-5, NaN never passes. Inputs: Gaussian rows with outlier channels and
@@ -135,8 +136,8 @@ std::vector<std::uint16_t> make_edge_rows(int n, int cb, int rb, unsigned seed, 
 }
 
 // Rows for the edges of the mla-tq writer's arithmetic (mf: the format, for its sign diagonal): per
-// row i by i % 8, an all-zero latent (norm 0), a one-hot latent, powers of two from 2^-60 to 2^8 (the
-// partial sums of squares are exact only in the CPU's order), Gaussians times 1e-30, Gaussians times
+// row i by i % 8, an all-zero latent (norm 0), a one-hot latent, powers of two from 2^-60 to 2^8 (68
+// binades in one row; the squares below the norm's last bit vanish), Gaussians times 1e-30, Gaussians times
 // 1500 (stored norms near the top of fp16), D times a Hadamard row in the first block (the rotated
 // vector is one-hot: exact zeros meet the midpoints), a constant row, and Gaussians with outliers.
 std::vector<std::uint16_t> make_tq_edge_rows(int n, const cuda::MlaFormat& mf, unsigned seed) {
@@ -208,8 +209,8 @@ struct Cpu {
     q = make_quantizers(f, g, layer, 0);
   }
   // Writes one token into its page slot exactly as the CPU paged cache lays it out. Returns false,
-  // writing nothing, when the CPU quantizers refuse the row (non-finite values; mla-tq: a norm
-  // beyond fp16), which the GPU writer must refuse too.
+  // writing nothing, when the CPU quantizers refuse the row (non-finite values; affine: a group
+  // range beyond float32; mla-tq: a norm beyond fp16), which the GPU writer must refuse too.
   bool put(std::vector<std::uint8_t>& pool, std::int64_t slot, const std::uint16_t* row) const {
     const PageLayout& L = mf.page;
     std::uint8_t* page = pool.data() + static_cast<std::size_t>(slot / L.tokens) * L.page_bytes;
