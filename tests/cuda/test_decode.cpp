@@ -496,6 +496,10 @@ void test_store_edges(const std::string& fmt, int D, int H, int n_tok, unsigned 
     kbf[i] = float_to_bf16(K[i]);
     vbf[i] = float_to_bf16(Vv[i]);
   }
+  // Poisoned runs also keep every token as the sink of its own sequence (protection rows): a
+  // refused record must leave its row untouched too.
+  const ProtectLayout prot{poison ? 1 : 0, 0, H, D};
+  std::vector<std::uint16_t> cprot(poison ? prot.elements(n_tok) : 1, 0xffff);
   std::uint32_t want_rejected = 0;
   for (int t = 0; t < n_tok; ++t) {
     const std::int64_t sl = slots[static_cast<std::size_t>(t)];
@@ -506,6 +510,10 @@ void test_store_edges(const std::string& fmt, int D, int H, int n_tok, unsigned 
         continue;
       }
       if (sl >= 0) pack_record(pl, qp[static_cast<std::size_t>(h)], &K[r], &Vv[r], pool, sl, h);
+      if (poison) {
+        std::memcpy(&cprot[prot.row(t, h, 0)], &kbf[r], 2 * static_cast<std::size_t>(D));
+        std::memcpy(&cprot[prot.row(t, h, 0) + static_cast<std::size_t>(D)], &vbf[r], 2 * static_cast<std::size_t>(D));
+      }
     }
   }
   cuda::LayerTables tabs(f, g, 0, &oc);
@@ -525,6 +533,18 @@ void test_store_edges(const std::string& fmt, int D, int H, int n_tok, unsigned 
   sp.pool = dpool;
   std::uint32_t* drej = upload(std::vector<std::uint32_t>(1, 0));
   sp.rejected = drej;
+  std::uint16_t* dprot = upload(std::vector<std::uint16_t>(cprot.size(), 0xffff));
+  const std::vector<std::int32_t> pos0(static_cast<std::size_t>(n_tok), 0);
+  std::vector<std::int32_t> seqs(static_cast<std::size_t>(n_tok));
+  std::iota(seqs.begin(), seqs.end(), 0);
+  std::int32_t* dpos = upload(pos0);
+  std::int32_t* dseq = upload(seqs);
+  if (poison) {
+    sp.protect = prot;
+    sp.protect_rows = dprot;
+    sp.positions = dpos;
+    sp.seq_ids = dseq;
+  }
   const cudaError_t se = cuda::store(sp);
   const std::string name = fmt + " d" + std::to_string(D) + " H" + std::to_string(H) + (poison ? " poisoned" : "") + " edge rows";
   check(se == cudaSuccess, name + ": store launch: " + cudaGetErrorString(se));
@@ -551,7 +571,15 @@ void test_store_edges(const std::string& fmt, int D, int H, int n_tok, unsigned 
   KVQ_CUDA_OK(cudaMemcpy(&got_rejected, drej, 4, cudaMemcpyDeviceToHost));
   if (got_rejected != want_rejected) std::printf("  %s: %u records refused, the CPU refuses %u\n", name.c_str(), got_rejected, want_rejected);
   check(got_rejected == want_rejected && (!poison || want_rejected > 0), name + ": refuses the records the CPU refuses");
+  if (poison) {
+    std::vector<std::uint16_t> gprot(cprot.size());
+    KVQ_CUDA_OK(cudaMemcpy(gprot.data(), dprot, gprot.size() * 2, cudaMemcpyDeviceToHost));
+    check(gprot == cprot, name + ": protection rows (refused records untouched)");
+  }
   cudaFree(drej);
+  cudaFree(dprot);
+  cudaFree(dpos);
+  cudaFree(dseq);
   cudaFree(dpool);
   cudaFree(dk);
   cudaFree(dv);
