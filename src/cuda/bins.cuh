@@ -91,12 +91,15 @@ __device__ inline void build_store_table(StoreTables& T, int t, const float* __r
   }
 }
 
+// The bucket of y from a table that works (ok): its bin's base plus one if the midpoint mids[base]
+// is below y. The table's fields are arguments so that a loop can hold them in registers.
+__device__ __forceinline__ int bin_lookup(const std::uint8_t* base, const float* mids, float a, float b, float n, float y) {
+  const int k = base[bin_of(y, a, b, n)];
+  return k + (mids[k] < y ? 1 : 0);
+}
 // The bucket of y with table t (the count of its midpoints strictly below y).
 __device__ __forceinline__ int bin_bucket(const StoreTables& T, int t, int ne, float y) {
-  if (T.ok[t]) {
-    const int b = T.base[t][bin_of(y, T.ba[t], T.bb[t], T.bn[t])];
-    return b + (T.edges[t][b] < y ? 1 : 0);
-  }
+  if (T.ok[t]) return bin_lookup(T.base[t], T.edges[t], T.ba[t], T.bb[t], T.bn[t], y);
   return count_below<false>(T.edges[t], ne, y);
 }
 

@@ -328,6 +328,30 @@ __device__ __forceinline__ void reg_fwht(float (&v)[NI], int lane) {
   for (int i = 0; i < NI; ++i) v[i] *= sc;
 }
 
+// Sum of 2^(pos & 31) over the fields k < n whose bit position b k starts in word i: the multiplier
+// that turns one constant into the constant part of every packed field of that word.
+__host__ __device__ constexpr std::uint32_t field_word_mult(int n, int b, int i) {
+  std::uint32_t m = 0;
+  for (int k = 0; k < n; ++k)
+    if ((b * k) >> 5 == i) m += 1u << ((b * k) & 31);
+  return m;
+}
+// Packs N codes of B bits, code k = t[k] + zc (mod 2^32), code in [0, 2^B), LSB first into the words
+// w[0 .. (N B + 31) / 32) (kvq::pack_bits' order); t[k] may carry a constant that zc cancels (bits
+// above a field wrap out of the word or cancel with the constant part).
+template <int N, int B, int NW>
+__device__ __forceinline__ void pack_fields(const std::uint32_t (&t)[N], std::uint32_t zc, std::uint32_t (&w)[NW]) {
+  static_assert(NW * 32 >= N * B, "room for the packed fields");
+#pragma unroll
+  for (int i = 0; i < (N * B + 31) / 32; ++i) w[i] = zc * field_word_mult(N, B, i);
+#pragma unroll
+  for (int k = 0; k < N; ++k) {
+    const int pos = B * k, i = pos >> 5, o = pos & 31;
+    w[i] += t[k] << o;
+    if (o + B > 32) w[i + 1] += (t[k] + zc) >> (32 - o);
+  }
+}
+
 // Number of the n sorted edges strictly below y (kvq::bucketize's binary search; the count does
 // not depend on the search order). kLdg: edges in global memory, read through the read-only path.
 template <bool kLdg>

@@ -126,7 +126,7 @@ using detail::split2;
 using detail::sub_zero;
 
 constexpr int kDc = 512, kD = 576, kPT = 64, kHG = 16, kNW = 8, kNT = 32 * kNW;
-constexpr int kSmemMax = 115712;  // two CTAs per SM: (228 KB - 2 x 1 KB reserved) / 2
+constexpr int kSmemMax = detail::kMlaSmemTwoPerSm;  // two CTAs per SM
 constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
 // The partial output's staging in shared memory at the end of a split: row h (head) of kOutRow
 // floats, dim d at column out_col(d) = d + d / 32. With a row stride of 530 (18 mod 32 banks) the

@@ -476,7 +476,7 @@ __global__ void __launch_bounds__(128) mla_combine_gen_kernel(const __grid_const
 
 // Shared memory per CTA: two CTAs per SM ((228 KB - 2 x 1 KB reserved) / 2, as the tuned kernel),
 // or one.
-constexpr int kTwoPerSm = 115712, kOnePerSm = 232448 - 1024;
+constexpr int kTwoPerSm = kMlaSmemTwoPerSm, kOnePerSm = 232448 - 1024;
 // Stages for tiles of TI tokens: as many as fit (2..6) beside two CTAs per SM when `two`, else in
 // one CTA per SM; 0 if fewer than two fit.
 int gen_stages(const GenSmem& lay, bool two) {

@@ -12,6 +12,8 @@
 namespace kvq::cuda::detail {
 
 constexpr int kMlaProtCost = 4;
+// Shared memory per CTA for two CTAs per SM on sm_90: (228 KB - 2 x 1 KB reserved) / 2 (both decode kernels).
+constexpr int kMlaSmemTwoPerSm = 115712;
 
 template <int TI>
 struct MlaTiles {

@@ -39,6 +39,7 @@ using detail::bf16_lo;
 using detail::bf16x2_nonfinite;
 using detail::bmax2;
 using detail::bmin2;
+using detail::pack_fields;
 using detail::reg_fwht;
 
 // Whether the token's row holds a NaN or an infinity (any lane of the warp; every lane must call).
@@ -57,30 +58,6 @@ __device__ __forceinline__ bool row_nonfinite(const std::uint16_t* lat, int dc, 
   }
   for (int i = lane; i < dr / 2; i += 32) bad |= bf16x2_nonfinite(reinterpret_cast<const std::uint32_t*>(rop)[i]);
   return bad;
-}
-
-// Sum of 2^(pos & 31) over the codes k whose bit position CB*k starts in word i: the multiplier
-// that turns one per-lane constant into the constant part of every packed field of that word.
-__host__ __device__ constexpr std::uint32_t word_mult(int cb, int i) {
-  std::uint32_t m = 0;
-  for (int k = 0; k < 16; ++k)
-    if ((cb * k) >> 5 == i) m += 1u << ((cb * k) & 31);
-  return m;
-}
-
-// Packs 16 codes given as t[k] with code = t[k] + zc (mod 2^32), code in [0, 2^CB), LSB first.
-template <int CB>
-__device__ __forceinline__ void pack16(const std::uint32_t (&t)[16], std::uint32_t zc, std::uint32_t (&w)[(16 * CB + 31) / 32]) {
-  constexpr int NW = (16 * CB + 31) / 32;
-#pragma unroll
-  for (int i = 0; i < NW; ++i) w[i] = zc * word_mult(CB, i);
-#pragma unroll
-  for (int k = 0; k < 16; ++k) {
-    constexpr int b = CB;
-    const int pos = b * k, i = pos >> 5, o = pos & 31;
-    w[i] += t[k] << o;  // bits above the field wrap out of the word (mod 2^32) or cancel with the constant
-    if (o + b > 32) w[i + 1] += (t[k] + zc) >> (32 - o);
-  }
 }
 
 // The token's content codes, RoPE codes and metadata record in the page of `slot` (tok_shift: log2
@@ -162,7 +139,7 @@ __device__ __forceinline__ void quantize_quad(const uint4& c0, const uint4& c1, 
     }
     zc = 0;
   }
-  pack16<CB>(tq, zc, pk);
+  pack_fields<16, CB>(tq, zc, pk);
   s_out = s;
   zi_out = zi;
 }
@@ -462,16 +439,12 @@ __global__ void __launch_bounds__(256) mla_store_tq_kernel(const __grid_constant
   const TokenSlot ts = token_slot(p, slot, tok_shift);
   // Codes: lane q packs codes 32 q .. 32 q + 31 LSB-first into B words.
   for (int q = lane; q < dc / 32; q += 32) {
-    std::uint32_t c[8], wv[B] = {};
+    std::uint32_t c[8], t[32], wv[B];
 #pragma unroll
     for (int i = 0; i < 8; ++i) c[i] = reinterpret_cast<const std::uint32_t*>(cs)[8 * q + i];
 #pragma unroll
-    for (int k = 0; k < 32; ++k) {
-      const std::uint32_t code = (c[k >> 2] >> (8 * (k & 3))) & 0xffu;
-      const int pos = B * k, wi = pos >> 5, o = pos & 31;
-      wv[wi] |= code << o;
-      if (o + B > 32) wv[wi + 1] |= code >> (32 - o);
-    }
+    for (int k = 0; k < 32; ++k) t[k] = (c[k >> 2] >> (8 * (k & 3))) & 0xffu;
+    pack_fields<32, B>(t, 0u, wv);
 #pragma unroll
     for (int i = 0; i < B; ++i) reinterpret_cast<std::uint32_t*>(ts.kc)[B * q + i] = wv[i];
   }

@@ -304,25 +304,6 @@ __device__ __forceinline__ std::uint16_t fp16_bits(float v) {
   return v != v ? float_to_fp16(v) : __half_as_ushort(__float2half_rn(v));
 }
 
-__host__ __device__ constexpr std::uint32_t word_mult(int b, int i) {
-  std::uint32_t m = 0;
-  for (int k = 0; k < kLaneElems; ++k)
-    if ((b * k) >> 5 == i) m += 1u << ((b * k) & 31);
-  return m;
-}
-
-// Packs 32 codes of B bits, code k = t[k] + zc (mod 2^32), LSB first into words w[0..B).
-template <int B>
-__device__ __forceinline__ void pack32(const std::uint32_t (&t)[kLaneElems], std::uint32_t zc, std::uint32_t (&w)[4]) {
-#pragma unroll
-  for (int i = 0; i < B; ++i) w[i] = zc * word_mult(B, i);
-#pragma unroll
-  for (int k = 0; k < kLaneElems; ++k) {
-    const int pos = B * k, i = pos >> 5, o = pos & 31;
-    w[i] += t[k] << o;  // bits above the field wrap out of the word or cancel with the constant
-    if (o + B > 32) w[i + 1] += (t[k] + zc) >> (32 - o);
-  }
-}
 // Stores the B packed words (4 B bytes, 4-byte aligned destination), as wide as the address allows.
 template <int B>
 __device__ __forceinline__ void store_words(const std::uint32_t (&w)[4], std::uint8_t* dst) {
@@ -539,11 +520,7 @@ __device__ __forceinline__ void tq_encode32(const StoreTables& T, int t, int sg,
     const std::uint8_t* bins = T.base[t];
     const float* mids = T.edges[t];
 #pragma unroll
-    for (int k = 0; k < kLaneElems; ++k) {
-      const float y = v[k] * sc;
-      const int b = bins[bin_of(y, ba, bb, bn)];
-      c[k] = static_cast<std::uint32_t>(b + (mids[b] < y ? 1 : 0));
-    }
+    for (int k = 0; k < kLaneElems; ++k) c[k] = static_cast<std::uint32_t>(bin_lookup(bins, mids, ba, bb, bn, v[k] * sc));
   } else {
     const int ne = (1 << (sg ? B1 : B0)) - 1;
 #pragma unroll
@@ -558,8 +535,8 @@ __device__ __forceinline__ void tq_encode32(const StoreTables& T, int t, int sg,
   double c2 = (c4[0] + c4[1]) + (c4[2] + c4[3]);
 #pragma unroll
   for (int o = 1; o < PS; o <<= 1) c2 += __shfl_xor_sync(0xffffffffu, c2, o);
-  if (B0 == B1 || sg == 0) pack32<B0>(c, 0u, pw);
-  else pack32<B1>(c, 0u, pw);
+  if (B0 == B1 || sg == 0) pack_fields<kLaneElems, B0>(c, 0u, pw);
+  else pack_fields<kLaneElems, B1>(c, 0u, pw);
   norm_out = norm;
   c2_out = c2;
 }
@@ -766,7 +743,7 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
           t[2 * j + h] = __float_as_uint(__fadd_rd(fminf(q + 0.5f, top), kFloorMagic));
         }
       }
-      pack32<B>(t, 0u - kMagicBits, vw);
+      pack_fields<kLaneElems, B>(t, 0u - kMagicBits, vw);
       vs_scale = s;
       vs_lo = lo;
     }

@@ -20,7 +20,6 @@
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
