@@ -204,4 +204,10 @@ class Bf16Vector final : public VectorQuantizer {
 // (numpy.searchsorted(edges, y, side="left")), by binary search.
 int bucketize(const float* edges, int n_edges, float y);
 
+// The edge of y's cell before a final scale: the largest float v with fl(v * scale) <= edge
+// (scale > 0, finite edge; +-inf is returned as is). Because fl(v * scale) is monotone in v,
+// bucketize(thresholds, n, v) == bucketize(edges, n, fl(v * scale)) for every float v, so a
+// kernel can bucketize the unscaled value and drop the multiply (src/cuda/store.cu).
+float prescale_threshold(float edge, float scale);
+
 }  // namespace kvq

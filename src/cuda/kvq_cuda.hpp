@@ -50,6 +50,10 @@ struct FormatDesc {
   const float* key_edges = nullptr;
   const float* value_centroids = nullptr;
   const float* value_edges = nullptr;
+  // [kMaxSegments][kMaxCodebook]: the midpoints as thresholds on the FWHT output before its final
+  // 1 / sqrt(block) (kvq::prescale_threshold; power-of-two segments), for the fast store kernel.
+  const float* key_thresholds = nullptr;
+  const float* value_thresholds = nullptr;
   // Centering (kvq's calibrated tq-4bit, tq-3bit, tq-3.5bit, tq-2.5bit; docs/formats.md): the
   // per-channel means subtracted before quantization, [kv_heads][head_dim] in channel order, or
   // nullptr for an uncentered format. The store subtracts them; decode scores protected rows

@@ -513,18 +513,20 @@ __device__ __forceinline__ void tq_encode32(const StoreTables& T, int t, int sg,
       v[k] = __fmaf_rn(v[k], sgn, o);
     }
   }
-  const float sc = static_cast<float>(1.0 / sqrt(static_cast<double>(kLaneElems * PS)));
+  // The bucket of y = fl(v / sqrt(block)) against the midpoints is the bucket of v against the
+  // tables' thresholds (FormatDesc::key_thresholds: the largest v with fl(v / sqrt(block)) <=
+  // midpoint), so the scale is never applied: y is not needed otherwise.
   std::uint32_t c[kLaneElems];
   if (T.ok[t]) {
     const float ba = T.ba[t], bb = T.bb[t], bn = T.bn[t];
     const std::uint8_t* bins = T.base[t];
     const float* mids = T.edges[t];
 #pragma unroll
-    for (int k = 0; k < kLaneElems; ++k) c[k] = static_cast<std::uint32_t>(bin_lookup(bins, mids, ba, bb, bn, v[k] * sc));
+    for (int k = 0; k < kLaneElems; ++k) c[k] = static_cast<std::uint32_t>(bin_lookup(bins, mids, ba, bb, bn, v[k]));
   } else {
     const int ne = (1 << (sg ? B1 : B0)) - 1;
 #pragma unroll
-    for (int k = 0; k < kLaneElems; ++k) c[k] = static_cast<std::uint32_t>(count_below<false>(T.edges[t], ne, v[k] * sc));
+    for (int k = 0; k < kLaneElems; ++k) c[k] = static_cast<std::uint32_t>(count_below<false>(T.edges[t], ne, v[k]));
   }
   double c4[4] = {0, 0, 0, 0};
   {
@@ -567,7 +569,7 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
     const int side = w >> 1, seg = w & 1;
     const bool tq = side == 0 ? KTQ : VTQ;
     if (tq && seg < NSEG)
-      build_store_table(T, w, (side ? f.value_edges : f.key_edges) + seg * kMaxCodebook,
+      build_store_table(T, w, (side ? f.value_thresholds : f.key_thresholds) + seg * kMaxCodebook,
                         (side ? f.value_centroids : f.key_centroids) + seg * kMaxCodebook,
                         side ? (seg ? F::VB1 : F::VB0) : (seg ? F::KB1 : F::KB0), lane);
   }
@@ -730,6 +732,10 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
       // floor((x - lo) / s + 1/2) with the quotient correctly rounded (two remainder corrections
       // from RN(1/s), Markstein); x >= lo and s >= (hi - lo) / m keep it in 0..m: the clamp is
       // only the upper bound, before the floor; the floor is the round-down add of 1.5 * 2^23.
+      // (Tried and dropped, session 9: floor(fma(d, y, 1/2 + 2^-16)) with this route as the
+      // fallback for lanes whose fraction came within 3 units of 2^-17 of an integer; 3% slower
+      // for the uniform-value formats. Exact k + 1/2 quotients are common in bf16 rows: whenever
+      // (hi - lo) / m is dyadic, e.g. hi - lo = 15 x 2^-6 at m = 15, and those take the fallback.)
 #pragma unroll
       for (int j = 0; j < kLaneElems / 2; ++j) {
         const std::uint32_t wv = raw_word(vr, j);

@@ -152,9 +152,23 @@ LayerTables::LayerTables(const FormatSpec& f, const CacheGeometry& g, int layer,
       for (int i = 0; i < d; ++i) perm[i] = order[static_cast<std::size_t>(i)];
     }
   }
-  // One allocation: key signs, value signs, 4 codebook tables, key perm, value perm, key and
-  // value means.
-  const std::size_t nf = 4 * hd, ni = 2 * hd, nc = 8 * static_cast<std::size_t>(kMaxCodebook);
+  // The store kernel's bucket thresholds: each segment's midpoints moved before the FWHT's final
+  // 1 / sqrt(block) (prescale_threshold), for power-of-two segments (the fast kernel's); others
+  // keep the midpoints (scale 1), which no kernel reads.
+  std::vector<float> kt(2 * kMaxCodebook, 0.0f), vt(2 * kMaxCodebook, 0.0f);
+  for (int s = 0; s < fd.segments; ++s) {
+    const int bs = fd.seg_dims[s];
+    const bool pow2 = bs > 0 && (bs & (bs - 1)) == 0;
+    const float sc = pow2 ? static_cast<float>(1.0 / std::sqrt(static_cast<double>(bs))) : 1.0f;
+    for (int i = 0; i < kMaxCodebook; ++i) {
+      const std::size_t j = static_cast<std::size_t>(s * kMaxCodebook + i);
+      kt[j] = prescale_threshold(ke[j], sc);
+      vt[j] = prescale_threshold(ve[j], sc);
+    }
+  }
+  // One allocation: key signs, value signs, 4 codebook tables, 2 threshold tables, key perm,
+  // value perm, key and value means.
+  const std::size_t nf = 4 * hd, ni = 2 * hd, nc = 12 * static_cast<std::size_t>(kMaxCodebook);
   const std::size_t bytes = (nf + nc) * sizeof(float) + ni * sizeof(std::int32_t);
   if (cudaMalloc(&dev_, bytes) != cudaSuccess) fail("LayerTables: cudaMalloc of " + std::to_string(bytes) + " bytes failed");
   std::vector<std::uint8_t> host(bytes);
@@ -169,6 +183,8 @@ LayerTables::LayerTables(const FormatSpec& f, const CacheGeometry& g, int layer,
   put(ke.data(), kMaxCodebook * 8);
   put(vc.data(), kMaxCodebook * 8);
   put(ve.data(), kMaxCodebook * 8);
+  put(kt.data(), kMaxCodebook * 8);
+  put(vt.data(), kMaxCodebook * 8);
   put(kp.data(), hd * 4);
   put(vp.data(), hd * 4);
   put(km.data(), hd * 4);
@@ -181,7 +197,9 @@ LayerTables::LayerTables(const FormatSpec& f, const CacheGeometry& g, int layer,
   fd.key_edges = fd.key_centroids + 2 * kMaxCodebook;
   fd.value_centroids = fd.key_edges + 2 * kMaxCodebook;
   fd.value_edges = fd.value_centroids + 2 * kMaxCodebook;
-  fd.key_perm = reinterpret_cast<const std::int32_t*>(fd.value_edges + 2 * kMaxCodebook);
+  fd.key_thresholds = fd.value_edges + 2 * kMaxCodebook;
+  fd.value_thresholds = fd.key_thresholds + 2 * kMaxCodebook;
+  fd.key_perm = reinterpret_cast<const std::int32_t*>(fd.value_thresholds + 2 * kMaxCodebook);
   fd.value_perm = fd.key_perm + hd;
   if (centered) {
     fd.key_mean = reinterpret_cast<const float*>(fd.value_perm + hd);

@@ -3,6 +3,7 @@
 #include "kvq/quantizer.hpp"
 
 #include <cmath>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -69,6 +70,19 @@ int bucketize(const float* edges, int n_edges, float y) {
     else hi = mid;
   }
   return lo;
+}
+
+float prescale_threshold(float edge, float scale) {
+  require(scale > 0.0f && std::isfinite(scale), "prescale_threshold: scale must be finite and positive");
+  if (std::isinf(edge)) return edge;
+  require(std::isfinite(edge), "prescale_threshold: edge is NaN");
+  // Start at the quotient, step down until fl(v scale) <= edge, then up while the next float
+  // still qualifies (a few steps; more only below the denormal range's resolution).
+  float v = edge / scale;
+  if (!std::isfinite(v)) v = std::copysign(std::numeric_limits<float>::max(), edge);
+  while (v * scale > edge) v = std::nextafter(v, -INFINITY);
+  for (float up = std::nextafter(v, INFINITY); std::isfinite(up) && up * scale <= edge; up = std::nextafter(v, INFINITY)) v = up;
+  return v;
 }
 
 }  // namespace kvq

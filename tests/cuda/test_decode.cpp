@@ -410,11 +410,35 @@ double run_case(const Case& c) {
   return nmse;
 }
 
+// Uniform values whose quotient (x - lo) / s the fast store route gets wrong on its own: pairs
+// (hi, x) with lo = 0 where floor(fma(x, RN(1 / s), 1/2 + 2^-16)) differs from UniformAffine's
+// floor(RN(RN(x / s) + 1/2)) (s = RN(hi / m) rounded up, x / (hi / m) exactly k - 1/2), found by
+// search over bf16 values. The kernel must send these records down its exact route.
+std::vector<std::pair<float, std::vector<float>>> near_half_pairs(int m) {
+  std::vector<std::pair<float, std::vector<float>>> out;
+  for (std::uint32_t hb = 0x3f80; hb < 0x4000; ++hb) {  // hi in [1, 2)
+    const float hi = bf16_to_float(static_cast<std::uint16_t>(hb));
+    float s = hi / static_cast<float>(m);
+    if (!(s > 1e-8f)) s = 1e-8f;
+    const float y = 1.0f / s;
+    std::vector<float> xs;
+    for (std::uint32_t xb = 0x3b80; xb < hb; ++xb) {  // x in [2^-8, hi)
+      const float x = bf16_to_float(static_cast<std::uint16_t>(xb));
+      const float ref = std::floor(std::fmin(x / s + 0.5f, static_cast<float>(m) + 0.5f));
+      const float fast = std::floor(std::fma(x, y, 0.5f + 0x1p-16f));
+      if (ref != fast) xs.push_back(x);
+    }
+    if (!xs.empty()) out.emplace_back(hi, xs);
+  }
+  return out;
+}
+
 // Store kernel on rows built for the edges of its arithmetic, compared with the CPU encoders
 // record by record (no decode): all-zero rows; one-hot keys and constant values (s = 1e-8);
 // rows spanning 2^-60 .. 2^8 (norm sums that need the double arithmetic); values on a quarter
 // grid with lo = -7.5 and hi = 7.5, so that the uniform quotients (x - lo) / s land exactly on
-// k + 1/2 (4-bit: s = 1); large (x 300) and tiny (x 1e-20) Gaussian rows; typical rows. Tokens
+// k + 1/2 (4-bit: s = 1); values whose quotients fall just below k - 1/2 (near_half_pairs); large
+// (x 300) and tiny (x 1e-20) Gaussian rows; typical rows. Tokens
 // go to shuffled slots; a stride wider than the row and a token count that leaves the last
 // warp partly empty.
 void test_store_edges(const std::string& fmt, int D, int H, int n_tok, unsigned seed, bool poison = false) {
@@ -427,13 +451,17 @@ void test_store_edges(const std::string& fmt, int D, int H, int n_tok, unsigned 
   std::mt19937 rng(seed);
   std::normal_distribution<float> nd(0.0f, 1.0f);
   std::uniform_int_distribution<int> grid(-30, 30);
+  const int vm = f.kind == FormatKind::kTqVllm ? (1 << f.value_bits) - 1 : 15;
+  const auto near_half = near_half_pairs(vm);
+  check(!near_half.empty(), fmt + ": no near-half uniform quotients found for m = " + std::to_string(vm));
   const int stride = H * D + 8;  // elements between tokens
   std::vector<float> K(static_cast<std::size_t>(n_tok) * stride, 0.0f), Vv(K.size(), 0.0f);
   for (int t = 0; t < n_tok; ++t)
     for (int h = 0; h < H; ++h) {
       float* k = &K[static_cast<std::size_t>(t) * stride + static_cast<std::size_t>(h) * D];
       float* v = &Vv[static_cast<std::size_t>(t) * stride + static_cast<std::size_t>(h) * D];
-      const int kind = (t * H + h) % 7;
+      const int kind = (t * H + h) % 8;
+      const auto& nh = near_half[static_cast<std::size_t>(t * H + h) % near_half.size()];
       for (int d = 0; d < D; ++d) {
         float a = nd(rng), b = nd(rng);
         switch (kind) {
@@ -448,6 +476,7 @@ void test_store_edges(const std::string& fmt, int D, int H, int n_tok, unsigned 
           case 3: b = d == 0 ? -7.5f : (d == 1 ? 7.5f : 0.25f * static_cast<float>(grid(rng))); break;
           case 4: a *= 300.0f; b *= 300.0f; break;
           case 5: a *= 1e-20f; b *= 1e-20f; break;
+          case 6: b = d == 0 ? 0.0f : (d == 1 ? nh.first : nh.second[static_cast<std::size_t>(d) % nh.second.size()]); break;
           default: break;
         }
         k[d] = round_bf16(a);
@@ -557,7 +586,7 @@ void test_store_edges(const std::string& fmt, int D, int H, int n_tok, unsigned 
     for (int h = 0; h < H; ++h) {
       ++records;
       if (!same_record(pl, pool, pool2, sl, h)) {
-        if (differ < 3) std::printf("  %s: token %d head %d (row kind %d) differs\n", name.c_str(), t, h, (t * H + h) % 7);
+        if (differ < 3) std::printf("  %s: token %d head %d (row kind %d) differs\n", name.c_str(), t, h, (t * H + h) % 8);
         ++differ;
       }
     }

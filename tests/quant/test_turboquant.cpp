@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 #include <memory>
 #include <random>
 #include <vector>
@@ -232,4 +233,52 @@ TEST(TurboQuant, CenteringRemovesCommonOffset) {
   centered.decode_record(rec.data(), y.data());
   for (int j = 0; j < d; ++j) EXPECT_EQ(y[static_cast<std::size_t>(j)], mu[static_cast<std::size_t>(j)]);
   EXPECT_THROW(TurboQuantMse(d, 3, rht(d), true, nullptr, std::vector<float>(5, 0.0f)), Error);
+}
+
+// prescale_threshold: bucketizing the unscaled FWHT output against the thresholds gives the
+// cell of fl(v * scale) against the midpoints, for every sphere codebook the GPU store kernel
+// uses (block 64, 128, 256 at 1..4 bits; scale 1 / sqrt(block), as the FWHT applies it last),
+// at and around every threshold (+-8 ulps), on random values, at zero and on denormals.
+TEST(Bucketize, PrescaleThresholdsMatchScaledCells) {
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::size_t checked = 0;
+  for (int block : {64, 128, 256}) {
+    const float sc = static_cast<float>(1.0 / std::sqrt(static_cast<double>(block)));
+    for (int bits = 1; bits <= 4; ++bits) {
+      const Codebook& cb = sphere_codebook(block, bits);
+      const int ne = static_cast<int>(cb.edges_f.size());
+      std::vector<float> th(cb.edges_f.size());
+      for (int i = 0; i < ne; ++i) {
+        const float e = cb.edges_f[static_cast<std::size_t>(i)];
+        th[static_cast<std::size_t>(i)] = prescale_threshold(e, sc);
+        const float t = th[static_cast<std::size_t>(i)];
+        ASSERT_LE(t * sc, e) << block << " " << bits << " edge " << i;
+        ASSERT_GT(std::nextafter(t, INFINITY) * sc, e) << block << " " << bits << " edge " << i;
+      }
+      std::vector<float> probes = {0.0f, -0.0f, std::numeric_limits<float>::denorm_min(),
+                                   -std::numeric_limits<float>::denorm_min(), 1e-40f, -1e-40f, 1e30f, -1e30f};
+      for (float t : th) {
+        float lo = t, hi = t;
+        for (int k = 0; k < 8; ++k) {
+          lo = std::nextafter(lo, -INFINITY);
+          hi = std::nextafter(hi, INFINITY);
+          probes.push_back(lo);
+          probes.push_back(hi);
+        }
+        probes.push_back(t);
+      }
+      for (int k = 0; k < 20000; ++k) probes.push_back(nd(rng) * 3.0f);
+      for (float v : probes) {
+        ASSERT_EQ(bucketize(th.data(), ne, v), bucketize(cb.edges_f.data(), ne, v * sc))
+            << "block " << block << " bits " << bits << " v " << v;
+        ++checked;
+      }
+    }
+  }
+  EXPECT_GT(checked, 12u * 20000u);
+  EXPECT_EQ(prescale_threshold(INFINITY, 0.125f), INFINITY);
+  EXPECT_EQ(prescale_threshold(0.5f, 0.125f), 4.0f);  // an exact power-of-two scale
+  EXPECT_THROW(prescale_threshold(NAN, 0.125f), std::exception);
+  EXPECT_THROW(prescale_threshold(1.0f, 0.0f), std::exception);
 }

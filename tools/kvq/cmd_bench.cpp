@@ -37,7 +37,7 @@ namespace {
 struct BenchOptions {
   std::string batches = "8,32", contexts = "4096,16384,65536";
   std::string formats = "bf16,tq-k8v4,tq-4bit-nc,tq-k3v4-nc,tq-3bit-nc,tq-4bit,tq-3.5bit,tq-3bit";
-  int q_heads = 32, kv_heads = 8, head_dim = 128, reps = 60, warmup = 5, store_tokens = 32768;
+  int q_heads = 32, kv_heads = 8, head_dim = 128, reps = 60, warmup = 5, store_tokens = 0;
   bool json = false;
   std::string peers, commit = "unknown", command, flush = "read";
 };
@@ -108,9 +108,16 @@ void run_decode_bench(const BenchOptions& o) {
     const cuda::FormatDesc& fd = tabs.desc();
     const PageLayout& pg = fd.page;
 
-    // Store kernel: store_tokens tokens x kv_heads rows from random bf16 keys / values.
+    // Store kernel: store_tokens tokens x kv_heads rows from random bf16 keys / values; by default
+    // the smallest power of two whose key and value rows fill 4x L2 (65,536 tokens on the H200 at
+    // 8 x 128), like the decode pools.
     {
-      const std::size_t n = static_cast<std::size_t>(o.store_tokens);
+      std::size_t n = static_cast<std::size_t>(o.store_tokens);
+      if (n == 0) {
+        const std::size_t row = static_cast<std::size_t>(o.kv_heads) * static_cast<std::size_t>(o.head_dim) * 4;
+        for (n = 1024; n * row < 4 * l2; n *= 2) {
+        }
+      }
       const std::size_t elems = n * static_cast<std::size_t>(o.kv_heads) * static_cast<std::size_t>(o.head_dim);
       DevBuf k(elems * 2), v(elems * 2), slots(n * 8), pool((n / 64 + 1) * pg.page_bytes);
       ok(cuda::fill_random_bf16(k.as<std::uint16_t>(), elems, 1), "fill");
@@ -233,7 +240,7 @@ void register_bench(CLI::App& app) {
   dec->add_option("--head-dim", o->head_dim, "head dim");
   dec->add_option("--reps", o->reps, "timed runs (median)")->check(CLI::Range(1, 100000));
   dec->add_option("--warmup", o->warmup, "warm-up runs");
-  dec->add_option("--store-tokens", o->store_tokens, "tokens per store-kernel run");
+  dec->add_option("--store-tokens", o->store_tokens, "tokens per store-kernel run (0: rows of 4x L2)")->check(CLI::Range(0, 1 << 24));
   dec->add_option("--peers", o->peers, "JSON written by bench/gpu/peers.py");
   dec->add_option("--commit", o->commit, "commit recorded in the result");
   dec->add_option("--command-line", o->command, "command recorded in the result");
