@@ -294,8 +294,10 @@ __global__ void __launch_bounds__(kStoreWarps * 32) store_generic_kernel(const S
 // memory. Buckets come from the bin tables of bins.cuh (no search). Both lookups and the squared
 // centroid of the norm correction hit tables of at most 16 words or doubles, so random codes never
 // conflict on a bank. Uniform values divide without a division per
-// element: q = RN((x - lo) / s) by Markstein's two remainder corrections from RN(1/s), which is
-// the correctly rounded quotient. Same operations otherwise as the generic kernel above.
+// element: q = RN((x - lo) / s) by one remainder correction of RN(d RN(1/s)) (Markstein), which is
+// the correctly rounded quotient. Buckets of TurboQuant codes are taken on the FWHT output before
+// its 1 / sqrt(block), against prescaled thresholds. Same operations otherwise as the generic
+// kernel above.
 constexpr int kFastThreads = 256;
 constexpr int kLaneElems = 32;
 // float_to_fp16 (round to nearest even, overflow to Inf, subnormals) by the conversion
@@ -727,11 +729,12 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
       float s = (hi - lo) / static_cast<float>(m);
       if (!(s > 1e-8f)) s = 1e-8f;
       const float y = __frcp_rn(s);
-      constexpr float top = static_cast<float>(m) + 0.5f;
       std::uint32_t t[kLaneElems];
-      // floor((x - lo) / s + 1/2) with the quotient correctly rounded (two remainder corrections
-      // from RN(1/s), Markstein); x >= lo and s >= (hi - lo) / m keep it in 0..m: the clamp is
-      // only the upper bound, before the floor; the floor is the round-down add of 1.5 * 2^23.
+      // floor(RN(q + 1/2)) with q = RN((x - lo) / s): q0 = RN(d y) is within one ulp and y = RN(1/s)
+      // is correctly rounded, so one remainder correction gives the correctly rounded quotient
+      // (Markstein's theorem; tests/core/test_numeric.cpp checks it on this kernel's inputs). The
+      // floor is the round-down add of 1.5 * 2^23. UniformAffine's clamp to m is never active:
+      // d <= RN(hi - lo) and s >= RN(hi - lo) / m (1 + 2^-24) keep q + 1/2 below m + 1.
       // (Tried and dropped, session 9: floor(fma(d, y, 1/2 + 2^-16)) with this route as the
       // fallback for lanes whose fraction came within 3 units of 2^-17 of an integer; 3% slower
       // for the uniform-value formats. Exact k + 1/2 quotients are common in bf16 rows: whenever
@@ -744,9 +747,8 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
           const float xv = __uint_as_float(h ? (wv & 0xffff0000u) : (wv << 16));
           const float d = xv - lo;
           const float q0 = __fmul_rn(d, y);
-          const float q1 = __fmaf_rn(__fmaf_rn(-q0, s, d), y, q0);
-          const float q = __fmaf_rn(__fmaf_rn(-q1, s, d), y, q1);
-          t[2 * j + h] = __float_as_uint(__fadd_rd(fminf(q + 0.5f, top), kFloorMagic));
+          const float q = __fmaf_rn(__fmaf_rn(-q0, s, d), y, q0);
+          t[2 * j + h] = __float_as_uint(__fadd_rd(q + 0.5f, kFloorMagic));
         }
       }
       pack_fields<kLaneElems, B>(t, 0u - kMagicBits, vw);

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -258,3 +259,44 @@ TEST(NumericExhaustive, AllFloatsFp8MatchesReference) {
   EXPECT_EQ(bad, 0u);
 }
 #endif
+
+// The GPU store kernel's uniform-value quotient (src/cuda/store.cu): with y = RN(1/s) and
+// q0 = RN(d y), one remainder correction q = RN(q0 + RN(d - q0 s) y) (two FMAs) is the correctly
+// rounded d / s (Markstein's theorem: y correctly rounded, q0 within one ulp). Checked here on
+// the kernel's inputs (d = x - lo, s = max((hi - lo) / m, 1e-8) from bf16 rows, m = 7 and 15)
+// and on random floats, divisors with all-ones and all-zeros significand tails included.
+TEST(Numeric, OneCorrectionQuotientIsCorrectlyRounded) {
+  std::mt19937_64 rng(11);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  auto one_correction = [](float d, float s) {
+    const float y = 1.0f / s;
+    const float q0 = d * y;
+    return std::fma(std::fma(-q0, s, d), y, q0);
+  };
+  long checked = 0;
+  for (int i = 0; i < 2000000; ++i) {
+    const float scale = std::ldexp(1.0f, static_cast<int>(rng() % 40) - 20);
+    float lo = round_bf16(nd(rng) * scale), hi = round_bf16(nd(rng) * scale);
+    if (hi < lo) std::swap(lo, hi);
+    const float m = (rng() & 1) ? 15.0f : 7.0f;
+    float s = (hi - lo) / m;
+    if (!(s > 1e-8f)) s = 1e-8f;
+    for (int k = 0; k < 4; ++k) {
+      const float x = std::clamp(round_bf16(lo + (hi - lo) * static_cast<float>(rng() % 4097) / 4096.0f), lo, hi);
+      const float d = x - lo;
+      ASSERT_EQ(one_correction(d, s), d / s) << "x " << x << " lo " << lo << " hi " << hi << " m " << m;
+      ++checked;
+    }
+  }
+  for (int i = 0; i < 8000000; ++i) {
+    const std::uint64_t r = rng();
+    std::uint32_t sm = r & 0x7fffffu;
+    if (((r >> 23) & 7) == 0) sm |= 0x7fff00u;
+    if (((r >> 23) & 7) == 1) sm &= 0x7f0000u;
+    const float s = bits_f32((static_cast<std::uint32_t>(107 + (r >> 26) % 40) << 23) | sm);
+    const float d = std::ldexp(static_cast<float>(rng() & 0xffffff) / 16777216.0f, 4) * s;
+    ASSERT_EQ(one_correction(d, s), d / s) << "d " << d << " s " << s;
+    ++checked;
+  }
+  EXPECT_EQ(checked, 16000000);
+}
