@@ -61,6 +61,10 @@ struct FormatDesc {
   // which the softmax ignores) and adds value_mean once to the output.
   const float* key_mean = nullptr;
   const float* value_mean = nullptr;
+  // The same means in segment order and times the sign diagonal, [kv_heads][head_dim]: the fast
+  // store kernel subtracts them from the signed rows (s x - s m = s (x - m), exactly).
+  const float* key_mean_seg = nullptr;
+  const float* value_mean_seg = nullptr;
 };
 
 // Device copies of one layer's format constants. Built on the host from make_quantizers(f, g,

@@ -546,6 +546,19 @@ __device__ __forceinline__ void tq_encode32(const StoreTables& T, int t, int sg,
 }
 
 constexpr int kFastWarps = kFastThreads / 32;
+
+// Centered formats: x -= the lane's 32 signed, segment-order means (FormatDesc::key_mean_seg; 16-byte
+// aligned). x holds the signed row, so this is s x - s m = s (x - m), the CPU's x - offset.
+__device__ __forceinline__ void center32(const float* __restrict__ m, float (&x)[kLaneElems]) {
+#pragma unroll
+  for (int j = 0; j < kLaneElems / 4; ++j) {
+    const float4 v = __ldg(reinterpret_cast<const float4*>(m) + j);
+    x[4 * j] -= v.x;
+    x[4 * j + 1] -= v.y;
+    x[4 * j + 2] -= v.z;
+    x[4 * j + 3] -= v.w;
+  }
+}
 constexpr int kSideBytes = 32 * kLaneElems * 2;                 // one side of a warp's vectors: 2 KB
 constexpr int kStageBytes = 2 * kSideBytes;                      // keys and values
 constexpr int kStagingBytes = kFastWarps * 2 * kStageBytes;      // two stages per warp: 64 KB
@@ -691,6 +704,7 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
       } else {
         gather32_global<D>(sb, kside + rowb, f.key_perm + hd, f.key_signs + hd, x);
       }
+      if (f.key_mean_seg) center32(f.key_mean_seg + hd, x);
       tq_encode32<PS, F::KB0, F::KB1>(T, sg, sg, x, kw, ls, knorm, kc2);
     } else {  // fp8 e4m3 (converted when stored): the CPU refuses non-finite rows
       const Raw32 kr = lds_raw32(sb, kside + own);
@@ -709,6 +723,7 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
       } else {
         gather32_global<D>(sb, vside + rowb, f.value_perm + hd, f.value_signs + hd, x);
       }
+      if (f.value_mean_seg) center32(f.value_mean_seg + hd, x);
       tq_encode32<PS, F::VB0, F::VB1>(T, 2 + sg, sg, x, vw, ls, vnorm, vc2);
     } else {  // uniform
       const Raw32 vr = lds_raw32(sb, vside + own);
@@ -974,6 +989,11 @@ cudaError_t dispatch_fast(const StoreParams& p, cudaStream_t stream, bool& done)
   auto go = [&](auto fmt_tag, std::uint32_t kmb, std::uint32_t vmb) -> cudaError_t {
     if (!fast_layout_ok(p, kmb, vmb)) return cudaSuccess;
     using Fm = decltype(fmt_tag);
+    // Centering: TurboQuant sides only, from the signed segment-order means.
+    auto a16 = [](const float* q) { return (reinterpret_cast<std::uintptr_t>(q) & 15) == 0; };
+    if ((f.key_mean && (Fm::KK != KC::kTq || !f.key_mean_seg || !a16(f.key_mean_seg))) ||
+        (f.value_mean && (Fm::VK != VC::kTq || !f.value_mean_seg || !a16(f.value_mean_seg))))
+      return cudaSuccess;
     if ((Fm::KK == KC::kTq && (!f.key_signs || !f.key_edges || !f.key_centroids || (Fm::NSEG == 2 && !f.key_perm))) ||
         (Fm::VK == VC::kTq && (!f.value_signs || !f.value_edges || !f.value_centroids || (Fm::NSEG == 2 && !f.value_perm))))
       return cudaSuccess;
@@ -1010,14 +1030,11 @@ cudaError_t store(const StoreParams& p, cudaStream_t stream) {
   if (!p.key || !p.value || !p.slot_mapping || !p.pool) return cudaErrorInvalidValue;
   bool done = false;
   cudaError_t e = cudaSuccess;
-  // The fast kernel has no centering: centered formats take the generic one.
-  if (!f.key_mean && !f.value_mean) {
-    switch (f.head_dim) {
-      case 64: e = detail::dispatch_fast<64>(p, stream, done); break;
-      case 128: e = detail::dispatch_fast<128>(p, stream, done); break;
-      case 256: e = detail::dispatch_fast<256>(p, stream, done); break;
-      default: break;
-    }
+  switch (f.head_dim) {
+    case 64: e = detail::dispatch_fast<64>(p, stream, done); break;
+    case 128: e = detail::dispatch_fast<128>(p, stream, done); break;
+    case 256: e = detail::dispatch_fast<256>(p, stream, done); break;
+    default: break;
   }
   if (done || e != cudaSuccess) return e;
   const long warps = static_cast<long>(p.n_tokens) * f.kv_heads;

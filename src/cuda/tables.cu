@@ -166,9 +166,17 @@ LayerTables::LayerTables(const FormatSpec& f, const CacheGeometry& g, int layer,
       vt[j] = prescale_threshold(ve[j], sc);
     }
   }
+  // Centered formats: the means in segment order, times the signs (the fast store kernel's).
+  std::vector<float> kms(hd, 0.0f), vms(hd, 0.0f);
+  for (std::size_t i = 0; i < hd; ++i) {
+    const std::size_t hb = i - i % static_cast<std::size_t>(d);
+    kms[i] = km[hb + static_cast<std::size_t>(kp[i])] * ks[i];
+    vms[i] = vm[hb + static_cast<std::size_t>(vp[i])] * vs[i];
+  }
   // One allocation: key signs, value signs, 4 codebook tables, 2 threshold tables, key perm,
-  // value perm, key and value means.
-  const std::size_t nf = 4 * hd, ni = 2 * hd, nc = 12 * static_cast<std::size_t>(kMaxCodebook);
+  // value perm, key and value means (channel order), the same in segment order and signed. Every
+  // array is a multiple of 16 bytes long, so each starts 16-byte aligned.
+  const std::size_t nf = 6 * hd, ni = 2 * hd, nc = 12 * static_cast<std::size_t>(kMaxCodebook);
   const std::size_t bytes = (nf + nc) * sizeof(float) + ni * sizeof(std::int32_t);
   if (cudaMalloc(&dev_, bytes) != cudaSuccess) fail("LayerTables: cudaMalloc of " + std::to_string(bytes) + " bytes failed");
   std::vector<std::uint8_t> host(bytes);
@@ -189,6 +197,8 @@ LayerTables::LayerTables(const FormatSpec& f, const CacheGeometry& g, int layer,
   put(vp.data(), hd * 4);
   put(km.data(), hd * 4);
   put(vm.data(), hd * 4);
+  put(kms.data(), hd * 4);
+  put(vms.data(), hd * 4);
   if (cudaMemcpy(dev_, host.data(), bytes, cudaMemcpyHostToDevice) != cudaSuccess) fail("LayerTables: cudaMemcpy failed");
   const auto* base = static_cast<const std::uint8_t*>(dev_);
   fd.key_signs = reinterpret_cast<const float*>(base);
@@ -204,6 +214,8 @@ LayerTables::LayerTables(const FormatSpec& f, const CacheGeometry& g, int layer,
   if (centered) {
     fd.key_mean = reinterpret_cast<const float*>(fd.value_perm + hd);
     fd.value_mean = fd.key_mean + hd;
+    fd.key_mean_seg = fd.value_mean + hd;
+    fd.value_mean_seg = fd.key_mean_seg + hd;
   }
 }
 

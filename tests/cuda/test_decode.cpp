@@ -441,8 +441,13 @@ std::vector<std::pair<float, std::vector<float>>> near_half_pairs(int m) {
 // (x 300) and tiny (x 1e-20) Gaussian rows; typical rows. Tokens
 // go to shuffled slots; a stride wider than the row and a token count that leaves the last
 // warp partly empty.
-void test_store_edges(const std::string& fmt, int D, int H, int n_tok, unsigned seed, bool poison = false) {
+// centered: kvq's calibrated formats with per-channel means (bf16 values, so that the zero rows,
+// set to the means, center to exactly zero); the other rows keep their patterns.
+void test_store_edges(const std::string& fmt, int D, int H, int n_tok, unsigned seed, bool poison = false, bool centered = false) {
   const FormatSpec& f = find_format(fmt);
+  check(!centered || format_uses_centering(f), fmt + ": centered edge rows need a centered format");
+  auto kmean = [&](int h, int d) { return centered ? round_bf16(2.5f * std::sin(0.7f * static_cast<float>(d + 13 * h)) + 0.3f) : 0.0f; };
+  auto vmean = [&](int h, int d) { return centered ? round_bf16(1.5f * std::cos(0.3f * static_cast<float>(d + 7 * h))) : 0.0f; };
   CacheGeometry g;
   g.n_layers = 1;
   g.n_kv_heads = H;
@@ -465,7 +470,7 @@ void test_store_edges(const std::string& fmt, int D, int H, int n_tok, unsigned 
       for (int d = 0; d < D; ++d) {
         float a = nd(rng), b = nd(rng);
         switch (kind) {
-          case 0: a = b = 0.0f; break;
+          case 0: a = kmean(h, d); b = vmean(h, d); break;
           case 1: a = d == (t % D) ? 1.5f : 0.0f; b = 0.75f; break;
           case 2: {
             const float e = std::ldexp(1.0f + 0.1f * std::fabs(a), -60 + (d * 68) / D);
@@ -507,6 +512,19 @@ void test_store_edges(const std::string& fmt, int D, int H, int n_tok, unsigned 
       oc.key[0].push_back(ch);
       oc.value[0].push_back(ch);
     }
+  }
+  if (centered) {
+    oc.key.resize(1);
+    oc.value.resize(1);
+    oc.key[0].resize(static_cast<std::size_t>(H));
+    oc.value[0].resize(static_cast<std::size_t>(H));
+    oc.key_mean.assign(1, std::vector<std::vector<float>>(static_cast<std::size_t>(H), std::vector<float>(static_cast<std::size_t>(D))));
+    oc.value_mean = oc.key_mean;
+    for (int h = 0; h < H; ++h)
+      for (int d = 0; d < D; ++d) {
+        oc.key_mean[0][static_cast<std::size_t>(h)][static_cast<std::size_t>(d)] = kmean(h, d);
+        oc.value_mean[0][static_cast<std::size_t>(h)][static_cast<std::size_t>(d)] = vmean(h, d);
+      }
   }
   std::vector<QuantizerPair> qp;
   for (int h = 0; h < H; ++h) qp.push_back(make_quantizers(f, g, 0, h, &oc));
@@ -575,7 +593,9 @@ void test_store_edges(const std::string& fmt, int D, int H, int n_tok, unsigned 
     sp.seq_ids = dseq;
   }
   const cudaError_t se = cuda::store(sp);
-  const std::string name = fmt + " d" + std::to_string(D) + " H" + std::to_string(H) + (poison ? " poisoned" : "") + " edge rows";
+  const std::string name = fmt + " d" + std::to_string(D) + " H" + std::to_string(H) + (poison ? " poisoned" : "") +
+                           (centered ? " centered" : "") + " edge rows";
+  check(!centered || (sp.fmt.key_mean && sp.fmt.value_mean), name + ": centered case without means in the tables");
   check(se == cudaSuccess, name + ": store launch: " + cudaGetErrorString(se));
   KVQ_CUDA_OK(cudaDeviceSynchronize());
   KVQ_CUDA_OK(cudaMemcpy(pool2.data(), dpool, pool2.size(), cudaMemcpyDeviceToHost));
@@ -737,6 +757,8 @@ int main(int argc, char** argv) {
     test_store_edges("tq-k8v4", 128, 4, 77, 4, true);
     test_store_edges("tq-4bit", 96, 2, 40, 5, true);  // the generic kernel
     test_store_edges("bf16", 128, 2, 40, 6, true);    // the copy kernel
+    test_store_edges("tq-3bit", 128, 2, 45, 7, true, true);    // centered, fast kernel
+    test_store_edges("tq-2.5bit", 128, 2, 45, 8, false, true);  // centered split, fast kernel
   } else {
     for (const auto& fm : formats) {
       test_store_edges(fm, 128, 8, 777, 21);
@@ -745,6 +767,12 @@ int main(int argc, char** argv) {
       test_store_edges(fm, 64, 3, 301, 22);
       test_store_edges(fm, 256, 2, 150, 23);
       test_store_edges(fm, 128, 40, 37, 24);  // 40 heads: sign masks and channel order from global memory
+      if (format_uses_centering(find_format(fm))) {
+        test_store_edges(fm, 128, 8, 301, 27, true, true);  // centered (fast kernel)
+        test_store_edges(fm, 64, 3, 150, 28, false, true);
+        test_store_edges(fm, 96, 2, 130, 29, true, true);   // centered (generic kernel)
+        test_store_edges(fm, 128, 40, 37, 30, false, true);  // centered, tables from global memory
+      }
     }
   }
   return kvq::cudatest::finish();

@@ -38,7 +38,7 @@ struct BenchOptions {
   std::string batches = "8,32", contexts = "4096,16384,65536";
   std::string formats = "bf16,tq-k8v4,tq-4bit-nc,tq-k3v4-nc,tq-3bit-nc,tq-4bit,tq-3.5bit,tq-3bit";
   int q_heads = 32, kv_heads = 8, head_dim = 128, reps = 60, warmup = 5, store_tokens = 0;
-  bool json = false;
+  bool json = false, centered = false;
   std::string peers, commit = "unknown", command, flush = "read";
 };
 
@@ -104,6 +104,16 @@ void run_decode_bench(const BenchOptions& o) {
       oc.key.assign(1, std::vector<std::vector<int>>(static_cast<std::size_t>(o.kv_heads), ch));
       oc.value = oc.key;
     }
+    if (o.centered && format_uses_centering(f)) {  // calibrated kvq formats: per-channel means (values do not matter)
+      oc.key.resize(1);
+      oc.value.resize(1);
+      oc.key[0].resize(static_cast<std::size_t>(o.kv_heads));
+      oc.value[0].resize(static_cast<std::size_t>(o.kv_heads));
+      std::vector<float> m(static_cast<std::size_t>(o.head_dim));
+      for (int d = 0; d < o.head_dim; ++d) m[static_cast<std::size_t>(d)] = 0.25f * std::sin(0.7f * static_cast<float>(d));
+      oc.key_mean.assign(1, std::vector<std::vector<float>>(static_cast<std::size_t>(o.kv_heads), m));
+      oc.value_mean = oc.key_mean;
+    }
     cuda::LayerTables tabs(f, g, 0, &oc);
     const cuda::FormatDesc& fd = tabs.desc();
     const PageLayout& pg = fd.page;
@@ -138,7 +148,8 @@ void run_decode_bench(const BenchOptions& o) {
                                                                   (pg.key_code_bytes + pg.value_code_bytes + pg.meta_bytes) +
                            static_cast<double>(n) * 8.0;
       store_rows.push_back({{"format", fname}, {"tokens", n}, {"kv_heads", o.kv_heads}, {"head_dim", o.head_dim},
-                            {"us", us}, {"gbps", bytes / (us * 1e3)}, {"fraction_of_copy", bytes / (us * 1e3) / copy_gbps}});
+                            {"us", us}, {"gbps", bytes / (us * 1e3)}, {"fraction_of_copy", bytes / (us * 1e3) / copy_gbps},
+                            {"centered", fd.key_mean != nullptr}});
     }
 
     for (int B : batches) {
@@ -198,7 +209,8 @@ void run_decode_bench(const BenchOptions& o) {
                               {"splits", cuda::decode_splits(p)},
                               {"compression_vs_bf16", static_cast<double>(bf16_token_bytes(g)) /
                                                           static_cast<double>(fd.kv_heads * (pg.key_code_bytes + pg.value_code_bytes + pg.meta_bytes))},
-                              {"vllm_pair", vpair.empty() ? nlohmann::json(nullptr) : nlohmann::json(vpair)}};
+                              {"vllm_pair", vpair.empty() ? nlohmann::json(nullptr) : nlohmann::json(vpair)},
+                              {"centered", fd.key_mean != nullptr}};
         rows.push_back(row);
         if (!o.json)
           fmt::print(stderr, "{:<11} B={:<3} ctx={:<6} {:9.1f} us {:7.0f} GB/s  vs flash {}  vs vllm {}\n", fname, B, ctx, us,
@@ -247,6 +259,7 @@ void register_bench(CLI::App& app) {
   dec->add_option("--flush", o->flush, "L2 flush before every timed run: read (clean L2) or write (memset, dirty L2)")
       ->check(CLI::IsMember({"read", "write"}));
   dec->add_flag("--json", o->json, "print one JSON object");
+  dec->add_flag("--centered", o->centered, "kvq's calibrated formats (tq-4bit, tq-3bit, tq-3.5bit, tq-2.5bit) with per-channel means");
   dec->callback([o] {
 #if defined(KVQ_WITH_KVQ_CUDA)
     run_decode_bench(*o);
