@@ -356,6 +356,20 @@ __device__ __forceinline__ int mask_unit(int side, int head, int H, int D8, int 
   const int u = (side * H + head) * D8 + unit;
   return u ^ ((u >> 3) & 7);
 }
+// center32 from the shared-memory copy of the means (D / 4 units per head and side, lane l's 32
+// floats are units 8 l .. 8 l + 7; the swizzle puts the P lanes of one load on P bank groups).
+template <int D>
+__device__ __forceinline__ void center32_shared(const uint4* __restrict__ sm, int side, int head, int H, int l,
+                                                float (&x)[kLaneElems]) {
+#pragma unroll
+  for (int j = 0; j < kLaneElems / 4; ++j) {
+    const float4 v = reinterpret_cast<const float4*>(sm)[mask_unit(side, head, H, D / 4, 8 * l + j)];
+    x[4 * j] -= v.x;
+    x[4 * j + 1] -= v.y;
+    x[4 * j + 2] -= v.z;
+    x[4 * j + 3] -= v.w;
+  }
+}
 __device__ __forceinline__ void load_masks(const uint4* __restrict__ sm, int side, int head, int H, int D8, int l,
                                            std::uint32_t (&m)[kLaneElems / 2]) {
 #pragma unroll
@@ -567,7 +581,8 @@ constexpr int kStagingBytes = kFastWarps * 2 * kStageBytes;      // two stages p
 // sign masks and channel offsets it reads are the same for all of them (broadcast), and the codes
 // and metadata of consecutive slots it writes are adjacent in the page ([head][token] layout).
 template <int D, class F>
-__global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const StoreParams p, int tok_shift, bool use_masks) {
+__global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const StoreParams p, int tok_shift, bool use_masks,
+                                                                      bool use_smean) {
   __shared__ StoreTables T;
   // [warp][stage][side] staged rows (kStagingBytes), then, when the launcher gives the space, the
   // sign masks (4 H D bytes) and for the split formats the channel offsets (4 H D bytes).
@@ -596,6 +611,18 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
     for (int i = threadIdx.x; i < 2 * H * D; i += kFastThreads)
       soff[i] = static_cast<std::uint16_t>(
           S::chan_off(static_cast<std::uint32_t>((i < H * D ? f.key_perm : f.value_perm)[i < H * D ? i : i - H * D])));
+  }
+  // Centered formats, when the launcher gave the space: the signed segment-order means after the
+  // masks and channel offsets, [side][head][D / 4] 16-byte units swizzled like the masks.
+  constexpr int D4 = D / 4;
+  const uint4* smean = use_smean ? dsm + kStagingBytes / 16 + (NSEG == 2 ? 8 : 4) * H * D / 16 : nullptr;
+  if (use_smean) {
+    uint4* mm = const_cast<uint4*>(smean);
+    for (int i = threadIdx.x; i < 2 * H * D4; i += kFastThreads) {
+      const int side = i / (H * D4), rem = i % (H * D4);
+      mm[mask_unit(side, rem / D4, H, D4, rem % D4)] =
+          reinterpret_cast<const uint4*>(side ? f.value_mean_seg : f.key_mean_seg)[rem];
+    }
   }
   if (use_masks) {
     std::uint32_t* mw = reinterpret_cast<std::uint32_t*>(dsm + kStagingBytes / 16);
@@ -704,7 +731,8 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
       } else {
         gather32_global<D>(sb, kside + rowb, f.key_perm + hd, f.key_signs + hd, x);
       }
-      if (f.key_mean_seg) center32(f.key_mean_seg + hd, x);
+      if (smean) center32_shared<D>(smean, 0, vh, H, l, x);
+      else if (f.key_mean_seg) center32(f.key_mean_seg + hd, x);
       tq_encode32<PS, F::KB0, F::KB1>(T, sg, sg, x, kw, ls, knorm, kc2);
     } else {  // fp8 e4m3 (converted when stored): the CPU refuses non-finite rows
       const Raw32 kr = lds_raw32(sb, kside + own);
@@ -723,7 +751,8 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
       } else {
         gather32_global<D>(sb, vside + rowb, f.value_perm + hd, f.value_signs + hd, x);
       }
-      if (f.value_mean_seg) center32(f.value_mean_seg + hd, x);
+      if (smean) center32_shared<D>(smean, 1, vh, H, l, x);
+      else if (f.value_mean_seg) center32(f.value_mean_seg + hd, x);
       tq_encode32<PS, F::VB0, F::VB1>(T, 2 + sg, sg, x, vw, ls, vnorm, vc2);
     } else {  // uniform
       const Raw32 vr = lds_raw32(sb, vside + own);
@@ -933,7 +962,9 @@ cudaError_t resident_ctas(int threads, std::size_t dyn_smem, unsigned& blocks) {
   return cudaSuccess;
 }
 
-constexpr int kMaskBytes = 32 << 10;  // sign masks (4 H D bytes) and, split formats, channel order (4 H D), H D <= 4096
+// Sign masks (4 H D bytes), split formats: channel order (4 H D), H D <= 4096; centered formats:
+// the means (8 H D) where all fit.
+constexpr int kMaskBytes = 32 << 10;
 
 template <int D, class F>
 cudaError_t launch_store_fast(const StoreParams& p, cudaStream_t stream) {
@@ -941,14 +972,18 @@ cudaError_t launch_store_fast(const StoreParams& p, cudaStream_t stream) {
   cudaError_t e = smem_limit_once<store_fast_kernel<D, F>>(kStagingBytes + kMaskBytes);
   if (e == cudaSuccess) e = resident_ctas<store_fast_kernel<D, F>>(kFastThreads, kStagingBytes + kMaskBytes, max_blocks);
   if (e != cudaSuccess) return e;
-  const std::size_t mask_bytes = (F::NSEG == 2 ? 8u : 4u) * static_cast<std::size_t>(p.fmt.kv_heads) * D;
+  std::size_t mask_bytes = (F::NSEG == 2 ? 8u : 4u) * static_cast<std::size_t>(p.fmt.kv_heads) * D;
   const bool use_masks = p.fmt.kv_heads * D <= 4096;
+  // Centered formats keep their means in shared memory too where they fit beside the masks.
+  const std::size_t mean_bytes = 8u * static_cast<std::size_t>(p.fmt.kv_heads) * D;
+  const bool use_smean = use_masks && p.fmt.key_mean_seg && p.fmt.value_mean_seg && mask_bytes + mean_bytes <= kMaskBytes;
+  if (use_smean) mask_bytes += mean_bytes;
   constexpr int V = 32 / (D / kLaneElems);
   const long nitems = (static_cast<long>(p.n_tokens) + V - 1) / V * p.fmt.kv_heads;  // (V-token block, head) per warp
   const long want = (nitems + kFastWarps - 1) / kFastWarps;
   const unsigned blocks = static_cast<unsigned>(std::min<long>(want, max_blocks));
   store_fast_kernel<D, F><<<blocks, kFastThreads, kStagingBytes + (use_masks ? mask_bytes : 0), stream>>>(
-      p, page_shift(p.fmt.page.tokens), use_masks);
+      p, page_shift(p.fmt.page.tokens), use_masks, use_smean);
   return cudaGetLastError();
 }
 
