@@ -97,6 +97,21 @@ __device__ __forceinline__ int bin_lookup(const std::uint8_t* base, const float*
   const int k = base[bin_of(y, a, b, n)];
   return k + (mids[k] < y ? 1 : 0);
 }
+// The same lookup from one 8-byte entry per bin, (mids[base] as bits, base): one shared-memory load
+// and no second address (the GQA store's inner loop). Warp-wide: fills pairs[0 .. n] of table t once
+// build_store_table has returned (a table that works).
+__device__ inline void build_bin_pairs(const StoreTables& T, int t, uint2* pairs, int lane) {
+  __syncwarp();
+  if (!T.ok[t]) return;
+  for (int k = lane; k <= static_cast<int>(T.bn[t]); k += 32) {
+    const int b = T.base[t][k];
+    pairs[k] = make_uint2(__float_as_uint(T.edges[t][b]), static_cast<std::uint32_t>(b));
+  }
+}
+__device__ __forceinline__ int bin_pair_lookup(const uint2* pairs, float a, float b, float n, float y) {
+  const uint2 e = pairs[bin_of(y, a, b, n)];
+  return static_cast<int>(e.y) + (__uint_as_float(e.x) < y ? 1 : 0);
+}
 // The bucket of y with table t (the count of its midpoints strictly below y).
 __device__ __forceinline__ int bin_bucket(const StoreTables& T, int t, int ne, float y) {
   if (T.ok[t]) return bin_lookup(T.base[t], T.edges[t], T.ba[t], T.bb[t], T.bn[t], y);

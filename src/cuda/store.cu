@@ -502,7 +502,7 @@ struct FastFmt {
 // lane's codes into pw (the caller stores them once the record is accepted); returns the segment's
 // norm and the norm-correction sum of squared centroids (the same in every lane of the segment).
 template <int PS, int B0, int B1>
-__device__ __forceinline__ void tq_encode32(const StoreTables& T, int t, int sg, float (&v)[kLaneElems], std::uint32_t (&pw)[4],
+__device__ __forceinline__ void tq_encode32(const StoreTables& T, const uint2 (&BP)[4][kMaxBins], int t, int sg, float (&v)[kLaneElems], std::uint32_t (&pw)[4],
                                             int ls, float& norm_out, double& c2_out) {
   double s4[4] = {0, 0, 0, 0};
 #pragma unroll
@@ -535,10 +535,16 @@ __device__ __forceinline__ void tq_encode32(const StoreTables& T, int t, int sg,
   std::uint32_t c[kLaneElems];
   if (T.ok[t]) {
     const float ba = T.ba[t], bb = T.bb[t], bn = T.bn[t];
-    const std::uint8_t* bins = T.base[t];
-    const float* mids = T.edges[t];
+    if constexpr (B0 == B1) {  // one table per side: (midpoint, base) pairs, one load per code
+      const uint2* pairs = BP[t];
 #pragma unroll
-    for (int k = 0; k < kLaneElems; ++k) c[k] = static_cast<std::uint32_t>(bin_lookup(bins, mids, ba, bb, bn, v[k]));
+      for (int k = 0; k < kLaneElems; ++k) c[k] = static_cast<std::uint32_t>(bin_pair_lookup(pairs, ba, bb, bn, v[k]));
+    } else {  // outlier splits: the table depends on the lane's segment; pairs measured 1-2% slower there
+      const std::uint8_t* bins = T.base[t];
+      const float* mids = T.edges[t];
+#pragma unroll
+      for (int k = 0; k < kLaneElems; ++k) c[k] = static_cast<std::uint32_t>(bin_lookup(bins, mids, ba, bb, bn, v[k]));
+    }
   } else {
     const int ne = (1 << (sg ? B1 : B0)) - 1;
 #pragma unroll
@@ -584,6 +590,7 @@ template <int D, class F>
 __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const StoreParams p, int tok_shift, bool use_masks,
                                                                       bool use_smean) {
   __shared__ StoreTables T;
+  __shared__ uint2 BP[4][kMaxBins];  // the tables' (midpoint, base) pairs per bin (one-segment formats)
   // [warp][stage][side] staged rows (kStagingBytes), then, when the launcher gives the space, the
   // sign masks (4 H D bytes) and for the split formats the channel offsets (4 H D bytes).
   extern __shared__ uint4 dsm[];
@@ -602,6 +609,7 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
       build_store_table(T, w, (side ? f.value_thresholds : f.key_thresholds) + seg * kMaxCodebook,
                         (side ? f.value_centroids : f.key_centroids) + seg * kMaxCodebook,
                         side ? (seg ? F::VB1 : F::VB0) : (seg ? F::KB1 : F::KB0), lane);
+    if (tq && seg < NSEG && NSEG == 1) build_bin_pairs(T, w, BP[w], lane);
   }
   const int H = f.kv_heads;
   constexpr int D8 = D / 8;
@@ -733,7 +741,7 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
       }
       if (smean) center32_shared<D>(smean, 0, vh, H, l, x);
       else if (f.key_mean_seg) center32(f.key_mean_seg + hd, x);
-      tq_encode32<PS, F::KB0, F::KB1>(T, sg, sg, x, kw, ls, knorm, kc2);
+      tq_encode32<PS, F::KB0, F::KB1>(T, BP, sg, sg, x, kw, ls, knorm, kc2);
     } else {  // fp8 e4m3 (converted when stored): the CPU refuses non-finite rows
       const Raw32 kr = lds_raw32(sb, kside + own);
 #pragma unroll
@@ -753,7 +761,7 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
       }
       if (smean) center32_shared<D>(smean, 1, vh, H, l, x);
       else if (f.value_mean_seg) center32(f.value_mean_seg + hd, x);
-      tq_encode32<PS, F::VB0, F::VB1>(T, 2 + sg, sg, x, vw, ls, vnorm, vc2);
+      tq_encode32<PS, F::VB0, F::VB1>(T, BP, 2 + sg, sg, x, vw, ls, vnorm, vc2);
     } else {  // uniform
       const Raw32 vr = lds_raw32(sb, vside + own);
       constexpr int B = F::VB0, m = (1 << B) - 1;
