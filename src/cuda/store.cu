@@ -788,7 +788,7 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
       // floor is the round-down add of 1.5 * 2^23. UniformAffine's clamp to m is never active:
       // d <= RN(hi - lo) and s >= RN(hi - lo) / m (1 + 2^-24) keep q + 1/2 below m + 1.
       // (Tried and dropped, session 9: floor(fma(d, y, 1/2 + 2^-16)) with this route as the
-      // fallback for lanes whose fraction came within 3 units of 2^-17 of an integer; 3% slower
+      // fallback for lanes whose fraction came within 3 units of 2^-17 of an integer; 2-4% slower
       // for the uniform-value formats. Exact k + 1/2 quotients are common in bf16 rows: whenever
       // (hi - lo) / m is dyadic, e.g. hi - lo = 15 x 2^-6 at m = 15, and those take the fallback.)
 #pragma unroll
@@ -1037,8 +1037,8 @@ cudaError_t dispatch_fast(const StoreParams& p, cudaStream_t stream, bool& done)
     if ((f.key_mean && (Fm::KK != KC::kTq || !f.key_mean_seg || !a16(f.key_mean_seg))) ||
         (f.value_mean && (Fm::VK != VC::kTq || !f.value_mean_seg || !a16(f.value_mean_seg))))
       return cudaSuccess;
-    if ((Fm::KK == KC::kTq && (!f.key_signs || !f.key_edges || !f.key_centroids || (Fm::NSEG == 2 && !f.key_perm))) ||
-        (Fm::VK == VC::kTq && (!f.value_signs || !f.value_edges || !f.value_centroids || (Fm::NSEG == 2 && !f.value_perm))))
+    if ((Fm::KK == KC::kTq && (!f.key_signs || !f.key_thresholds || !f.key_centroids || (Fm::NSEG == 2 && !f.key_perm))) ||
+        (Fm::VK == VC::kTq && (!f.value_signs || !f.value_thresholds || !f.value_centroids || (Fm::NSEG == 2 && !f.value_perm))))
       return cudaSuccess;
     done = true;
     return launch_store_fast<D, Fm>(p, stream);
