@@ -185,6 +185,10 @@ __device__ __forceinline__ std::uint32_t bmax2(std::uint32_t a, std::uint32_t b)
 __device__ __forceinline__ bool bf16x2_nonfinite(std::uint32_t w) {
   return (w & 0x7f80u) == 0x7f80u || (w & 0x7f800000u) == 0x7f800000u;
 }
+// The same for eight bf16 values (16 bytes).
+__device__ __forceinline__ bool bf16x8_nonfinite(const uint4& c) {
+  return bf16x2_nonfinite(c.x) || bf16x2_nonfinite(c.y) || bf16x2_nonfinite(c.z) || bf16x2_nonfinite(c.w);
+}
 __device__ __forceinline__ float bf16_lo(std::uint32_t w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf16_hi(std::uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
 // fp16 pairs held as 32-bit words: (x_lo - z, x_hi - z) of two codes held as fp16 1024 + code

@@ -37,6 +37,7 @@ using detail::bf16_hi;
 using detail::bin_bucket;
 using detail::bf16_lo;
 using detail::bf16x2_nonfinite;
+using detail::bf16x8_nonfinite;
 using detail::bmax2;
 using detail::bmin2;
 using detail::pack_fields;
@@ -49,15 +50,17 @@ __device__ __forceinline__ bool reject_token(const MlaStoreParams& p, bool lane_
   if (lane == 0 && p.rejected) atomicAdd(p.rejected, 1u);
   return true;
 }
-// This lane's share of the non-finite check of a latent row of dc and a RoPE row of dr bf16 values.
-__device__ __forceinline__ bool row_nonfinite(const std::uint16_t* lat, int dc, const std::uint16_t* rop, int dr, int lane) {
+// This lane's share of the non-finite check of a RoPE row of dr bf16 values.
+__device__ __forceinline__ bool rope_nonfinite(const std::uint16_t* rop, int dr, int lane) {
   bool bad = false;
-  for (int i = lane; i < dc / 8; i += 32) {
-    const uint4 c = reinterpret_cast<const uint4*>(lat)[i];
-    bad |= bf16x2_nonfinite(c.x) || bf16x2_nonfinite(c.y) || bf16x2_nonfinite(c.z) || bf16x2_nonfinite(c.w);
-  }
   for (int i = lane; i < dr / 2; i += 32) bad |= bf16x2_nonfinite(reinterpret_cast<const std::uint32_t*>(rop)[i]);
   return bad;
+}
+// The same for a latent row of dc and a RoPE row of dr bf16 values.
+__device__ __forceinline__ bool row_nonfinite(const std::uint16_t* lat, int dc, const std::uint16_t* rop, int dr, int lane) {
+  bool bad = false;
+  for (int i = lane; i < dc / 8; i += 32) bad |= bf16x8_nonfinite(reinterpret_cast<const uint4*>(lat)[i]);
+  return bad || rope_nonfinite(rop, dr, lane);
 }
 
 // The token's content codes, RoPE codes and metadata record in the page of `slot` (tok_shift: log2
@@ -192,9 +195,7 @@ __global__ void __launch_bounds__(256) mla_store_kernel(MlaStoreParams p, int to
   const uint4 c0 = *reinterpret_cast<const uint4*>(lat + 16 * lane);
   const uint4 c1 = *reinterpret_cast<const uint4*>(lat + 16 * lane + 8);
   const std::uint32_t r01 = *reinterpret_cast<const std::uint32_t*>(rop + 2 * lane);
-  const bool in_bad = bf16x2_nonfinite(c0.x) || bf16x2_nonfinite(c0.y) || bf16x2_nonfinite(c0.z) || bf16x2_nonfinite(c0.w) ||
-                      bf16x2_nonfinite(c1.x) || bf16x2_nonfinite(c1.y) || bf16x2_nonfinite(c1.z) || bf16x2_nonfinite(c1.w) ||
-                      bf16x2_nonfinite(r01);
+  const bool in_bad = bf16x8_nonfinite(c0) || bf16x8_nonfinite(c1) || bf16x2_nonfinite(r01);
   auto copy_protected = [&]() {
     if (std::uint16_t* row = protected_row(p, t)) {
       *reinterpret_cast<uint4*>(row + 16 * lane) = c0;
@@ -396,11 +397,11 @@ __global__ void __launch_bounds__(256) mla_store_tq_kernel(const __grid_constant
   bool bad = false;
   for (int i = lane; i < dc / 8; i += 32) {
     const uint4 c = reinterpret_cast<const uint4*>(lat)[i];
-    bad |= bf16x2_nonfinite(c.x) || bf16x2_nonfinite(c.y) || bf16x2_nonfinite(c.z) || bf16x2_nonfinite(c.w);
+    bad |= bf16x8_nonfinite(c);
     reinterpret_cast<float4*>(xs)[2 * i] = make_float4(bf16_lo(c.x), bf16_hi(c.x), bf16_lo(c.y), bf16_hi(c.y));
     reinterpret_cast<float4*>(xs)[2 * i + 1] = make_float4(bf16_lo(c.z), bf16_hi(c.z), bf16_lo(c.w), bf16_hi(c.w));
   }
-  for (int i = lane; i < dr / 2; i += 32) bad |= bf16x2_nonfinite(reinterpret_cast<const std::uint32_t*>(rop)[i]);
+  bad |= rope_nonfinite(rop, dr, lane);
   __syncwarp();
   double s = 0;
   if (lane < 16)

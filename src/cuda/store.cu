@@ -356,14 +356,18 @@ __device__ __forceinline__ int mask_unit(int side, int head, int H, int D8, int 
   const int u = (side * H + head) * D8 + unit;
   return u ^ ((u >> 3) & 7);
 }
-// center32 from the shared-memory copy of the means (D / 4 units per head and side, lane l's 32
-// floats are units 8 l .. 8 l + 7; the swizzle puts the P lanes of one load on P bank groups).
+// Centered formats: x -= the lane's 32 signed, segment-order means (x holds the signed row, so this
+// is s x - s m = s (x - m), the CPU's x - offset). From the shared-memory copy when there is one
+// (sm: D / 4 16-byte units per head and side, lane l's floats are units 8 l .. 8 l + 7, swizzled so
+// that the P lanes of one load hit P bank groups), else from FormatDesc::key_mean_seg / value_mean_seg
+// (gm, 16-byte aligned).
 template <int D>
-__device__ __forceinline__ void center32_shared(const uint4* __restrict__ sm, int side, int head, int H, int l,
-                                                float (&x)[kLaneElems]) {
+__device__ __forceinline__ void center32(const uint4* __restrict__ sm, const float* __restrict__ gm, int side, int head, int H,
+                                         int l, float (&x)[kLaneElems]) {
+  const float4* g4 = reinterpret_cast<const float4*>(gm + static_cast<std::size_t>(head) * D + kLaneElems * l);
 #pragma unroll
   for (int j = 0; j < kLaneElems / 4; ++j) {
-    const float4 v = reinterpret_cast<const float4*>(sm)[mask_unit(side, head, H, D / 4, 8 * l + j)];
+    const float4 v = sm ? reinterpret_cast<const float4*>(sm)[mask_unit(side, head, H, D / 4, 8 * l + j)] : __ldg(g4 + j);
     x[4 * j] -= v.x;
     x[4 * j + 1] -= v.y;
     x[4 * j + 2] -= v.z;
@@ -501,7 +505,7 @@ struct FastFmt {
 // 32 PS; bits B0 for segment 0, B1 for segment 1), the sign diagonal already applied to v. Packs this
 // lane's codes into pw (the caller stores them once the record is accepted); returns the segment's
 // norm and the norm-correction sum of squared centroids (the same in every lane of the segment).
-template <int PS, int B0, int B1>
+template <int PS, int B0, int B1, bool kPairs>
 __device__ __forceinline__ void tq_encode32(const StoreTables& T, const uint2 (&BP)[4][kMaxBins], int t, int sg, float (&v)[kLaneElems], std::uint32_t (&pw)[4],
                                             int ls, float& norm_out, double& c2_out) {
   double s4[4] = {0, 0, 0, 0};
@@ -535,11 +539,11 @@ __device__ __forceinline__ void tq_encode32(const StoreTables& T, const uint2 (&
   std::uint32_t c[kLaneElems];
   if (T.ok[t]) {
     const float ba = T.ba[t], bb = T.bb[t], bn = T.bn[t];
-    if constexpr (B0 == B1) {  // one table per side: (midpoint, base) pairs, one load per code
+    if constexpr (kPairs) {  // (midpoint, base) pairs (build_bin_pairs): one load per code
       const uint2* pairs = BP[t];
 #pragma unroll
       for (int k = 0; k < kLaneElems; ++k) c[k] = static_cast<std::uint32_t>(bin_pair_lookup(pairs, ba, bb, bn, v[k]));
-    } else {  // outlier splits: the table depends on the lane's segment; pairs measured 1-2% slower there
+    } else {
       const std::uint8_t* bins = T.base[t];
       const float* mids = T.edges[t];
 #pragma unroll
@@ -567,18 +571,6 @@ __device__ __forceinline__ void tq_encode32(const StoreTables& T, const uint2 (&
 
 constexpr int kFastWarps = kFastThreads / 32;
 
-// Centered formats: x -= the lane's 32 signed, segment-order means (FormatDesc::key_mean_seg; 16-byte
-// aligned). x holds the signed row, so this is s x - s m = s (x - m), the CPU's x - offset.
-__device__ __forceinline__ void center32(const float* __restrict__ m, float (&x)[kLaneElems]) {
-#pragma unroll
-  for (int j = 0; j < kLaneElems / 4; ++j) {
-    const float4 v = __ldg(reinterpret_cast<const float4*>(m) + j);
-    x[4 * j] -= v.x;
-    x[4 * j + 1] -= v.y;
-    x[4 * j + 2] -= v.z;
-    x[4 * j + 3] -= v.w;
-  }
-}
 constexpr int kSideBytes = 32 * kLaneElems * 2;                 // one side of a warp's vectors: 2 KB
 constexpr int kStageBytes = 2 * kSideBytes;                      // keys and values
 constexpr int kStagingBytes = kFastWarps * 2 * kStageBytes;      // two stages per warp: 64 KB
@@ -597,6 +589,9 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
   using S = Stage<D>;
   constexpr int P = S::P, V = 32 / P, NSEG = F::NSEG, PS = NSEG == 2 ? P / 2 : P;
   constexpr bool KTQ = F::KK == KeyCode::kTq, VTQ = F::VK == ValueCode::kTq;
+  // One-segment formats bucketize through (midpoint, base) pairs; the outlier splits, whose lanes pick
+  // one of two tables, through the byte table (pairs measured 1-2% slower there).
+  constexpr bool kPairs = NSEG == 1;
   const FormatDesc& f = p.fmt;
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int l = lane & (P - 1), gbase = lane & ~(P - 1), g = lane / P;
@@ -605,11 +600,12 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
   if (w < 4) {
     const int side = w >> 1, seg = w & 1;
     const bool tq = side == 0 ? KTQ : VTQ;
-    if (tq && seg < NSEG)
+    if (tq && seg < NSEG) {
       build_store_table(T, w, (side ? f.value_thresholds : f.key_thresholds) + seg * kMaxCodebook,
                         (side ? f.value_centroids : f.key_centroids) + seg * kMaxCodebook,
                         side ? (seg ? F::VB1 : F::VB0) : (seg ? F::KB1 : F::KB0), lane);
-    if (tq && seg < NSEG && NSEG == 1) build_bin_pairs(T, w, BP[w], lane);
+      if constexpr (kPairs) build_bin_pairs(T, w, BP[w], lane);
+    }
   }
   const int H = f.kv_heads;
   constexpr int D8 = D / 8;
@@ -739,9 +735,8 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
       } else {
         gather32_global<D>(sb, kside + rowb, f.key_perm + hd, f.key_signs + hd, x);
       }
-      if (smean) center32_shared<D>(smean, 0, vh, H, l, x);
-      else if (f.key_mean_seg) center32(f.key_mean_seg + hd, x);
-      tq_encode32<PS, F::KB0, F::KB1>(T, BP, sg, sg, x, kw, ls, knorm, kc2);
+      if (f.key_mean_seg) center32<D>(smean, f.key_mean_seg, 0, vh, H, l, x);
+      tq_encode32<PS, F::KB0, F::KB1, kPairs>(T, BP, sg, sg, x, kw, ls, knorm, kc2);
     } else {  // fp8 e4m3 (converted when stored): the CPU refuses non-finite rows
       const Raw32 kr = lds_raw32(sb, kside + own);
 #pragma unroll
@@ -759,9 +754,8 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
       } else {
         gather32_global<D>(sb, vside + rowb, f.value_perm + hd, f.value_signs + hd, x);
       }
-      if (smean) center32_shared<D>(smean, 1, vh, H, l, x);
-      else if (f.value_mean_seg) center32(f.value_mean_seg + hd, x);
-      tq_encode32<PS, F::VB0, F::VB1>(T, BP, 2 + sg, sg, x, vw, ls, vnorm, vc2);
+      if (f.value_mean_seg) center32<D>(smean, f.value_mean_seg, 1, vh, H, l, x);
+      tq_encode32<PS, F::VB0, F::VB1, kPairs>(T, BP, 2 + sg, sg, x, vw, ls, vnorm, vc2);
     } else {  // uniform
       const Raw32 vr = lds_raw32(sb, vside + own);
       constexpr int B = F::VB0, m = (1 << B) - 1;
