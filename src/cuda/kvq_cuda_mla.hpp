@@ -101,11 +101,15 @@ struct MlaDecodeParams {
   std::int32_t sm_count = 0;
   std::int32_t warps = 0;  // 0, 8 or 16: accepted for compatibility; the kernel runs 8-warp CTAs, two per SM
   bool generic = false;    // the generic-shape kernel even for d_c = 512, d_r = 64 (tests, benchmarks)
+  bool fragment_kernel = false;  // the register-fragment (mma.sync) kernel even where the warpgroup one applies (tests, A/B)
 };
 // Protected rows must be 16-byte aligned (rows of d_c + d_r bf16 values), and the protection
 // layout's d_latent / d_rope must be the format's.
 int mla_decode_splits(const MlaDecodeParams& p);
 std::size_t mla_decode_workspace_bytes(const MlaDecodeParams& p);
+// Whether mla_decode runs the warpgroup (wgmma) kernel: c4r4, c4r8, c2r4 at d_c = 512, d_r = 64 without
+// protected rows, unless fragment_kernel or generic is set (the register-fragment kernel runs the rest).
+bool mla_decode_uses_wgmma(const MlaDecodeParams& p);
 cudaError_t mla_decode(const MlaDecodeParams& p, cudaStream_t stream = nullptr);
 // Bytes one launch must read: whole pages of the packed range, protected rows, block tables.
 std::size_t mla_decode_bytes_read(const MlaFormat& f, const int* seq_lens_host, int batch, const MlaProtectLayout& prot);

@@ -39,6 +39,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 #include "device.cuh"
 #include "mla_split.cuh"
@@ -226,17 +227,31 @@ __device__ __forceinline__ std::uint32_t hfma2u(std::uint32_t a, std::uint32_t b
                             *reinterpret_cast<const __half2*>(&c));
   return *reinterpret_cast<const std::uint32_t*>(&r);
 }
-// Sixteen codes of one group (at p) as eight fp16x2 pairs s (q - z), word k holding codes
+// Sixteen codes of one group (at p; dequant16v: already loaded) as eight fp16x2 pairs s (q - z) (see dequant16v).
+// Sixteen codes of one group, loaded as one word of 8 bytes (B = 4), 4 (B = 2) or 16 (B = 8), as eight fp16x2 pairs s (q - z), word k holding codes
 // widx(k, 0) and widx(k, 1), from z2 = (1024 + z) x 2 and s2 = (s, s). The low field of each byte
 // or half becomes the fp16 1024 + code by one LOP3; a field 2^k higher becomes 1024 + 2^k code and
 // is brought to code - z by one HFMA2 with 2^-k (Marlin's trick; exact, as is the HADD2 of the low
 // field); the product with s is rounded once. z <= 2^B - 1 keeps every constant exact.
 template <int B>
-__device__ __forceinline__ void dequant16s(std::uint32_t (&w)[8], const std::uint8_t* p, std::uint32_t z2, std::uint32_t s2) {
+struct Codes16;
+template <>
+struct Codes16<4> {
+  using T = uint2;
+};
+template <>
+struct Codes16<2> {
+  using T = std::uint32_t;
+};
+template <>
+struct Codes16<8> {
+  using T = uint4;
+};
+template <int B>
+__device__ __forceinline__ void dequant16v(std::uint32_t (&w)[8], typename Codes16<B>::T v, std::uint32_t z2, std::uint32_t s2) {
   constexpr std::uint32_t kM = 0x64006400u;
   const std::uint32_t magic = kM;
   if constexpr (B == 4) {  // word k: codes (k, k + 4), (8 + k, 12 + k)
-    const uint2 v = *reinterpret_cast<const uint2*>(p);
     const std::uint32_t zh = z2 * 16u + (0xd400d400u - kM * 16u);  // -(64 + z) x 2
     const std::uint32_t r16 = 0x2c002c00u;                          // 1/16 x 2
 #pragma unroll
@@ -250,7 +265,6 @@ __device__ __forceinline__ void dequant16s(std::uint32_t (&w)[8], const std::uin
       }
     }
   } else if constexpr (B == 2) {  // word k: codes (k, k + 8)
-    const std::uint32_t v = *reinterpret_cast<const std::uint32_t*>(p);
     const std::uint32_t c1 = z2 * 4u + (0xdc00dc00u - kM * 4u), c2 = z2 * 16u + (0xd400d400u - kM * 16u),
                         c3 = z2 * 64u + (0xcc00cc00u - kM * 64u);  // -(256 + z), -(64 + z), -(16 + z)
 #pragma unroll
@@ -261,15 +275,19 @@ __device__ __forceinline__ void dequant16s(std::uint32_t (&w)[8], const std::uin
       w[4 * sh + 2] = hmul2u(hfma2u(andor<0x00300030u>(y, magic), 0x2c002c00u, c2), s2);  // 1/16
       w[4 * sh + 3] = hmul2u(hfma2u(andor<0x00c000c0u>(y, magic), 0x24002400u, c3), s2);  // 1/64
     }
-  } else if constexpr (B == 8) {
-    const uint4 v = *reinterpret_cast<const uint4*>(p);
+  } else {  // B == 8
     const std::uint32_t u[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       w[2 * i] = hmul2u(sub_zero(__byte_perm(u[i], 0x64646464u, 0x5150), z2), s2);
       w[2 * i + 1] = hmul2u(sub_zero(__byte_perm(u[i], 0x64646464u, 0x5352), z2), s2);
     }
-  } else {  // B == 3
+  }
+}
+// Sixteen codes of one group (at p; dequant16v: already loaded) as eight fp16x2 pairs s (q - z) (see dequant16v).
+template <int B>
+__device__ __forceinline__ void dequant16s(std::uint32_t (&w)[8], const std::uint8_t* p, std::uint32_t z2, std::uint32_t s2) {
+  if constexpr (B == 3) {
     const std::uint16_t* h = reinterpret_cast<const std::uint16_t*>(p);
     const std::uint32_t a = h[0], bb = h[1], c = h[2];
     const std::uint32_t v0 = a | ((bb & 0xffu) << 16), v1 = (bb >> 8) | (c << 8);
@@ -278,6 +296,8 @@ __device__ __forceinline__ void dequant16s(std::uint32_t (&w)[8], const std::uin
       w[k] = hmul2u(sub_zero(code_pair<3>(v0, k), z2), s2);
       w[4 + k] = hmul2u(sub_zero(code_pair<3>(v1, k), z2), s2);
     }
+  } else {
+    dequant16v<B>(w, *reinterpret_cast<const typename Codes16<B>::T*>(p), z2, s2);
   }
 }
 
@@ -895,6 +915,8 @@ __global__ void __launch_bounds__(128) mla_combine_kernel(const float* __restric
   reinterpret_cast<float4*>(out + bh * kDc)[threadIdx.x] = make_float4(r[0], r[1], r[2], r[3]);
 }
 
+#include "mla_decode_wg.cuh"
+
 int sm_count_of(const MlaDecodeParams& p) { return p.sm_count > 0 ? p.sm_count : detail::device_sms(); }
 
 bool uses_protect(const MlaDecodeParams& p) { return p.fmt.content_bits != 16 && p.protect.enabled(); }
@@ -935,7 +957,33 @@ cudaError_t launch_decode(const MlaDecodeParams& p, cudaStream_t st) {
                                   static_cast<const float*>(wk.ml), wk.nsplit, p.out, sg);
 }
 
+// The warpgroup kernel (c4r4, c2r4, c4r8 at 512 / 64 without protection) and the combine kernel.
+template <int CB, int RB>
+cudaError_t launch_decode_wg(const MlaDecodeParams& p, cudaStream_t st) {
+  cudaError_t e = detail::smem_limit_once<wg::mla_decode_wg_kernel<CB, RB>>(wg::kSmem);
+  if (e != cudaSuccess) return e;
+  Work wk;
+  wk.nsplit = mla_decode_splits(p);
+  const std::size_t rows = static_cast<std::size_t>(p.batch) * p.heads * wk.nsplit;
+  wk.opart = static_cast<float*>(p.workspace);
+  wk.ml = wk.opart + rows * kDc;
+  wk.q = p.q;
+  wk.prot = nullptr;
+  const dim3 grid(wk.nsplit, (p.heads + kHG - 1) / kHG, p.batch);
+  if ((e = detail::launch_maybe_pdl(wg::mla_decode_wg_kernel<CB, RB>, grid, dim3(128), wg::kSmem, st, false, p, wk)) != cudaSuccess)
+    return e;
+  return detail::launch_maybe_pdl(mla_combine_kernel<false>, dim3(p.heads, p.batch), dim3(128), 0, st, true, wk.opart,
+                                  static_cast<const float*>(wk.ml), wk.nsplit, p.out, TqSigns{});
+}
+
 }  // namespace
+
+bool mla_decode_uses_wgmma(const MlaDecodeParams& p) {
+  const MlaFormat& f = p.fmt;
+  const int c = f.content_bits, r = f.rope_bits;
+  return !p.generic && !p.fragment_kernel && !f.tq && !uses_protect(p) && f.d_latent == kDc && f.d_rope == kD - kDc &&
+         ((c == 4 && (r == 4 || r == 8)) || (c == 2 && r == 4));
+}
 
 int mla_decode_splits(const MlaDecodeParams& p) {
   const int pages = std::max(1, (p.max_seq_len + kPT - 1) / kPT);
@@ -969,6 +1017,11 @@ cudaError_t mla_decode(const MlaDecodeParams& p, cudaStream_t stream) {
   if (p.workspace_bytes < mla_decode_workspace_bytes(p)) return cudaErrorInvalidValue;
   if (p.generic || f.d_latent != kDc || f.d_rope != kD - kDc) return detail::mla_decode_generic(p, mla_decode_splits(p), stream);
   const int c = f.content_bits, r = f.rope_bits;
+  if (mla_decode_uses_wgmma(p)) {
+    if (c == 4 && r == 4) return launch_decode_wg<4, 4>(p, stream);
+    if (c == 4 && r == 8) return launch_decode_wg<4, 8>(p, stream);
+    return launch_decode_wg<2, 4>(p, stream);
+  }
   if (f.tq) {
     if (c == 4) return launch_decode<104, 16>(p, stream);
     if (c == 3) return launch_decode<103, 16>(p, stream);

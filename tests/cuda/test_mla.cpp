@@ -496,7 +496,14 @@ void test_decode(const Case& c) {
   p.generic = c.generic;
   p.workspace_bytes = cuda::mla_decode_workspace_bytes(p);
   KVQ_CUDA_OK(cudaMalloc(&p.workspace, p.workspace_bytes));
+  // c4r4 / c4r8 / c2r4 at 512 / 64 without protection run the warpgroup kernel; each such case also
+  // runs the register-fragment kernel (fragment_kernel) against the same reference.
+  const bool wg_expected = !c.generic && !use_prot && dc == kDc && dr == kDr &&
+                           (c.fmt == "c4r4" || c.fmt == "c4r8" || c.fmt == "c2r4");
+  check(cuda::mla_decode_uses_wgmma(p) == wg_expected, "decode: the warpgroup kernel where expected: " + c.fmt);
+  for (int kern = 0; kern < (wg_expected ? 2 : 1); ++kern)
   for (int warps : {16, 8}) {  // both accepted values of MlaDecodeParams::warps (same kernel)
+    p.fragment_kernel = kern == 1;
     p.warps = warps;
     KVQ_CUDA_OK(cudaMemcpy(p.out, poison.data(), poison.size() * 4, cudaMemcpyHostToDevice));
     KVQ_CUDA_OK(cuda::mla_decode(p));
@@ -518,7 +525,7 @@ void test_decode(const Case& c) {
                              std::to_string(cuda::mla_decode_splits(p)) + " warps=" + std::to_string(warps) +
                              (c.layer ? " layer=" + std::to_string(c.layer) : "") +
                              (dc != kDc || dr != kDr ? " d_c=" + std::to_string(dc) + " d_r=" + std::to_string(dr) : "") +
-                             (c.generic ? " generic" : "");
+                             (c.generic ? " generic" : "") + (wg_expected ? (kern ? " fragment" : " wgmma") : "");
     std::printf("  %-52s nmse %.3g\n", what.c_str(), nmse);
     check(finite && nmse <= 1e-5, "decode NMSE <= 1e-5: " + what);
     if (warps != 8) continue;
@@ -594,6 +601,8 @@ int main(int argc, char** argv) {
     test_decode({"c2r4", 16, {5, 130}, false, 2, 8, 0, 3, false, 0, 256, 64});  // 32-token tiles
     test_decode({"bf16", 16, {70}, false, 0, 0, 0, 4, false, 0, 256, 64});
     test_decode({"c4r4", 8, {5, 130}, false, 2, 8, 0, 3});  // a partial head group
+    test_decode({"c4r4", 24, {5, 130, 64}, false, 0, 0, 0, 3});  // warpgroup kernel, a partial head group
+    test_decode({"c2r4", 16, {70}, true, 0, 0, 2, 4});
     test_decode({"c2r4", 24, {70}, false, 0, 0, 0, 4, false, 0, 256, 64});
     test_rejects();
     return cudatest::finish();
@@ -633,6 +642,16 @@ int main(int argc, char** argv) {
   test_decode({"c2r4", 128, {2049}, false, 4, 128, 3, 5});
   test_decode({"bf16", 128, {1500, 17}, true, 0, 0, 0, 6});
   test_decode({"c4r4", 64, {0, 300}, false, 0, 0, 0, 7});
+  // The warpgroup kernel (c4r4, c4r8, c2r4 without protection): fixture rows, 128 heads, partial head groups,
+  // empty sequences, a moving maximum, one split and many.
+  for (const auto& f : {"c4r4", "c4r8", "c2r4"}) {
+    test_decode({f, 32, {1000, 3, 129}, true, 0, 0, 0, 41});
+    test_decode({f, 128, {900, 64, 1}, true, 0, 0, 0, 42});
+    test_decode({f, 40, {0, 300, 64}, false, 0, 0, 0, 43});
+    test_decode({f, 16, {3000, 777}, false, 0, 0, 2, 44, true});  // moving maximum
+    test_decode({f, 8, {4100, 63}, false, 0, 0, 1, 45, true});
+    test_decode({f, 16, {2500, 129}, false, 0, 0, 40, 46});
+  }
   for (const auto& f : {"bf16", "c4r4", "c2r4"}) test_decode({f, 16, {3000, 777}, false, 4, 16, 2, 8, true});  // moving maximum
   // mla-tq4 / mla-tq3 decode (the pages come from the CPU quantizers, which the writer tests above
   // show the GPU writer reproduces byte for byte).

@@ -47,7 +47,7 @@ struct MlaBenchOptions {
   std::string batches = "8,32", contexts = "4096,32768,131072", heads = "16,128";
   std::string formats = "bf16,c8r8,c4r4,c2r4,mla-tq4", protect = "none,paper";
   int reps = 30, warmup = 3, store_tokens = 1 << 20, warps = 0, splits = 0, d_latent = 512, d_rope = 64;
-  bool json = false, generic = false;
+  bool json = false, generic = false, fragment = false;
   std::string commit = "unknown", command, flush = "read", peers, pages = "random";
 };
 
@@ -187,6 +187,7 @@ void run_mla_bench(const MlaBenchOptions& o) {
             p.warps = o.warps;
             p.num_splits = o.splits;
             p.generic = o.generic;
+            p.fragment_kernel = o.fragment;
             p.workspace_bytes = cuda::mla_decode_workspace_bytes(p);
             DevBuf ws(p.workspace_bytes);
             p.workspace = ws.p;
@@ -220,10 +221,11 @@ void run_mla_bench(const MlaBenchOptions& o) {
                             {"speedup_vs_flashmla", spfm},
                             {"bytes", bytes},
                             {"splits", cuda::mla_decode_splits(p)},
-                            {"warps", 8}});
+                            {"kernel", cuda::mla_decode_uses_wgmma(p) ? "wgmma" : o.generic || dc != 512 || dr != 64 ? "generic-shape" : "fragment"},
+                            {"warps", cuda::mla_decode_uses_wgmma(p) ? 4 : 8}});
             if (!o.json)
-              fmt::print(stderr, "{:<5} B={:<3} ctx={:<7} H={:<4} {:<6} {:10.1f} us {:7.0f} GB/s  vs bf16 {}  vs FlashMLA {}\n",
-                         fname, B, ctx, H, pname, us, bytes / (us * 1e3), sp16.dump(), spfm.dump());
+              fmt::print(stderr, "{:<5} B={:<3} ctx={:<7} H={:<4} {:<6} {:10.1f} us {:7.0f} GB/s  vs bf16 {}  vs FlashMLA {}  {}\n",
+                         fname, B, ctx, H, pname, us, bytes / (us * 1e3), sp16.dump(), spfm.dump(), rows.back()["kernel"].get<std::string>());
           }
         }
       }
@@ -296,6 +298,7 @@ void register_bench_mla(CLI::App& app) {
   cmd->add_option("--d-latent", o->d_latent, "latent width d_c (multiple of 64; 512: the tuned kernels)")->check(CLI::Range(64, 4096));
   cmd->add_option("--d-rope", o->d_rope, "RoPE key width d_r (multiple of 64)")->check(CLI::Range(64, 4096));
   cmd->add_flag("--generic", o->generic, "run the generic-shape writer and decode kernels even at 512 / 64");
+  cmd->add_flag("--fragment", o->fragment, "run the register-fragment decode kernel where the warpgroup (wgmma) one applies");
   cmd->add_flag("--json", o->json, "print one JSON object");
   cmd->callback([o] {
 #if defined(KVQ_WITH_KVQ_CUDA)
