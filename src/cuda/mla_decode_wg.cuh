@@ -298,13 +298,16 @@ __global__ void __launch_bounds__(128, 2) mla_decode_wg_kernel(const __grid_cons
     // accumulators in turn (four independent chains), the RoPE k-steps from the fragments.
     float acc[4][8];
     fence();
-    // (a rolled loop: unrolled, the compiler materializes all 64 descriptors at once)
+    // (a rolled loop: unrolled, the compiler materializes all 64 descriptors at once and spills)
+    std::uint64_t ad = vdesc, bd = qdesc;  // k-step kk: + 2 kk column blocks, + 2 kk query column blocks
 #pragma unroll
-    for (int j = 0; j < 4; ++j) mma_ss0(acc[j], vdesc + (2 * j * kVCB >> 4), qdesc + (j * 512 >> 4));
+    for (int j = 0; j < 4; ++j) mma_ss0(acc[j], ad + j * (2 * kVCB >> 4), bd + j * (512 >> 4));
 #pragma unroll 1
     for (int kk = 4; kk < 32; kk += 4) {
+      ad += 4 * (2 * kVCB >> 4);
+      bd += 4 * (512 >> 4);
 #pragma unroll
-      for (int j = 0; j < 4; ++j) mma_ss(acc[j], vdesc + (2 * (kk + j) * kVCB >> 4), qdesc + ((kk + j) * 512 >> 4));
+      for (int j = 0; j < 4; ++j) mma_ss(acc[j], ad + j * (2 * kVCB >> 4), bd + j * (512 >> 4));
     }
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) mma_rs(acc[ks], ar[0][2 * ks], ar[1][2 * ks], ar[0][2 * ks + 1], ar[1][2 * ks + 1], qdesc + ((32 + ks) * 512 >> 4));
