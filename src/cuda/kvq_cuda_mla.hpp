@@ -81,6 +81,13 @@ cudaError_t mla_store(const MlaStoreParams& p, cudaStream_t stream = nullptr);
 // rotated domain: a pre-kernel rotates the query's latent part (Pi q) and the protected latent
 // rows (into the workspace), the main kernel scores norm_j (Pi q) . C[idx_j] and accumulates
 // P norm_j C[idx_j], and the combine kernel applies Pi^T to the merged output.
+// The decode kernels at d_c = 512, d_r = 64: the register-fragment (mma.sync) kernel runs every format;
+// the warpgroup (wgmma) kernel runs c4r4, c4r8 and c2r4 without protected rows. kAuto takes the
+// warpgroup kernel there when each split has at least kMlaWgMinPages pages (with fewer, its fixed cost
+// per CTA loses: 0.89-0.90x at 8 x 4K with 16 heads, ~2 pages per split, bench/results/decode-mla-2026-11-30b.md);
+// kFragment and kWarpgroup choose one kernel wherever the warpgroup one applies (tests, A/B).
+enum class MlaKernel : int { kAuto = 0, kFragment = 1, kWarpgroup = 2 };
+constexpr int kMlaWgMinPages = 12;
 struct MlaDecodeParams {
   MlaFormat fmt;
   const std::uint8_t* pool = nullptr;
@@ -101,14 +108,13 @@ struct MlaDecodeParams {
   std::int32_t sm_count = 0;
   std::int32_t warps = 0;  // 0, 8 or 16: accepted for compatibility; the kernel runs 8-warp CTAs, two per SM
   bool generic = false;    // the generic-shape kernel even for d_c = 512, d_r = 64 (tests, benchmarks)
-  bool fragment_kernel = false;  // the register-fragment (mma.sync) kernel even where the warpgroup one applies (tests, A/B)
+  MlaKernel kernel = MlaKernel::kAuto;  // which decode kernel runs where the warpgroup one applies (below)
 };
 // Protected rows must be 16-byte aligned (rows of d_c + d_r bf16 values), and the protection
 // layout's d_latent / d_rope must be the format's.
 int mla_decode_splits(const MlaDecodeParams& p);
 std::size_t mla_decode_workspace_bytes(const MlaDecodeParams& p);
-// Whether mla_decode runs the warpgroup (wgmma) kernel: c4r4, c4r8, c2r4 at d_c = 512, d_r = 64 without
-// protected rows, unless fragment_kernel or generic is set (the register-fragment kernel runs the rest).
+// Whether mla_decode runs the warpgroup (wgmma) kernel (see MlaKernel; never with `generic`).
 bool mla_decode_uses_wgmma(const MlaDecodeParams& p);
 cudaError_t mla_decode(const MlaDecodeParams& p, cudaStream_t stream = nullptr);
 // Bytes one launch must read: whole pages of the packed range, protected rows, block tables.

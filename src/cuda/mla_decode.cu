@@ -981,8 +981,12 @@ cudaError_t launch_decode_wg(const MlaDecodeParams& p, cudaStream_t st) {
 bool mla_decode_uses_wgmma(const MlaDecodeParams& p) {
   const MlaFormat& f = p.fmt;
   const int c = f.content_bits, r = f.rope_bits;
-  return !p.generic && !p.fragment_kernel && !f.tq && !uses_protect(p) && f.d_latent == kDc && f.d_rope == kD - kDc &&
-         ((c == 4 && (r == 4 || r == 8)) || (c == 2 && r == 4));
+  const bool applies = !p.generic && !f.tq && !uses_protect(p) && f.d_latent == kDc && f.d_rope == kD - kDc &&
+                       ((c == 4 && (r == 4 || r == 8)) || (c == 2 && r == 4));
+  if (!applies || p.kernel == MlaKernel::kFragment) return false;
+  if (p.kernel == MlaKernel::kWarpgroup) return true;
+  const int pages = std::max(1, (p.max_seq_len + kPT - 1) / kPT);
+  return pages >= kMlaWgMinPages * mla_decode_splits(p);
 }
 
 int mla_decode_splits(const MlaDecodeParams& p) {

@@ -500,10 +500,17 @@ void test_decode(const Case& c) {
   // runs the register-fragment kernel (fragment_kernel) against the same reference.
   const bool wg_expected = !c.generic && !use_prot && dc == kDc && dr == kDr &&
                            (c.fmt == "c4r4" || c.fmt == "c4r8" || c.fmt == "c2r4");
-  check(cuda::mla_decode_uses_wgmma(p) == wg_expected, "decode: the warpgroup kernel where expected: " + c.fmt);
+  {
+    // kAuto: the warpgroup kernel only with at least kMlaWgMinPages pages per split.
+    const bool auto_wg = wg_expected && max_pages >= cuda::kMlaWgMinPages * cuda::mla_decode_splits(p);
+    p.kernel = cuda::MlaKernel::kAuto;
+    check(cuda::mla_decode_uses_wgmma(p) == auto_wg, "decode: kAuto picks the warpgroup kernel where expected: " + c.fmt);
+    p.kernel = cuda::MlaKernel::kWarpgroup;
+    check(cuda::mla_decode_uses_wgmma(p) == wg_expected, "decode: the warpgroup kernel wherever it applies: " + c.fmt);
+  }
   for (int kern = 0; kern < (wg_expected ? 2 : 1); ++kern)
   for (int warps : {16, 8}) {  // both accepted values of MlaDecodeParams::warps (same kernel)
-    p.fragment_kernel = kern == 1;
+    p.kernel = kern == 1 ? cuda::MlaKernel::kFragment : cuda::MlaKernel::kWarpgroup;
     p.warps = warps;
     KVQ_CUDA_OK(cudaMemcpy(p.out, poison.data(), poison.size() * 4, cudaMemcpyHostToDevice));
     KVQ_CUDA_OK(cuda::mla_decode(p));

@@ -47,7 +47,8 @@ struct MlaBenchOptions {
   std::string batches = "8,32", contexts = "4096,32768,131072", heads = "16,128";
   std::string formats = "bf16,c8r8,c4r4,c2r4,mla-tq4", protect = "none,paper";
   int reps = 30, warmup = 3, store_tokens = 1 << 20, warps = 0, splits = 0, d_latent = 512, d_rope = 64;
-  bool json = false, generic = false, fragment = false;
+  bool json = false, generic = false;
+  std::string kernel = "auto";
   std::string commit = "unknown", command, flush = "read", peers, pages = "random";
 };
 
@@ -187,7 +188,7 @@ void run_mla_bench(const MlaBenchOptions& o) {
             p.warps = o.warps;
             p.num_splits = o.splits;
             p.generic = o.generic;
-            p.fragment_kernel = o.fragment;
+            p.kernel = o.kernel == "fragment" ? cuda::MlaKernel::kFragment : o.kernel == "wgmma" ? cuda::MlaKernel::kWarpgroup : cuda::MlaKernel::kAuto;
             p.workspace_bytes = cuda::mla_decode_workspace_bytes(p);
             DevBuf ws(p.workspace_bytes);
             p.workspace = ws.p;
@@ -298,7 +299,8 @@ void register_bench_mla(CLI::App& app) {
   cmd->add_option("--d-latent", o->d_latent, "latent width d_c (multiple of 64; 512: the tuned kernels)")->check(CLI::Range(64, 4096));
   cmd->add_option("--d-rope", o->d_rope, "RoPE key width d_r (multiple of 64)")->check(CLI::Range(64, 4096));
   cmd->add_flag("--generic", o->generic, "run the generic-shape writer and decode kernels even at 512 / 64");
-  cmd->add_flag("--fragment", o->fragment, "run the register-fragment decode kernel where the warpgroup (wgmma) one applies");
+  cmd->add_option("--kernel", o->kernel, "decode kernel where the warpgroup one applies (c4r4, c4r8, c2r4 without protection): auto, fragment, wgmma")
+      ->check(CLI::IsMember({"auto", "fragment", "wgmma"}));
   cmd->add_flag("--json", o->json, "print one JSON object");
   cmd->callback([o] {
 #if defined(KVQ_WITH_KVQ_CUDA)
