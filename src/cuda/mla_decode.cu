@@ -921,12 +921,8 @@ int sm_count_of(const MlaDecodeParams& p) { return p.sm_count > 0 ? p.sm_count :
 
 bool uses_protect(const MlaDecodeParams& p) { return p.fmt.content_bits != 16 && p.protect.enabled(); }
 
-template <int CB, int RB>
-cudaError_t launch_decode(const MlaDecodeParams& p, cudaStream_t st) {
-  using C = Cfg<CB, RB>;
-  constexpr bool kHiLo = CB == 16;  // bf16 cache: query as bf16 hi + lo pairs
-  cudaError_t e = detail::smem_limit_once<mla_decode_kernel<CB, RB, kHiLo>>(C::kSmem);
-  if (e != cudaSuccess) return e;
+// The splits' partial outputs and (max, sum) pairs at the start of the workspace; the query as given.
+Work make_work(const MlaDecodeParams& p) {
   Work wk;
   wk.nsplit = mla_decode_splits(p);
   const std::size_t rows = static_cast<std::size_t>(p.batch) * p.heads * wk.nsplit;
@@ -934,6 +930,17 @@ cudaError_t launch_decode(const MlaDecodeParams& p, cudaStream_t st) {
   wk.ml = wk.opart + rows * kDc;
   wk.q = p.q;
   wk.prot = nullptr;
+  return wk;
+}
+
+template <int CB, int RB>
+cudaError_t launch_decode(const MlaDecodeParams& p, cudaStream_t st) {
+  using C = Cfg<CB, RB>;
+  constexpr bool kHiLo = CB == 16;  // bf16 cache: query as bf16 hi + lo pairs
+  cudaError_t e = detail::smem_limit_once<mla_decode_kernel<CB, RB, kHiLo>>(C::kSmem);
+  if (e != cudaSuccess) return e;
+  Work wk = make_work(p);
+  const std::size_t rows = static_cast<std::size_t>(p.batch) * p.heads * wk.nsplit;
   TqSigns sg{};
   if constexpr (C::kTq) {
     // Workspace after (opart, ml), at the next 16-byte boundary (mla_tq_ws_offset): the rotated
@@ -962,13 +969,7 @@ template <int CB, int RB>
 cudaError_t launch_decode_wg(const MlaDecodeParams& p, cudaStream_t st) {
   cudaError_t e = detail::smem_limit_once<wg::mla_decode_wg_kernel<CB, RB>>(wg::kSmem);
   if (e != cudaSuccess) return e;
-  Work wk;
-  wk.nsplit = mla_decode_splits(p);
-  const std::size_t rows = static_cast<std::size_t>(p.batch) * p.heads * wk.nsplit;
-  wk.opart = static_cast<float*>(p.workspace);
-  wk.ml = wk.opart + rows * kDc;
-  wk.q = p.q;
-  wk.prot = nullptr;
+  const Work wk = make_work(p);
   const dim3 grid(wk.nsplit, (p.heads + kHG - 1) / kHG, p.batch);
   if ((e = detail::launch_maybe_pdl(wg::mla_decode_wg_kernel<CB, RB>, grid, dim3(128), wg::kSmem, st, false, p, wk)) != cudaSuccess)
     return e;

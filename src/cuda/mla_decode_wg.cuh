@@ -96,16 +96,8 @@ __device__ __forceinline__ void mma_rs(float (&d)[8], std::uint32_t a0, std::uin
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(bd));
 }
-// D (64 x 16, f32) = A B, the same operands: the first product of a chain, its outputs defined by the wgmma
-// alone (an initialization by other instructions while wgmmas are in flight serializes the pipeline).
-__device__ __forceinline__ void mma_rs0(float (&d)[8], std::uint32_t a0, std::uint32_t a1, std::uint32_t a2, std::uint32_t a3,
-                                        std::uint64_t bd) {
-  asm volatile(
-      "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, 0, 1, 1, 0;\n"
-      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(bd));
-}
-// D (64 x 16) (+)= A B, both K-major in shared memory (mma_ss0: D = A B).
+// D (64 x 16) (+)= A B, both K-major in shared memory (mma_ss0: D = A B, the first product of a chain, its outputs
+// defined by the wgmma alone: an initialization by other instructions while wgmmas are in flight serializes them).
 __device__ __forceinline__ void mma_ss0(float (&d)[8], std::uint64_t ad, std::uint64_t bd) {
   asm volatile(
       "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7}, %8, %9, 0, 1, 1, 0, 0;\n"
