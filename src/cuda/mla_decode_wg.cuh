@@ -4,28 +4,31 @@
 //
 // One CTA = one warpgroup (4 warps, 128 threads; two CTAs per SM) = one sequence x 16 query heads
 // x a contiguous range of 64-token tiles (one page each). Tokens are the M dimension of the score
-// product, so one wgmma m64n16k16 covers a whole tile for 16 dims and no partial scores cross warps:
-//  1. Each thread prefetches the next tile's codes and metadata into registers (global loads issued
-//     a whole tile ahead): tokens 16 w + g and 16 w + g + 8 of the page (warp w, lane (g, t)), and
-//     for each of the 8 content groups and the RoPE group its 16 codes at dims 16 t .. 16 t + 15.
-//  2. Per group it dequantizes them (dequant16v: fp16 s (q - z), the register-fragment kernel's
-//     operand) straight into wgmma A fragments (16 tokens x 16 dims per k-step, four k-steps per
-//     group), stores the content fragments with stmatrix into the V tile in shared memory (for PV),
-//     and issues S^T += K Q^T (wgmma m64n16k16, A from registers, B = the pre-scaled fp16 query in
-//     shared memory, loaded once per CTA).
-//  3. Online softmax on the accumulator fragments (thread: 2 tokens x 4 heads). The reference maximum
+// product, so one wgmma m64n16k16 covers a whole tile for 16 dims and no partial scores cross warps.
+// Warp w, lane (g, t) owns tokens 16 w + g and 16 w + g + 8 of a tile and, in each 64-dim group,
+// dims 16 t .. 16 t + 15 (the A-fragment layout of a k-step). Per tile:
+//  1. The codes and metadata were loaded into registers a tile earlier: once a group is dequantized,
+//     its registers take the same group of the next page (the metadata, read by every group, has two
+//     register sets).
+//  2. Each content group is dequantized (dequant16v: fp16 s (q - z), the register-fragment kernel's
+//     operand; scale 0 outside the sequence) and stored with stmatrix into the V tile (shared memory,
+//     8 x 8 core matrices); the RoPE group stays in registers. Before the stmatrix of group G the thread
+//     waits until the previous tile's PV m-tile G (the only reader of those columns) has retired.
+//  3. S^T = K Q^T: 32 content k-steps with A = the V tile (K-major) into four accumulators in turn,
+//     4 RoPE k-steps with A from the register fragments; B = the query tile (fp16, pre-scaled by
+//     scale * log2(e), loaded once per CTA).
+//  4. Online softmax on the accumulator fragments (thread: 2 tokens x 4 heads). The reference maximum
 //     of a head moves only when a score exceeds it by more than kSlack (a CTA vote; the exact tile
-//     maximum then goes through shared memory), so P <= 2^kSlack; P is stored as fp16 in shared memory
-//     in the B-operand layout of PV.
-//  4. O^T += V^T P^T (8 m-tiles of 64 dims x 4 k-steps of 16 tokens; A = the V tile, MN-major, from
-//     shared memory). The PV groups stay in flight while the next tile is dequantized: before the
-//     stmatrix of content group G the thread waits until PV m-tile G (the only reader of that part of
-//     the V tile) has completed (wgmma.wait_group 7: the 7 - G later PV groups and the G score groups
-//     of the new tile may still run).
-// The dims inside a 16-dim k-step come in the order dequant16v produces (widx); the query tile uses
-// the same order, and the epilogue maps each output row back to its dim. Operands and rounding are
-// the register-fragment kernel's (fp16 s (q - z), fp16 query and P, fp32 accumulation), so both
-// kernels meet the same error budget; the partial outputs and the combine kernel are shared.
+//     maximum then goes through shared memory), so P <= 2^kSlack; P goes to shared memory as fp16 in
+//     the B-operand layout of PV.
+//  5. O^T += V^T P^T (8 m-tiles of 64 dims x 4 k-steps of 16 tokens; A = the V tile read MN-major),
+//     one commit group per m-tile, issued at the top of the next iteration and retired inside it, so
+//     that nothing is in flight across the loop's back edge (see docs/kernels-mla.md for what ptxas
+//     needs to keep the wgmma pipeline).
+// The dims inside a 16-dim k-step come in the order dequant16v produces (widx, col_dim); the query
+// tile uses the same order, and the epilogue maps each output row back to its dim. Operands and
+// rounding are the register-fragment kernel's (fp16 s (q - z), fp16 query and P, fp32 accumulation),
+// so both kernels meet the same error budget; the partial outputs and the combine kernel are shared.
 #pragma once
 
 namespace wg {
@@ -35,8 +38,7 @@ constexpr int kVBytes = kTI * kDc * 2;      // V tile: 64 tokens x 512 dims, fp1
 constexpr int kQBytes = kHG * kD * 2;       // query tile: 16 heads x 576 dims, fp16
 constexpr int kPBytes = kHG * kTI * 2;      // P: 16 heads x 64 tokens, fp16
 constexpr int kRedBytes = 4 * kHG * 4 * 2;  // per-warp head maxima and sums
-constexpr int kFixed = kVBytes + kQBytes + kPBytes + kRedBytes;
-constexpr int kSmem = kFixed;
+constexpr int kSmem = kVBytes + kQBytes + kPBytes + kRedBytes;
 static_assert(kSmem <= detail::kMlaSmemTwoPerSm, "two CTAs per SM");
 static_assert(kHG * kOutRow * 4 <= kVBytes, "the partial output is staged in the V tile");
 
@@ -231,7 +233,7 @@ __global__ void __launch_bounds__(128, 2) mla_decode_wg_kernel(const __grid_cons
   proxy_fence();
   __syncthreads();
 
-  // Scores of tile vt (steps 1-2): S^T in s (accumulator registers, written by the wgmmas only:
+  // Scores of tile vt (steps 1-3): S^T in s (accumulator registers, written by the wgmmas only:
   // another definition while wgmmas are in flight serializes them); returns which of the thread's two
   // rows lie in the sequence (bit k: row 16 w + g + 8 k). With the previous tile's 8 PV groups in
   // flight, content group G waits for PV m-tile G only. Once a group is dequantized its registers take
