@@ -227,7 +227,6 @@ __device__ __forceinline__ std::uint32_t hfma2u(std::uint32_t a, std::uint32_t b
                             *reinterpret_cast<const __half2*>(&c));
   return *reinterpret_cast<const std::uint32_t*>(&r);
 }
-// Sixteen codes of one group (at p; dequant16v: already loaded) as eight fp16x2 pairs s (q - z) (see dequant16v).
 // Sixteen codes of one group, loaded as one word of 8 bytes (B = 4), 4 (B = 2) or 16 (B = 8), as eight fp16x2 pairs s (q - z), word k holding codes
 // widx(k, 0) and widx(k, 1), from z2 = (1024 + z) x 2 and s2 = (s, s). The low field of each byte
 // or half becomes the fp16 1024 + code by one LOP3; a field 2^k higher becomes 1024 + 2^k code and

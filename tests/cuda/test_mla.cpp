@@ -496,8 +496,8 @@ void test_decode(const Case& c) {
   p.generic = c.generic;
   p.workspace_bytes = cuda::mla_decode_workspace_bytes(p);
   KVQ_CUDA_OK(cudaMalloc(&p.workspace, p.workspace_bytes));
-  // c4r4 / c4r8 / c2r4 at 512 / 64 without protection run the warpgroup kernel; each such case also
-  // runs the register-fragment kernel (fragment_kernel) against the same reference.
+  // c4r4 / c4r8 / c2r4 at 512 / 64 without protection can run the warpgroup kernel: each such case runs
+  // it (kWarpgroup) and the register-fragment kernel (kFragment) against the same reference.
   const bool wg_expected = !c.generic && !use_prot && dc == kDc && dr == kDr &&
                            (c.fmt == "c4r4" || c.fmt == "c4r8" || c.fmt == "c2r4");
   {
