@@ -194,6 +194,8 @@ __device__ __forceinline__ float bf16_hi(std::uint32_t w) { return __uint_as_flo
 // fp16 pairs held as 32-bit words: (x_lo - z, x_hi - z) of two codes held as fp16 1024 + code
 // (exponent trick: exact for codes and zero points <= 255); the pair product; codes 2k, 2k + 1 of a
 // little-endian B-bit code word v as the fp16 pair (1024 + code) (one LOP3); a bf16 pair as fp16.
+// z2 for zero point z: (1024 + z) x 2 as fp16 bits, the form sub_zero takes.
+__device__ __forceinline__ std::uint32_t zero_pair(std::uint32_t z) { return 0x64006400u + z * 0x10001u; }
 __device__ __forceinline__ std::uint32_t sub_zero(std::uint32_t w, std::uint32_t z2) {
   const __half2 r = __hsub2(*reinterpret_cast<const __half2*>(&w), *reinterpret_cast<const __half2*>(&z2));
   return *reinterpret_cast<const std::uint32_t*>(&r);

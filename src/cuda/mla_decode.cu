@@ -182,6 +182,18 @@ struct Work {
   const std::uint16_t* prot;  // mla-tq: rotated protected latent rows, fp16 [batch][slots][512]
 };
 
+// A split's unnormalized partial output of heads hg 16 .. hg 16 + nh - 1, staged in shared memory (row h
+// of kOutRow floats, dim d at out_col(d)), written to the workspace as whole 128-byte lines by NT threads.
+template <int NT>
+__device__ __forceinline__ void store_partial(const float* so, const Work& wk, int b, int heads, int hg, int split, int nh, int tid) {
+  float* dst = wk.opart + ((static_cast<std::size_t>(b) * heads + hg * kHG) * wk.nsplit + split) * kDc;
+#pragma unroll 8
+  for (int j = 0; j < kHG * kDc / NT; ++j) {
+    const int h = j / (kDc / NT), d = (j % (kDc / NT)) * NT + tid;
+    if (h < nh) dst[static_cast<std::size_t>(h) * wk.nsplit * kDc + d] = so[h * kOutRow + out_col(d)];
+  }
+}
+
 // Format codes of the kernel templates: 16 (bf16), 8, 4, 3, 2 (affine content bits) and 100 + b
 // for mla-tq with b-bit indices.
 constexpr bool is_tq(int cb) { return cb > 100; }
@@ -549,11 +561,11 @@ __global__ void __launch_bounds__(kNT, 2) mla_decode_kernel(const __grid_constan
       // Rows outside the sequence: scale 0 and zero point 0 (their codes are whatever the page
       // holds, so every dequantized value stays finite and becomes 0).
       const std::uint32_t z = ok ? me[16 + gq] : 0u;
-      rec[gq * TI + lane] = make_uint2(detail::pack2<false>(s, s), 0x64006400u + z * 0x10001u);
+      rec[gq * TI + lane] = make_uint2(detail::pack2<false>(s, s), detail::zero_pair(z));
       if (gq == 0) {
         const float rs = ok ? *reinterpret_cast<const float*>(me + 24) : 0.0f;
         const std::uint32_t rz = ok ? me[28] : 0u;
-        rrec[lane] = make_uint2(detail::pack2<false>(rs, rs), 0x64006400u + rz * 0x10001u);
+        rrec[lane] = make_uint2(detail::pack2<false>(rs, rs), detail::zero_pair(rz));
       }
     } else if constexpr (kTq) {  // warp 0: the stored norm of token lane as (n, n); 0 outside the sequence
       if (vt < nprt || w != 0) return;
@@ -798,12 +810,7 @@ __global__ void __launch_bounds__(kNT, 2) mla_decode_kernel(const __grid_constan
       so[(g + 8) * kOutRow + c0 + d1 + (d1 >> 5)] = o[n][3];
     }
     __syncthreads();
-    float* dst = wk.opart + ((static_cast<std::size_t>(b) * p.heads + hg * kHG) * wk.nsplit + split) * kDc;
-#pragma unroll 8
-    for (int j = 0; j < 2 * kHG; ++j) {
-      const int h = j >> 1, d = (j & 1) * (kDc / 2) + tid;
-      if (h < nh) dst[static_cast<std::size_t>(h) * wk.nsplit * kDc + d] = so[h * kOutRow + out_col(d)];
-    }
+    store_partial<kNT>(so, wk, b, p.heads, hg, split, nh, tid);
   }
   if (w < kHG / HPW) {
 #pragma unroll

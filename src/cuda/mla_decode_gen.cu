@@ -260,12 +260,12 @@ __global__ void __launch_bounds__(kNT, 2) mla_decode_gen_kernel(const __grid_con
               const int gi = d >> 6;
               const float s = bf16_bits_to_float(*reinterpret_cast<const std::uint16_t*>(meta + 2 * gi));
               const std::uint32_t z = meta[2 * G + gi];
-              v = dequant8<CB>(load_codes8<CB>(st + r * KCB + d * CB / 8), 0x64006400u + z * 0x10001u, pack2<false>(s, s));
+              v = dequant8<CB>(load_codes8<CB>(st + r * KCB + d * CB / 8), zero_pair(z), pack2<false>(s, s));
             } else {
               const int dd = d - dc, ri = dd >> 6;
               const float s = __uint_as_float(load_u32_any(meta + 3 * G + 4 * ri));
               const std::uint32_t z = meta[3 * G + 4 * R + ri];
-              v = dequant8<RB>(load_codes8<RB>(st + TI * KCB + r * VCB + dd * RB / 8), 0x64006400u + z * 0x10001u,
+              v = dequant8<RB>(load_codes8<RB>(st + TI * KCB + r * VCB + dd * RB / 8), zero_pair(z),
                                pack2<false>(s, s));
             }
           }

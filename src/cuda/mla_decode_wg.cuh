@@ -257,11 +257,11 @@ __global__ void __launch_bounds__(128, 2) mla_decode_wg_kernel(const __grid_cons
           const float sc = ok[k] ? __uint_as_float((G & 1) ? (sw & 0xffff0000u) : (sw << 16)) : 0.0f;
           s2 = detail::pack2<false>(sc, sc);
           const std::uint32_t zw = word(mcur[k][1], G >> 2);
-          z2 = 0x64006400u + (ok[k] ? (zw >> (8 * (G & 3))) & 0xffu : 0u) * 0x10001u;
+          z2 = detail::zero_pair(ok[k] ? (zw >> (8 * (G & 3))) & 0xffu : 0u);
         } else {
           const float rs = ok[k] ? __uint_as_float(mcur[k][1].z) : 0.0f;
           s2 = detail::pack2<false>(rs, rs);
-          z2 = 0x64006400u + (ok[k] ? mcur[k][1].w & 0xffu : 0u) * 0x10001u;
+          z2 = detail::zero_pair(ok[k] ? mcur[k][1].w & 0xffu : 0u);
         }
         if (G < 8) dequant16v<CB>(a[k], cc[k][G], z2, s2);
         else dequant16v<RB>(a[k], rc[k], z2, s2);
@@ -416,12 +416,7 @@ __global__ void __launch_bounds__(128, 2) mla_decode_wg_kernel(const __grid_cons
       for (int j = 0; j < 4; ++j) sred[4 * kHG + w * kHG + (j & 1) + 2 * t + 8 * (j >> 1)] = lsum[j];
     }
     __syncthreads();
-    float* dst = wk.opart + ((static_cast<std::size_t>(b) * p.heads + hg * kHG) * wk.nsplit + split) * kDc;
-#pragma unroll 8
-    for (int j = 0; j < 4 * kHG; ++j) {
-      const int h = j >> 2, d = (j & 3) * 128 + tid;
-      if (h < nh) dst[static_cast<std::size_t>(h) * wk.nsplit * kDc + d] = so[h * kOutRow + out_col(d)];
-    }
+    store_partial<128>(so, wk, b, p.heads, hg, split, nh, tid);
     if (w == 0 && g == 0) {
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
