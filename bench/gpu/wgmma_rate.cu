@@ -10,6 +10,7 @@
 //   rs N     the same with A from registers (only B read from shared memory)
 //   stsm     stmatrix m8n8.x4 (512 bytes per warp, 2 KB per warpgroup instruction)
 //   ldsm     ldmatrix m8n8.x4 (the same bytes, read)
+//   int8     wgmma m64n32k32 s32.s8.s8, fp8: m64n16k32 f32.e4m3.e4m3 (twice the dims per operation)
 // Operand bytes per wgmma: A 64 x 16 x 2 = 2 KB (ss only), B N x 16 x 2. The decode kernel's tile
 // (64 tokens x 16 heads, d_c 512 + d_r 64) issues 32 ss + 4 rs (QK) and 32 ss (PV) wgmmas of N = 16
 // and 32 stmatrix.x4 per warp (8 warpgroup-wide per 64 content dims): the last lines turn the
@@ -91,7 +92,34 @@ __device__ __forceinline__ void mma_rs<64>(Acc<64>& d, const std::uint32_t (&a)[
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(bd));
 }
 
-// kind 0: ss, 1: rs, 2: stmatrix, 3: ldmatrix. ops: operations per CTA (wgmmas, or warpgroup-wide
+// 8-bit operands, k = 32: int8 (s32 accumulators) at N = 32, fp8 e4m3 (f32) at N = 16.
+struct AccI32 {
+  int r[16];
+};
+#define KVQ_ACCI16(d)                                                                                                           \
+  "+r"(d.r[0]), "+r"(d.r[1]), "+r"(d.r[2]), "+r"(d.r[3]), "+r"(d.r[4]), "+r"(d.r[5]), "+r"(d.r[6]), "+r"(d.r[7]), "+r"(d.r[8]), \
+      "+r"(d.r[9]), "+r"(d.r[10]), "+r"(d.r[11]), "+r"(d.r[12]), "+r"(d.r[13]), "+r"(d.r[14]), "+r"(d.r[15])
+#define KVQ_D16 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}"
+__device__ __forceinline__ void mma_ss_s8(AccI32& d, std::uint64_t ad, std::uint64_t bd) {
+  asm volatile("wgmma.mma_async.sync.aligned.m64n32k32.s32.s8.s8 " KVQ_D16 ", %16, %17, 1;\n" : KVQ_ACCI16(d) : "l"(ad), "l"(bd));
+}
+__device__ __forceinline__ void mma_rs_s8(AccI32& d, const std::uint32_t (&a)[4], std::uint64_t bd) {
+  asm volatile("wgmma.mma_async.sync.aligned.m64n32k32.s32.s8.s8 " KVQ_D16 ", {%16,%17,%18,%19}, %20, 1;\n"
+               : KVQ_ACCI16(d)
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(bd));
+}
+__device__ __forceinline__ void mma_ss_e4m3(Acc<16>& d, std::uint64_t ad, std::uint64_t bd) {
+  asm volatile("wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 {%0,%1,%2,%3,%4,%5,%6,%7}, %8, %9, 1, 1, 1;\n"
+               : "+f"(d.r[0]), "+f"(d.r[1]), "+f"(d.r[2]), "+f"(d.r[3]), "+f"(d.r[4]), "+f"(d.r[5]), "+f"(d.r[6]), "+f"(d.r[7])
+               : "l"(ad), "l"(bd));
+}
+__device__ __forceinline__ void mma_rs_e4m3(Acc<16>& d, const std::uint32_t (&a)[4], std::uint64_t bd) {
+  asm volatile("wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, 1, 1, 1;\n"
+               : "+f"(d.r[0]), "+f"(d.r[1]), "+f"(d.r[2]), "+f"(d.r[3]), "+f"(d.r[4]), "+f"(d.r[5]), "+f"(d.r[6]), "+f"(d.r[7])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(bd));
+}
+
+// kind 0: ss, 1: rs, 2: stmatrix, 3: ldmatrix, 4 / 5: int8 m64n32k32 ss / rs, 6 / 7: fp8 e4m3 m64n16k32 ss / rs. ops: operations per CTA (wgmmas, or warpgroup-wide
 // matrix instructions). cycles[blockIdx.x]: clock64 cycles of the stream.
 template <int N, int KIND, int CH = 4>
 __global__ void __launch_bounds__(128) rate_kernel(int iters, long long* cycles, float* sink) {
@@ -105,6 +133,9 @@ __global__ void __launch_bounds__(128) rate_kernel(int iters, long long* cycles,
   Acc<N> acc[kChains];
   for (int c = 0; c < kChains; ++c)
     for (int i = 0; i < N / 2; ++i) acc[c].r[i] = 0.0f;
+  AccI32 iacc[kChains];
+  for (int c = 0; c < kChains; ++c)
+    for (int i = 0; i < 16; ++i) iacc[c].r[i] = 0;
   std::uint32_t a[4] = {0x3c003c00u + tid, 0x3c003c01u, 0x3c003c02u, 0x3c003c03u};
   std::uint32_t m[4] = {0, 0, 0, 0};
   // A: 32 k-steps of a 64 x 512 fp16 tile in core matrices (LBO 1024, SBO 128), as the decode kernel's V tile.
@@ -112,7 +143,19 @@ __global__ void __launch_bounds__(128) rate_kernel(int iters, long long* cycles,
   const long long t0 = clock64();
 #pragma unroll 1
   for (int it = 0; it < iters; ++it) {
-    if constexpr (KIND <= 1) {
+    if constexpr (KIND >= 4) {
+      fence();
+#pragma unroll
+      for (int k = 0; k < 32; ++k) {
+        const std::uint64_t ad = ad0 + ((k * 2 * 1024) >> 4), bd = bd0 + (((k & 7) * 512) >> 4);
+        if constexpr (KIND == 4) mma_ss_s8(iacc[k % kChains], ad, bd);
+        if constexpr (KIND == 5) mma_rs_s8(iacc[k % kChains], a, bd);
+        if constexpr (KIND == 6) mma_ss_e4m3(acc[k % kChains], ad, bd);
+        if constexpr (KIND == 7) mma_rs_e4m3(acc[k % kChains], a, bd);
+      }
+      commit();
+      wait0();
+    } else if constexpr (KIND <= 1) {
       fence();
 #pragma unroll
       for (int k = 0; k < 32; ++k) {
@@ -145,8 +188,10 @@ __global__ void __launch_bounds__(128) rate_kernel(int iters, long long* cycles,
   }
   const long long t1 = clock64();
   float s = static_cast<float>(m[0] ^ m[1] ^ m[2] ^ m[3]);
-  for (int c = 0; c < kChains; ++c)
+  for (int c = 0; c < kChains; ++c) {
     for (int i = 0; i < N / 2; ++i) s += acc[c].r[i];
+    for (int i = 0; i < 16; ++i) s += static_cast<float>(iacc[c].r[i]);
+  }
   if (s == 12345.0f) sink[tid] = s;  // keeps the results live
   if (tid == 0) cycles[blockIdx.x] = t1 - t0;
 }
@@ -187,7 +232,10 @@ Row run(const char* name, int sms, int per_sm, int iters) {
   mean /= ctas;
   const double ops = 32.0 * iters;  // per CTA
   Row r{name, mean / ops / per_sm, 0, 0};
-  if (KIND <= 1) {
+  if (KIND >= 4) {  // k = 32, one-byte operands: 2 KB of A, N x 32 bytes of B
+    r.flops = 2.0 * 64 * N * 32;
+    r.smem = (KIND % 2 == 0 ? 64 * 32 : 0) + N * 32;
+  } else if (KIND <= 1) {
     r.flops = 2.0 * 64 * N * 16;
     r.smem = (KIND == 0 ? 64 * 16 * 2 : 0) + N * 16 * 2;
   } else {
@@ -239,6 +287,10 @@ int main(int argc, char** argv) {
   rows.push_back(run<16, 0, 8>("ss m64n16k16, 8 chains", sms, per_sm, iters));
   rows.push_back(run<16, 1, 4>("rs m64n16k16, 4 chains", sms, per_sm, iters));
   rows.push_back(run<16, 1, 2>("rs m64n16k16, 2 chains", sms, per_sm, iters));
+  rows.push_back(run<32, 4, 8>("int8 ss m64n32k32 (OP/cycle)", sms, per_sm, iters));
+  rows.push_back(run<32, 5, 8>("int8 rs m64n32k32 (OP/cycle)", sms, per_sm, iters));
+  rows.push_back(run<16, 6, 8>("fp8 e4m3 ss m64n16k32", sms, per_sm, iters));
+  rows.push_back(run<16, 7, 8>("fp8 e4m3 rs m64n16k32", sms, per_sm, iters));
   std::printf("| operation | SM cycles / op | FLOP / cycle / SM | shared-memory bytes / cycle / SM |\n|---|---:|---:|---:|\n");
   for (const Row& r : rows) {
     if (r.flops > 0)
