@@ -10,6 +10,9 @@
 // of the three. Usage: bench_stream_floor [--reps n]. Exits 0 with a message without a GPU.
 #include <cuda_runtime.h>
 
+#define KVQ_BENCH_NAME "bench_stream_floor"
+#include "cuda_check.cuh"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -19,14 +22,6 @@
 
 namespace {
 
-#define CHECK(x)                                                                      \
-  do {                                                                                \
-    cudaError_t e_ = (x);                                                             \
-    if (e_ != cudaSuccess) {                                                          \
-      std::fprintf(stderr, "bench_stream_floor: %s: %s\n", #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                   \
-    }                                                                                 \
-  } while (0)
 
 // Reads n16 16-byte words (grid-stride, 4 loads in flight per thread); one word per CTA out keeps the loads.
 __global__ void __launch_bounds__(512) read_kernel(const uint4* __restrict__ p, std::size_t n16, unsigned* out) {

@@ -20,6 +20,9 @@
 // without one.
 #include <cuda_runtime.h>
 
+#define KVQ_BENCH_NAME "bench_wgmma_rate"
+#include "cuda_check.cuh"
+
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -28,14 +31,6 @@
 
 namespace {
 
-#define CHECK(x)                                                                               \
-  do {                                                                                         \
-    cudaError_t e_ = (x);                                                                      \
-    if (e_ != cudaSuccess) {                                                                   \
-      std::fprintf(stderr, "bench_wgmma_rate: %s: %s\n", #x, cudaGetErrorString(e_));          \
-      std::exit(1);                                                                            \
-    }                                                                                          \
-  } while (0)
 
 constexpr int kSmem = 96 * 1024;  // A region 64 KB, B region 32 KB
 
