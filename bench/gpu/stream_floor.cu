@@ -22,7 +22,6 @@
 
 namespace {
 
-
 // Reads n16 16-byte words (grid-stride, 4 loads in flight per thread); one word per CTA out keeps the loads.
 __global__ void __launch_bounds__(512) read_kernel(const uint4* __restrict__ p, std::size_t n16, unsigned* out) {
   unsigned acc = 0;

@@ -31,7 +31,6 @@
 
 namespace {
 
-
 constexpr int kSmem = 96 * 1024;  // A region 64 KB, B region 32 KB
 
 __device__ __forceinline__ std::uint64_t desc(std::uint32_t saddr, std::uint32_t lbo, std::uint32_t sbo) {
