@@ -245,23 +245,34 @@ __global__ void __launch_bounds__(128, 2) mla_decode_wg_kernel(const __grid_cons
     vtiles.range(vt, lo, hi);
     std::uint32_t ar[2][8];  // the RoPE k-steps' A fragments
     const bool ok[2] = {16 * w + g >= lo && 16 * w + g < hi, 16 * w + g + 8 >= lo && 16 * w + g + 8 < hi};
+    // Scale 0 and zero point 0 outside the sequence (the whole record zeroed once per tile): whatever
+    // the page holds there becomes 0.
+    uint4 m[2][2];
+#pragma unroll
+    for (int k = 0; k < 2; ++k)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) m[k][j] = ok[k] ? mcur[k][j] : make_uint4(0, 0, 0, 0);
 #pragma unroll
     for (int G = 0; G < 9; ++G) {
       std::uint32_t a[2][8];
 #pragma unroll
       for (int k = 0; k < 2; ++k) {
-        // Scale 0 and zero point 0 outside the sequence: whatever the page holds there becomes 0.
         std::uint32_t s2, z2;
         if (G < 8) {
-          const std::uint32_t sw = word(mcur[k][0], G >> 1);
-          const float sc = ok[k] ? __uint_as_float((G & 1) ? (sw & 0xffff0000u) : (sw << 16)) : 0.0f;
+          const std::uint32_t sw = word(m[k][0], G >> 1);
+          const float sc = __uint_as_float((G & 1) ? (sw & 0xffff0000u) : (sw << 16));
           s2 = detail::pack2<false>(sc, sc);
-          const std::uint32_t zw = word(mcur[k][1], G >> 2);
-          z2 = detail::zero_pair(ok[k] ? (zw >> (8 * (G & 3))) & 0xffu : 0u);
+          const std::uint32_t zw = word(m[k][1], G >> 2);
+          switch (G & 3) {
+            case 0: z2 = detail::zero_pair_byte<0>(zw); break;
+            case 1: z2 = detail::zero_pair_byte<1>(zw); break;
+            case 2: z2 = detail::zero_pair_byte<2>(zw); break;
+            default: z2 = detail::zero_pair_byte<3>(zw); break;
+          }
         } else {
-          const float rs = ok[k] ? __uint_as_float(mcur[k][1].z) : 0.0f;
+          const float rs = __uint_as_float(m[k][1].z);
           s2 = detail::pack2<false>(rs, rs);
-          z2 = detail::zero_pair(ok[k] ? mcur[k][1].w & 0xffu : 0u);
+          z2 = detail::zero_pair_byte<0>(m[k][1].w);
         }
         if (G < 8) dequant16v<CB>(a[k], cc[k][G], z2, s2);
         else dequant16v<RB>(a[k], rc[k], z2, s2);
