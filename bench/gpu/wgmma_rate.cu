@@ -6,14 +6,14 @@
 // the table gives SM cycles per operation (CTA cycles / operations per CTA / CTAs per SM), so a row
 // is the rate the SM sustains when it does nothing else:
 //   ss N     wgmma m64nNk16 f32.f16.f16, A and B from shared memory (no swizzle, K-major), four
-//            accumulator chains (two at N = 128), batches of 32 wgmmas per commit / wait
-//   rs N     the same with A from registers (only B read from shared memory)
+//            accumulator chains unless the row names another count, batches of 32 wgmmas per commit / wait
+//   rs N     the same with A from registers (only B read from shared memory; the first rs row: 8 chains)
 //   stsm     stmatrix m8n8.x4 (512 bytes per warp, 2 KB per warpgroup instruction)
 //   ldsm     ldmatrix m8n8.x4 (the same bytes, read)
 //   int8     wgmma m64n32k32 s32.s8.s8, fp8: m64n16k32 f32.e4m3.e4m3 (twice the dims per operation)
 // Operand bytes per wgmma: A 64 x 16 x 2 = 2 KB (ss only), B N x 16 x 2. The decode kernel's tile
 // (64 tokens x 16 heads, d_c 512 + d_r 64) issues 32 ss + 4 rs (QK) and 32 ss (PV) wgmmas of N = 16
-// and 32 stmatrix.x4 per warp (8 warpgroup-wide per 64 content dims): the last lines turn the
+// and 32 stmatrix.x4 per warp (4 per 64-dim content group): the last lines turn the
 // measured rates into that tile's floor, before any dequantization, softmax or memory traffic.
 //
 // Usage: bench_wgmma_rate [--ctas-per-sm n] [--iters n]. Needs an sm_90 GPU; exits 0 with a message
@@ -292,8 +292,8 @@ int main(int argc, char** argv) {
     else
       std::printf("| %s | %.2f | - | %.1f |\n", r.name, r.cycles, r.smem / r.cycles);
   }
-  // The decode kernel's 64-token tile at 16 heads: 32 + 32 ss and 4 rs wgmmas of N = 16, 8 stmatrix.x4 per
-  // content group and warpgroup instruction counted per warp (32 per warp = 32 warpgroup-wide).
+  // The decode kernel's 64-token tile at 16 heads: 32 + 32 ss and 4 rs wgmmas of N = 16, and 32 stmatrix.x4
+  // per warp (4 per content group), i.e. 32 warpgroup-wide stmatrix operations as timed above.
   const double tile = 64 * rows[0].cycles + 4 * rows[1].cycles + 32 * rows[4].cycles;
   const double tile_rs = 32 * rows[1].cycles + 4 * rows[1].cycles + 32 * rows[0].cycles + 32 * rows[4].cycles;
   std::printf("\nMLA warpgroup tile (64 tokens, 16 heads, c4r4 layout), SM cycles if nothing else ran:\n");
