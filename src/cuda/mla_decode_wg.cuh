@@ -20,11 +20,11 @@
 //  4. Online softmax on the accumulator fragments (thread: 2 tokens x 4 heads). The reference maximum
 //     of a head moves only when a score exceeds it by more than kSlack (a CTA vote; the exact tile
 //     maximum then goes through shared memory), so P <= 2^kSlack; P goes to shared memory as fp16 in
-//     the B-operand layout of PV.
-//  5. O^T += V^T P^T (8 m-tiles of 64 dims x 4 k-steps of 16 tokens; A = the V tile read MN-major),
-//     one commit group per m-tile, issued at the top of the next iteration and retired inside it, so
-//     that nothing is in flight across the loop's back edge (see docs/kernels-mla.md for what ptxas
-//     needs to keep the wgmma pipeline).
+//     the B-operand layout of PV (MN-major: a thread's two adjacent heads of a token in one store).
+//  5. O^T += V^T P^T (8 m-tiles of 64 dims x 4 k-steps of 16 tokens; A = the V tile and B = P, both
+//     read MN-major), one commit group per m-tile, issued at the top of the next iteration and retired
+//     inside it, so that nothing is in flight across the loop's back edge (see docs/kernels-mla.md for
+//     what ptxas needs to keep the wgmma pipeline).
 // The dims inside a 16-dim k-step come in the order dequant16v produces (widx, col_dim); the query
 // tile uses the same order, and the epilogue maps each output row back to its dim. Operands and
 // rounding are the register-fragment kernel's (fp16 s (q - z), fp16 query and P, fp32 accumulation),
@@ -44,8 +44,9 @@ static_assert(kHG * kOutRow * 4 <= kVBytes, "the partial output is staged in the
 
 // Core-matrix layouts (no swizzle): an 8 x 8 block of fp16 values is 8 rows of 16 bytes, 128 bytes.
 // V tile: rows = tokens, 16-byte row = 8 consecutive columns; column block c / 8 at kVCB bytes,
-// token block at 128. Query: rows = heads, columns = dims (block at 256, head block at 128). P: rows
-// = heads, columns = tokens (token block at 256, head block at 128).
+// token block at 128. Query: rows = heads, columns = dims (block at 256, head block at 128). P (the
+// B operand of PV, read MN-major): rows = tokens, 16-byte row = 8 consecutive heads (token block at 256,
+// head block at 128), so a thread's two adjacent heads of one token are one 32-bit store.
 constexpr std::uint32_t kVCB = 8 * 128;
 __device__ __forceinline__ std::uint32_t v_off(int tok, int col) {
   return static_cast<std::uint32_t>((col >> 3) * kVCB + (tok >> 3) * 128 + (tok & 7) * 16 + (col & 7) * 2);
@@ -54,7 +55,7 @@ __device__ __forceinline__ std::uint32_t q_off(int h, int col) {
   return static_cast<std::uint32_t>((col >> 3) * 256 + (h >> 3) * 128 + (h & 7) * 16 + (col & 7) * 2);
 }
 __device__ __forceinline__ std::uint32_t p_off(int h, int tok) {
-  return static_cast<std::uint32_t>((tok >> 3) * 256 + (h >> 3) * 128 + (h & 7) * 16 + (tok & 7) * 2);
+  return static_cast<std::uint32_t>((tok >> 3) * 256 + (h >> 3) * 128 + (tok & 7) * 16 + (h & 7) * 2);
 }
 
 // Shared-memory matrix descriptor: start address, leading-dimension byte offset (between core
@@ -112,10 +113,10 @@ __device__ __forceinline__ void mma_ss(float (&d)[8], std::uint64_t ad, std::uin
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
       : "l"(ad), "l"(bd));
 }
-// D (64 x 16) += A (MN-major in shared memory) B (K-major in shared memory).
-__device__ __forceinline__ void mma_ss_ta(float (&d)[8], std::uint64_t ad, std::uint64_t bd) {
+// D (64 x 16) += A B, both MN-major in shared memory.
+__device__ __forceinline__ void mma_ss_tab(float (&d)[8], std::uint64_t ad, std::uint64_t bd) {
   asm volatile(
-      "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7}, %8, %9, 1, 1, 1, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7}, %8, %9, 1, 1, 1, 1, 1;\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
       : "l"(ad), "l"(bd));
 }
@@ -364,12 +365,14 @@ __global__ void __launch_bounds__(128, 2) mla_decode_wg_kernel(const __grid_cons
       }
     }
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int j = (i & 1) + 2 * (i >> 2);
-      const float pr = s[i] == -INFINITY ? 0.0f : ex2(s[i] - mref[j]);
-      lsum[j] += pr;
-      const int tok = 16 * w + g + 8 * ((i >> 1) & 1), h = (i & 1) + 2 * t + 8 * (i >> 2);
-      *reinterpret_cast<__half*>(smem_raw + kVBytes + kQBytes + p_off(h, tok)) = __float2half_rn(pr);
+    for (int i = 0; i < 8; i += 2) {  // heads h, h + 1 of one token
+      const int j = 2 * (i >> 2);
+      const float p0 = s[i] == -INFINITY ? 0.0f : ex2(s[i] - mref[j]);
+      const float p1 = s[i + 1] == -INFINITY ? 0.0f : ex2(s[i + 1] - mref[j + 1]);
+      lsum[j] += p0;
+      lsum[j + 1] += p1;
+      const int tok = 16 * w + g + 8 * ((i >> 1) & 1), h = 2 * t + 8 * (i >> 2);
+      *reinterpret_cast<std::uint32_t*>(smem_raw + kVBytes + kQBytes + p_off(h, tok)) = detail::pack2<false>(p0, p1);
     }
     proxy_fence();
     __syncthreads();  // the V tile and P are complete
@@ -381,7 +384,7 @@ __global__ void __launch_bounds__(128, 2) mla_decode_wg_kernel(const __grid_cons
     for (int mt = 0; mt < 8; ++mt) {
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks)
-        mma_ss_ta(o[mt], vtdesc + ((mt * 8 * kVCB + ks * 2 * 128) >> 4), pdesc + (ks * 512 >> 4));
+        mma_ss_tab(o[mt], vtdesc + ((mt * 8 * kVCB + ks * 2 * 128) >> 4), pdesc + (ks * 512 >> 4));
       commit();
     }
   };
