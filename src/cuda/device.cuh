@@ -196,10 +196,9 @@ __device__ __forceinline__ float bf16_hi(std::uint32_t w) { return __uint_as_flo
 // little-endian B-bit code word v as the fp16 pair (1024 + code) (one LOP3); a bf16 pair as fp16.
 // z2 for zero point z: (1024 + z) x 2 as fp16 bits, the form sub_zero takes.
 __device__ __forceinline__ std::uint32_t zero_pair(std::uint32_t z) { return 0x64006400u + z * 0x10001u; }
-// zero_pair of byte i (0..3, known at compile time) of w: one PRMT with the fp16 exponent byte 0x64.
-template <int I>
-__device__ __forceinline__ std::uint32_t zero_pair_byte(std::uint32_t w) {
-  return __byte_perm(w, 0x64u, static_cast<unsigned>(I | 4 << 4 | I << 8 | 4 << 12));
+// zero_pair of byte i (0..3) of w: one PRMT with the fp16 exponent byte 0x64.
+__device__ __forceinline__ std::uint32_t zero_pair_byte(std::uint32_t w, unsigned i) {
+  return __byte_perm(w, 0x64u, i | 4u << 4 | i << 8 | 4u << 12);
 }
 __device__ __forceinline__ std::uint32_t sub_zero(std::uint32_t w, std::uint32_t z2) {
   const __half2 r = __hsub2(*reinterpret_cast<const __half2*>(&w), *reinterpret_cast<const __half2*>(&z2));

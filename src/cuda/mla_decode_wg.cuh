@@ -264,16 +264,11 @@ __global__ void __launch_bounds__(128, 2) mla_decode_wg_kernel(const __grid_cons
           const float sc = __uint_as_float((G & 1) ? (sw & 0xffff0000u) : (sw << 16));
           s2 = detail::pack2<false>(sc, sc);
           const std::uint32_t zw = word(m[k][1], G >> 2);
-          switch (G & 3) {
-            case 0: z2 = detail::zero_pair_byte<0>(zw); break;
-            case 1: z2 = detail::zero_pair_byte<1>(zw); break;
-            case 2: z2 = detail::zero_pair_byte<2>(zw); break;
-            default: z2 = detail::zero_pair_byte<3>(zw); break;
-          }
+          z2 = detail::zero_pair_byte(zw, G & 3);
         } else {
           const float rs = __uint_as_float(m[k][1].z);
           s2 = detail::pack2<false>(rs, rs);
-          z2 = detail::zero_pair_byte<0>(m[k][1].w);
+          z2 = detail::zero_pair_byte(m[k][1].w, 0);
         }
         if (G < 8) dequant16v<CB>(a[k], cc[k][G], z2, s2);
         else dequant16v<RB>(a[k], rc[k], z2, s2);
