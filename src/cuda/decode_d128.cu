@@ -18,8 +18,10 @@ bool fast_applies(const DecodeParams& p) {
   };
   const bool aligned = (f.key != KeyCode::kTq || a16(f.key_perm, f.key_signs)) &&
                        (f.value != ValueCode::kTq || a16(f.value_perm, f.value_signs));
+  // The fast kernel forms page offsets by a 32 x 32 -> 64-bit multiply.
+  const bool page32 = f.page.page_bytes <= 0xffffffffull;
   return f.head_dim == 128 && f.kv_heads > 0 && p.q_heads % f.kv_heads == 0 && p.q_heads / f.kv_heads <= 4 &&
-         (f.segments == 1 || f.segments == 2) && aligned;
+         (f.segments == 1 || f.segments == 2) && aligned && page32;
 }
 }  // namespace
 

@@ -70,7 +70,7 @@ struct FCfg {
   static constexpr int LUT_BYTES = LUT_ALIGN + LUT1_BYTES;
   static constexpr int Q_BYTES = 4 * D * 4 + 2 * NSEG * 16 * 4;  // query [4][D], then centroids [2 NSEG][16]
   static constexpr int STAGE_BYTES = align16c(kChunk * (KCB + VCB + MB)) + 16;
-  // per-warp scratch of the P transpose: [segment][4 heads][8][16 bytes]
+  // per-warp scratch of the P transpose: [segment][4 parts][4 heads][8 words]
   static constexpr int SCR_WARP = 512 * NSEG;
   // cp.async ring depth per warp: 3 stages (two chunks in flight while one is used) where 16 warps fit.
   static constexpr int AVAIL = kSmemBudget - LUT_BYTES - Q_BYTES - 16 * SCR_WARP;
@@ -299,31 +299,41 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   std::uint8_t* my_stages = w < n_lo ? smem_raw + static_cast<std::size_t>(w) * C::NST * C::STAGE_BYTES
                                      : lut + C::LUT_BYTES + C::Q_BYTES + C::WARPS * C::SCR_WARP +
                                            static_cast<std::size_t>(w - n_lo) * C::NST * C::STAGE_BYTES;
-  const std::int32_t* bt = p.block_tables + static_cast<std::size_t>(b) * p.max_pages;
-
-  auto page_of = [&](int i) { return i < nloc ? bt[(cb + w + i * C::WARPS) >> 1] : 0; };
-  auto issue = [&](int i, int slot_i, int page) {
-    const int c = cb + w + i * C::WARPS;
-    const int off = (c & 1) * kChunk;
-    const std::uint8_t* base = pool + static_cast<std::size_t>(page) * page_bytes;
+  // A warp's chunks are c = cb + w + i WARPS (WARPS even), so chunk i's block-table entry is
+  // bt_w[i WARPS / 2] and all its chunks lie in the same half of their pages: the byte offsets of the
+  // key codes, value codes and metadata within a page are loop-invariant, and so are the pool
+  // pointers below with the lane's 16 bytes folded in. A copy's source is then one 64-bit add of
+  // page x page_bytes (one 32 x 32 -> 64-bit multiply; the launcher checks that page_bytes fits 32
+  // bits) and an immediate offset of 512 j.
+  static_assert(C::WARPS % 2 == 0, "fast decode: a warp's chunks must keep their half page");
+  const std::int32_t* const bt_w = p.block_tables + static_cast<std::size_t>(b) * p.max_pages + ((cb + w) >> 1);
+  auto page_of = [&](int i) { return i < nloc ? bt_w[i * (C::WARPS / 2)] : 0; };
+  const std::uint32_t page_bytes32 = static_cast<std::uint32_t>(page_bytes);
+  const std::size_t slot0 = static_cast<std::size_t>(kh) * 64 + static_cast<std::size_t>(((cb + w) & 1) * kChunk);
+  const std::uint8_t* const pool_k = pool + (koff + slot0 * C::KCB);
+  const std::uint8_t* const pool_v = pool + (voff + slot0 * C::VCB);
+  const std::uint8_t* const pool_m = pool + (moff + slot0 * C::MB);
+  auto issue = [&](int slot_i, int page) {
+    const std::uint64_t po = static_cast<std::uint64_t>(static_cast<std::uint32_t>(page)) * page_bytes32;
     std::uint8_t* dst = my_stages + slot_i * C::STAGE_BYTES;
-    const std::size_t slot = static_cast<std::size_t>(kh) * 64 + static_cast<std::size_t>(off);
-    const std::uint8_t* srck = base + koff + slot * C::KCB;
-    const std::uint8_t* srcv = base + voff + slot * C::VCB;
-    const std::uint8_t* srcm = base + moff + slot * C::MB;
     constexpr int nk = kChunk * C::KCB / 16, nv = kChunk * C::VCB / 16, nm = kChunk * C::MB / 16;
     if constexpr (nk % 32 == 0 && nv % 32 == 0) {
       static_assert(nm <= 32, "chunk regions");
+      const std::uint8_t* srck = pool_k + 16 * lane + po;
+      const std::uint8_t* srcv = pool_v + 16 * lane + po;
+      std::uint8_t* dl = dst + 16 * lane;
 #pragma unroll
-      for (int j = 0; j < nk / 32; ++j) cp_async16(dst + 16 * (lane + 32 * j), srck + 16 * (lane + 32 * j));
+      for (int j = 0; j < nk / 32; ++j) cp_async16(dl + 512 * j, srck + 512 * j);
 #pragma unroll
-      for (int j = 0; j < nv / 32; ++j)
-        cp_async16(dst + 16 * (nk + lane + 32 * j), srcv + 16 * (lane + 32 * j));
-      if (lane < nm) cp_async16(dst + 16 * (nk + nv + lane), srcm + 16 * lane);
+      for (int j = 0; j < nv / 32; ++j) cp_async16(dl + 16 * nk + 512 * j, srcv + 512 * j);
+      if (lane < nm) cp_async16(dl + 16 * (nk + nv), pool_m + 16 * lane + po);
     } else {
       // Regions not in whole warps (the split formats: 112 + 112 + 16 or 80 + 80 + 16 units): unit
       // q = lane + 32 j of the stage, its source picked by a select where a warp's units straddle two
       // regions.
+      const std::uint8_t* srck = pool_k + po;
+      const std::uint8_t* srcv = pool_v + po;
+      const std::uint8_t* srcm = pool_m + po;
       constexpr int nt = nk + nv + nm;
 #pragma unroll
       for (int j = 0; j < (nt + 31) / 32; ++j) {
@@ -335,7 +345,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   };
 #pragma unroll
   for (int s = 0; s + 1 < C::NST; ++s) {
-    if (s < nloc) issue(s, s, page_of(s));
+    if (s < nloc) issue(s, page_of(s));
     cp_async_commit();
   }
   int page_next = page_of(C::NST - 1);
@@ -424,12 +434,14 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   const std::uint32_t XK = lut_s | L4, XV = lut_s | 128u | L4;  // table address of entry 0 for this lane
   const std::uint32_t lut1_s = lut_s + static_cast<std::uint32_t>(C::LUT_ALIGN);  // split: segment 1's table
   const std::uint32_t XK1 = lut1_s | L4, XV1 = lut1_s | 128u | L4;
-  // P transpose scratch of this warp: 16-byte unit (h, x) = (hi, hi, lo, lo) halves of P of head h for
-  // tokens x, x + 8 | x + 16, x + 24, at unit h * 8 + (x ^ 2 h) (the two reads below hit 2 wavefronts).
+  // P transpose scratch of this warp (per segment 128 words): word 32 c + 8 h + 2 (x & 3) + (x >> 2) holds part c
+  // (0 / 1: the fp16-rounded P of tokens x, x + 8 / x + 16, x + 24; 2 / 3: their residuals) of head h, written
+  // by lane (g = x, t4 = h) with 4 conflict-free 32-bit stores at immediate offsets. A lane's two B registers
+  // of one k-block (tokens t4, t4 + 8 from lane t4 and t4 + 4, t4 + 12 from lane t4 + 4) are then adjacent:
+  // one 8-byte load gives the register pair the mma reads (no copies into pairs), 2 wavefronts per load.
   std::uint8_t* const scr = lut + C::LUT_BYTES + C::Q_BYTES + static_cast<std::size_t>(w) * C::SCR_WARP;
-  uint4* const scr_st = reinterpret_cast<uint4*>(scr + 16 * (t4 * 8 + (g ^ (2 * t4))));
-  const uint2* const scr_ld0 = reinterpret_cast<const uint2*>(scr + 16 * (hq * 8 + (t4 ^ (2 * hq))) + 8 * (g & 1));
-  const uint2* const scr_ld1 = reinterpret_cast<const uint2*>(scr + 16 * (hq * 8 + ((t4 + 4) ^ (2 * hq))) + 8 * (g & 1));
+  std::uint32_t* const scr_st = reinterpret_cast<std::uint32_t*>(scr) + 8 * t4 + 2 * (g & 3) + (g >> 2);
+  const uint2* const scr_ld = reinterpret_cast<const uint2*>(scr + 4 * (64 * (g & 1) + 8 * hq + 2 * t4));
   // Metadata of 6-byte tokens: the lane's tokens g + 8 j start 2 bytes into a word where g is odd.
   const unsigned msel0 = (g & 1) ? 0x5432u : 0x3210u, msel1 = (g & 1) ? 0x7676u : 0x5454u;
 
@@ -443,7 +455,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   for (int i = 0; i < nloc; ++i) {
     cp_async_wait<C::NST - 2>();  // chunk i has landed
     __syncwarp();
-    if (i + C::NST - 1 < nloc) issue(i + C::NST - 1, slot_wr, page_next);  // into the slot read last iteration
+    if (i + C::NST - 1 < nloc) issue(slot_wr, page_next);  // into the slot read last iteration
     cp_async_commit();
     page_next = page_of(i + C::NST);  // used next iteration: the load's latency is hidden
     const std::uint8_t* st = my_stages + slot_rd * C::STAGE_BYTES;
@@ -575,10 +587,17 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     }
     }  // NSEG == 1
     if (!full) {  // warp-uniform: only the first and last chunk of a range can be partial
+      // Slots outside the range hold whatever the pool held (NaN patterns too): their score is
+      // masked and their value scale and zero set to 0, so that p = 0 multiplies finite numbers.
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int x = pos0 + g + 8 * j;
-        if (x < lo || x >= hi) sc[j] = -INFINITY;
+        if (x < lo || x >= hi) {
+          sc[j] = -INFINITY;
+          vz[j] = 0.0f;
+#pragma unroll
+          for (int s = 0; s < NSEG; ++s) vsc[s][j] = 0.0f;
+        }
       }
     }
 
@@ -589,15 +608,17 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
     const float m_new = fmaxf(m_run, mx);
     const float m_use = m_new == -INFINITY ? 0.0f : m_new;
-    const float alpha = exp2f(m_run - m_use);
+    // ex2.approx.ftz: the MUFU alone (exp2f adds a rescale for results below 2^-126, weights that
+    // do not matter next to the maximum's 1); ex2(-inf) = 0.
+    const float alpha = ex2(m_run - m_use);
     float psum = 0, zsum = 0, pv[NSEG][4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const float pj = exp2f(sc[j] - m_use);
+      const float pj = ex2(sc[j] - m_use);
       psum += pj;
 #pragma unroll
-      for (int s = 0; s < NSEG; ++s) pv[s][j] = pj > 0 ? pj * vsc[s][j] : 0.0f;
-      if constexpr (C::VC == ValueCode::kUniform) zsum += pj > 0 ? pj * vz[j] : 0.0f;
+      for (int s = 0; s < NSEG; ++s) pv[s][j] = pj * vsc[s][j];
+      if constexpr (C::VC == ValueCode::kUniform) zsum += pj * vz[j];
     }
     z_run = z_run * alpha + zsum;
     l_run = l_run * alpha + psum;
@@ -617,14 +638,17 @@ __global__ void __launch_bounds__(C::THREADS, 1)
       std::uint32_t h01, l01, h23, l23;
       split2<false>(pv[s][0], pv[s][1], h01, l01);
       split2<false>(pv[s][2], pv[s][3], h23, l23);
-      scr_st[32 * s] = make_uint4(h01, h23, l01, l23);  // segment s: + 512 s bytes
+      scr_st[128 * s] = h01;  // segment s: + 512 s bytes
+      scr_st[128 * s + 32] = h23;
+      scr_st[128 * s + 64] = l01;
+      scr_st[128 * s + 96] = l23;
     }
     __syncwarp();
-    uint2 bx[NSEG], by[NSEG];
+    uint2 bk[NSEG][2];  // [segment][k-block]
 #pragma unroll
     for (int s = 0; s < NSEG; ++s) {
-      bx[s] = scr_ld0[64 * s];
-      by[s] = scr_ld1[64 * s];
+      bk[s][0] = scr_ld[64 * s];
+      bk[s][1] = scr_ld[64 * s + 16];
     }
 
     // ---- P V: values as A (16 dims x 16 tokens), P as B ----
@@ -634,8 +658,8 @@ __global__ void __launch_bounds__(C::THREADS, 1)
       std::uint32_t bfr[NSEG][2];
 #pragma unroll
       for (int s = 0; s < NSEG; ++s) {
-        bfr[s][0] = kk == 0 ? bx[s].x : bx[s].y;
-        bfr[s][1] = kk == 0 ? by[s].x : by[s].y;
+        bfr[s][0] = bk[s][kk].x;
+        bfr[s][1] = bk[s][kk].y;
       }
       std::uint32_t areg[2][16];  // [token pair][dim j of the lane's 16]
 #pragma unroll
