@@ -1,5 +1,7 @@
 // Decode launcher: split count, workspace, dispatch by head_dim. One kernel launch: the last CTA
-// of each (sequence, KV head) merges the splits' partial outputs (finish_group in decode.cuh).
+// of each (sequence, KV head) merges the splits' partial outputs (finish_group in decode.cuh), or,
+// for the fast kernel where the device holds them, the group's CTAs form a cluster and merge through
+// distributed shared memory (finish_cluster in decode_fast.cuh).
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -50,6 +52,11 @@ int decode_splits(const DecodeParams& p) {
 bool decode_uses_fast_kernel(const DecodeParams& p) {
   return p.fmt.head_dim == 128 &&
          detail::decode_fast_d128(p, false, nullptr, detail::SplitArgs{}, nullptr) == cudaSuccess;
+}
+
+bool decode_uses_cluster_merge(const DecodeParams& p) {
+  return decode_uses_fast_kernel(p) &&
+         detail::decode_fast_cluster_d128(p, decode_splits(p) + (p.protect.enabled() ? 1 : 0));
 }
 
 namespace {

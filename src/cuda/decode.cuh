@@ -44,6 +44,8 @@ struct SplitArgs {
   float* part_lse = nullptr;                // [batch * q_heads][NS] their log2-sum-exp
   unsigned long long* counters = nullptr;   // [batch][kv_heads]: epoch << 32 | CTAs of the group done
   unsigned epoch = 0;                       // this launch's tag, never 0
+  int cluster = 0;                          // 1: the NS CTAs of a group are one thread-block cluster and
+                                            // merge through distributed shared memory (fast kernel)
 };
 
 // threadIdx.x, read where it is used: code after a kernel's main loop that computes its indices
@@ -128,6 +130,55 @@ __device__ __forceinline__ void finish_group_smem(const DecodeParams& p, const S
   if (tid == 0) *ctr = 0;  // ready for the next launch (a replayed graph keeps its epoch)
 }
 
+// Output row `row` of a split merge in registers (head_dim 128, a warp per row): lane l holds dims
+// 4 l .. 4 l + 3. lse_of(s) / part_of(s): split s's log2-sum-exp and the lane's float4 of its normalized
+// partial (a split that saw no token has -inf and a partial that is never read). The splits are
+// weighted in order s = 0 .. NS - 1 (fixed summation order: the same bits whichever CTA merges);
+// TurboQuant values are rotated back (FWHT per segment, signs, permutation; vp / vs: the lane's
+// permutation entries and signs), the value mean mu (centered formats) added to rows with any history.
+template <bool TQ, class LseOf, class PartOf>
+__device__ __forceinline__ void merge_row_reg(const DecodeParams& p, int NS, int lane, int4 vp, float4 vs, const float* mu,
+                                              std::size_t row, LseOf lse_of, PartOf part_of) {
+  // Lane s holds split s's log2-sum-exp (splits >= 32 are read in the loop); the partials'
+  // loads do not wait for the weights, so the loop's loads are in flight together.
+  const float l_lane = lane < NS ? lse_of(lane) : -INFINITY;
+  float M = l_lane;
+  for (int s = lane + 32; s < NS; s += 32) M = fmaxf(M, lse_of(s));
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+  float x[4] = {0, 0, 0, 0}, sw = 0;
+  if (M != -INFINITY) {
+#pragma unroll 4
+    for (int s = 0; s < NS; ++s) {
+      const float4 v = part_of(s);
+      const float l = s < 32 ? __shfl_sync(0xffffffffu, l_lane, s) : lse_of(s);
+      const float wgt = l == -INFINITY ? 0.0f : exp2f(l - M);  // an empty split wrote no partial
+      sw += wgt;
+      x[0] += wgt == 0.0f ? 0.0f : wgt * v.x;
+      x[1] += wgt == 0.0f ? 0.0f : wgt * v.y;
+      x[2] += wgt == 0.0f ? 0.0f : wgt * v.z;
+      x[3] += wgt == 0.0f ? 0.0f : wgt * v.w;
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) x[j] = sw > 0 ? x[j] / sw : 0.0f;
+  float* out = p.out + row * 128;
+  if constexpr (TQ) {
+    const int n = p.fmt.seg_dims[0];  // 128, or 64 + 64 for the outlier splits
+    warp_fwht4(x, lane, n);
+    const float sc = static_cast<float>(1.0 / sqrt(static_cast<double>(n)));
+    const int c[4] = {vp.x, vp.y, vp.z, vp.w};
+    const float sgn[4] = {vs.x, vs.y, vs.z, vs.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float y = x[j] * sc * sgn[j];
+      out[c[j]] = mu && M != -INFINITY ? y + mu[c[j]] : y;
+    }
+  } else {
+    reinterpret_cast<float4*>(out)[lane] = make_float4(x[0], x[1], x[2], x[3]);
+  }
+}
+
 // The end of every CTA of the split kernels, after it wrote its partial (every exit path calls it,
 // with all threads). The group's last CTA merges the NS partials of its G query heads by their
 // log2-sum-exp (one softmax over all splits; nothing is normalized separately), rotates TurboQuant
@@ -180,44 +231,9 @@ __device__ __forceinline__ void finish_group(const DecodeParams& p, const SplitA
       if (w < G) {
         const float* lse = a.part_lse + (row0 + w) * NS;
         const float4* po = reinterpret_cast<const float4*>(a.part_o + (row0 + w) * NS * D) + lane;
-        // Lane s holds split s's log2-sum-exp (splits >= 32 are read in the loop); the partials'
-        // loads do not wait for the weights, so the loop's loads are in flight together.
-        const float l_lane = lane < NS ? __ldcg(lse + lane) : -INFINITY;
-        float M = l_lane;
-        for (int s = lane + 32; s < NS; s += 32) M = fmaxf(M, __ldcg(lse + s));
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
-        float x[4] = {0, 0, 0, 0}, sw = 0;
-        if (M != -INFINITY) {
-#pragma unroll 4
-          for (int s = 0; s < NS; ++s) {
-            const float4 v = __ldcg(po + static_cast<std::size_t>(s) * (D / 4));
-            const float l = s < 32 ? __shfl_sync(0xffffffffu, l_lane, s) : __ldcg(lse + s);
-            const float wgt = l == -INFINITY ? 0.0f : exp2f(l - M);  // an empty split wrote no partial
-            sw += wgt;
-            x[0] += wgt == 0.0f ? 0.0f : wgt * v.x;
-            x[1] += wgt == 0.0f ? 0.0f : wgt * v.y;
-            x[2] += wgt == 0.0f ? 0.0f : wgt * v.z;
-            x[3] += wgt == 0.0f ? 0.0f : wgt * v.w;
-          }
-        }
-#pragma unroll
-        for (int j = 0; j < 4; ++j) x[j] = sw > 0 ? x[j] / sw : 0.0f;
-        float* out = p.out + (row0 + w) * D;
-        if constexpr (tq) {
-          const int n = p.fmt.seg_dims[0];  // 128, or 64 + 64 for the outlier splits
-          warp_fwht4(x, lane, n);
-          const float sc = static_cast<float>(1.0 / sqrt(static_cast<double>(n)));
-          const int c[4] = {vp.x, vp.y, vp.z, vp.w};
-          const float sgn[4] = {vs.x, vs.y, vs.z, vs.w};
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const float y = x[j] * sc * sgn[j];
-            out[c[j]] = mu && M != -INFINITY ? y + mu[c[j]] : y;
-          }
-        } else {
-          reinterpret_cast<float4*>(out)[lane] = make_float4(x[0], x[1], x[2], x[3]);
-        }
+        merge_row_reg<tq>(
+            p, NS, lane, vp, vs, mu, row0 + w, [=](int s) { return __ldcg(lse + s); },
+            [=](int s) { return __ldcg(po + static_cast<std::size_t>(s) * (D / 4)); });
       }
       if (tid == 0) *ctr = 0;
       return;

@@ -41,6 +41,20 @@ cudaError_t decode_fast_d128(const DecodeParams& p, bool launch, int* warps, con
 }
 #undef KVQ_FAST_CASE
 
+#define KVQ_FAST_CLUSTER_CASE(KC, KB, VC, VB, KB1, VB1)                                             \
+  if (format_is(p.fmt, KC, KB, KB1, VC, VB, VB1)) {                                                 \
+    using C = FCfg<KC, KB, VC, VB, KB1, VB1>;                                                        \
+    return fast_cluster_applies<C>(p, ns, fast_smem<C>(p));                                         \
+  }
+
+// Whether the fast kernel's launch with ns CTAs per group would merge in clusters.
+bool decode_fast_cluster_d128(const DecodeParams& p, int ns) {
+  if (!fast_applies(p)) return false;
+  KVQ_FAST_FORMATS(KVQ_FAST_CLUSTER_CASE)
+  return false;
+}
+#undef KVQ_FAST_CLUSTER_CASE
+
 cudaError_t launch_decode_d128(const DecodeParams& p, const SplitArgs& a, cudaStream_t st) {
   const cudaError_t e = decode_fast_d128(p, true, nullptr, a, st);
   if (e != cudaErrorNotSupported) return e;

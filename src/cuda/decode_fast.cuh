@@ -2,7 +2,9 @@
 // heads per KV head, TurboQuant or fp8 keys, uniform or TurboQuant values (tq-k8v4, tq-4bit-nc,
 // tq-k3v4-nc, tq-3bit-nc, tq-4bit, tq-3bit) and the outlier splits into two segments of 64
 // (tq-3.5bit, tq-2.5bit). Other shapes and formats take the generic kernel of decode.cuh; the
-// split merge (finish_group) is shared.
+// split merge through the workspace (finish_group) is shared. Where the device holds them, the NS
+// CTAs of a (sequence, KV head) are launched as one thread-block cluster and merge through
+// distributed shared memory instead (finish_cluster): no workspace round trip, fence or counter.
 //
 // Differences from the generic kernel (docs/kernels.md, "Decode kernel"):
 //  - 16 warps in one CTA per SM (fewer where shared memory does not fit), registers capped at 128;
@@ -25,6 +27,8 @@
 //    times the segment's value norm as B (two scratch units per lane). Segment 0's pair table is
 //    aligned to its size, segment 1's follows it (aligned to its own, smaller size).
 #pragma once
+
+#include <cooperative_groups.h>
 
 #include <type_traits>
 
@@ -84,12 +88,15 @@ struct FCfg {
   // LOP3 builds it, no add): stages of warps [0, nlo) in the pad, the table, the query, the warps'
   // P-transpose scratch, the stages of the other warps.
   static constexpr int nlo(int lut_pad) { return lut_pad / (NST * STAGE_BYTES) < WARPS ? lut_pad / (NST * STAGE_BYTES) : WARPS; }
+  static constexpr int PROT_BYTES = kMaxGroup * D * 4 + WARPS * kMaxGroup * RS * 4;  // protected split
+  static constexpr int RED_BYTES = WARPS * 4 * RS * 4 + (4 * WARPS + 4) * 4;         // merge of the warps, its weights
+  // Cluster split merge: the CTA's partial ([4][D] outputs, then 4 log2-sum-exps), past what the tail
+  // of every CTA kind uses.
+  static constexpr int CL_OFF = align16c(PROT_BYTES > RED_BYTES ? PROT_BYTES : RED_BYTES);
+  static constexpr int CL_BYTES = (4 * D + 4) * 4;
   static constexpr int smem(int lut_pad) {
     const int need = lut_pad + LUT_BYTES + Q_BYTES + WARPS * SCR_WARP + (WARPS - nlo(lut_pad)) * NST * STAGE_BYTES;
-    const int prot = kMaxGroup * D * 4 + WARPS * kMaxGroup * RS * 4;  // protected split
-    const int red = WARPS * 4 * RS * 4 + (4 * WARPS + 4) * 4;         // merge of the warps, its weights
-    const int m = need > prot ? need : prot;
-    return m > red ? m : red;
+    return need > CL_OFF + CL_BYTES ? need : CL_OFF + CL_BYTES;
   }
   static_assert(WARPS >= 8, "fast decode: too little shared memory");
 };
@@ -170,13 +177,14 @@ __device__ __forceinline__ void tq_keys_mma(const std::uint32_t (&wv)[4][NW], st
 }
 
 // The merge of the warps' online softmaxes (red: per warp and head the D unnormalized outputs, max,
-// sum and zero term, RS floats apart) into the CTA's partial: the weights of the warps per head are
+// sum and zero term, RS floats apart) into the CTA's partial (po / plse, rows `stride` partials apart:
+// the workspace's [row][NS] layout, or 1 in shared memory for the cluster merge): the weights of the warps per head are
 // computed once by warp h (lane ww: warp ww's values): c_ww = 2^(m_ww - M) / sum and the constant
 // sum_ww c_ww z_ww; a warp without tokens has weight 0. Then every output is one dot product over
 // the warps. Its thread index is read after the loop (tid_after_loop: from threadIdx.x its address
 // arithmetic was hoisted above the main loop and cost the loop registers).
 template <class C>
-__device__ __forceinline__ void merge_warps(float* red, float* po, float* plse, int NS, int G) {
+__device__ __forceinline__ void merge_warps(float* red, float* po, float* plse, int stride, int G) {
   constexpr int D = C::D, RS = C::RS;
   const int tid = tid_after_loop(), w = tid >> 5, lane = tid & 31;
   float* const coef = red + C::WARPS * 4 * RS;  // [4][WARPS] weights, then [4] constants
@@ -198,7 +206,7 @@ __device__ __forceinline__ void merge_warps(float* red, float* po, float* plse, 
     if (lane < C::WARPS) coef[w * C::WARPS + lane] = c;
     if (lane == 0) {
       coef[4 * C::WARPS + w] = zc;
-      plse[static_cast<std::size_t>(w) * NS] = sum > 0 ? M + log2f(sum) : -INFINITY;
+      plse[static_cast<std::size_t>(w) * stride] = sum > 0 ? M + log2f(sum) : -INFINITY;
     }
   }
   __syncthreads();
@@ -207,8 +215,42 @@ __device__ __forceinline__ void merge_warps(float* red, float* po, float* plse, 
     float acc = coef[4 * C::WARPS + h];
 #pragma unroll
     for (int ww = 0; ww < C::WARPS; ++ww) acc += coef[h * C::WARPS + ww] * red[(ww * 4 + h) * RS + d];
-    po[static_cast<std::size_t>(h) * NS * D + d] = acc;
+    po[static_cast<std::size_t>(h) * stride * D + d] = acc;
   }
+}
+
+// The split merge inside a thread-block cluster (SplitArgs::cluster): the NS CTAs of a (sequence, KV
+// head) are one cluster, rank = split, each with its partial at CL_OFF of its shared memory. After a
+// cluster barrier (release / acquire), warp h < G of the CTA of rank h % NS merges row h from the
+// CTAs' shared memory (distributed shared memory) as finish_group merges from the workspace, in split
+// order; a second barrier keeps every CTA's shared memory until the reads are done. No workspace, fence,
+// counter or global round trip.
+template <class C>
+__device__ __forceinline__ void finish_cluster(const DecodeParams& p, int NS, int G, std::uint8_t* smem_raw) {
+  namespace cg = cooperative_groups;
+  constexpr int D = C::D;
+  const cg::cluster_group cl = cg::this_cluster();
+  const int tid = tid_after_loop(), kh = ctaid_y_after_loop(), b = ctaid_z_after_loop();
+  const int w = tid >> 5, lane = tid & 31;
+  const bool mine = w < G && w % NS == static_cast<int>(cl.block_rank());
+  const float* mu = p.fmt.value_mean ? p.fmt.value_mean + static_cast<std::size_t>(kh) * D : nullptr;
+  int4 vp = make_int4(0, 0, 0, 0);
+  float4 vs = make_float4(0, 0, 0, 0);
+  if constexpr (C::VC == ValueCode::kTq) {
+    if (mine) {
+      vp = reinterpret_cast<const int4*>(p.fmt.value_perm + static_cast<std::size_t>(kh) * D)[lane];
+      vs = reinterpret_cast<const float4*>(p.fmt.value_signs + static_cast<std::size_t>(kh) * D)[lane];
+    }
+  }
+  cl.sync();
+  if (mine) {
+    float* const part = reinterpret_cast<float*>(smem_raw + C::CL_OFF);
+    const std::size_t row = static_cast<std::size_t>(b) * p.q_heads + static_cast<std::size_t>(kh) * G + w;
+    merge_row_reg<C::VC == ValueCode::kTq>(
+        p, NS, lane, vp, vs, mu, row, [&](int s) { return cl.map_shared_rank(part, s)[4 * D + w]; },
+        [&](int s) { return reinterpret_cast<const float4*>(cl.map_shared_rank(part, s) + w * D)[lane]; });
+  }
+  cl.sync();
 }
 
 template <class C>
@@ -227,13 +269,20 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   const int NS = nsplit + (prot ? 1 : 0);
   const int tid = threadIdx.x, w = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   const std::size_t row0 = static_cast<std::size_t>(b) * p.q_heads + static_cast<std::size_t>(kh) * G;
-  float* po = part_o + (row0 * NS + split) * D;
-  float* plse = part_lse + row0 * NS + split;
+  // The CTA's partial: in the workspace, or (cluster merge) in its own shared memory.
+  const bool clus = a.cluster != 0;
+  const int pst = clus ? 1 : NS;  // the partial's row stride, in outputs of D and in log2-sum-exps
+  float* po = clus ? reinterpret_cast<float*>(smem_raw + C::CL_OFF) : part_o + (row0 * NS + split) * D;
+  float* plse = clus ? reinterpret_cast<float*>(smem_raw + C::CL_OFF) + 4 * D : part_lse + row0 * NS + split;
+  auto finish = [&]() {
+    if (clus) finish_cluster<C>(p, NS, G, smem_raw);
+    else finish_group<C::THREADS, C::D, C::VC == ValueCode::kTq, false>(p, a, NS, G, reinterpret_cast<float*>(smem_raw));
+  };
 
   if (split == nsplit) {
     protected_split<C>(p.q, p.q_heads, p.scale, prl, p.protect_rows, p.fmt.value_perm, p.fmt.value_signs,
-                       p.fmt.key_mean, p.fmt.value_mean, G, L, NS, po, plse, smem_raw);
-    finish_group<C::THREADS, C::D, C::VC == ValueCode::kTq, false>(p, a, NS, G, reinterpret_cast<float*>(smem_raw));
+                       p.fmt.key_mean, p.fmt.value_mean, G, L, pst, po, plse, smem_raw);
+    finish();
     return;
   }
 
@@ -276,8 +325,8 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   const int c_hi = hi > lo ? (hi + kChunk - 1) / kChunk : c_lo;
   const int cb = max(c_lo, split * cps), ce = min(c_hi, (split + 1) * cps);
   if (cb >= ce) {
-    for (int h = tid; h < G; h += C::THREADS) plse[static_cast<std::size_t>(h) * NS] = -INFINITY;
-    finish_group<C::THREADS, C::D, C::VC == ValueCode::kTq, false>(p, a, NS, G, reinterpret_cast<float*>(smem_raw));
+    for (int h = tid; h < G; h += C::THREADS) plse[static_cast<std::size_t>(h) * pst] = -INFINITY;
+    finish();
     return;
   }
   const std::uint32_t sbase = smem_u32(smem_raw);
@@ -793,8 +842,8 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     }
   }
   __syncthreads();
-  merge_warps<C>(red, po, plse, NS, G);
-  finish_group<C::THREADS, C::D, C::VC == ValueCode::kTq, false>(p, a, NS, G, reinterpret_cast<float*>(smem_raw));
+  merge_warps<C>(red, po, plse, pst, G);
+  finish();
 }
 
 // (key code, key bits, value code, value bits, segment 1's key / value bits or 0) of the formats the
@@ -809,26 +858,66 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   X(KeyCode::kTq, 4, ValueCode::kTq, 4, 3, 3)       \
   X(KeyCode::kTq, 3, ValueCode::kTq, 3, 2, 2)
 
+// The launch's dynamic shared memory (0 where the format's page layout is not this kernel's).
 template <class C>
-cudaError_t launch_decode_fast(const DecodeParams& p, const SplitArgs& a, cudaStream_t st) {
+int fast_smem(const DecodeParams& p) {
   const PageLayout& pg = p.fmt.page;
   if (pg.tokens != 64 || pg.key_code_bytes != static_cast<std::uint32_t>(C::KCB) ||
       pg.value_code_bytes != static_cast<std::uint32_t>(C::VCB) || pg.meta_bytes != static_cast<std::uint32_t>(C::MB) ||
       pg.key_meta_bytes != static_cast<std::uint32_t>(C::KMB) || (C::NSEG == 2 && p.fmt.seg_dims[0] != C::sd(0)))
-    return cudaErrorInvalidValue;
+    return 0;
   // Dynamic shared memory starts after the per-block reserved bytes (1 KB on sm_90; the kernel has no
   // static shared memory); the kernel checks the layout against the size it got and traps otherwise.
   DeviceFacts dv;
-  cudaError_t e = device_facts(dv);
-  if (e != cudaSuccess) return e;
+  if (device_facts(dv) != cudaSuccess) return 0;
   const int reserved = dv.reserved_smem;
   const int pad = C::LUT_ALIGN > 0 ? (C::LUT_ALIGN - reserved % C::LUT_ALIGN) % C::LUT_ALIGN : 0;
   const int smem = C::smem(pad);
-  if (smem > kSmemBudget + 2 * 1024) return cudaErrorInvalidValue;
-  e = smem_limit_once<decode_fast_kernel<C>>(smem);
+  return smem > kSmemBudget + 2 * 1024 ? 0 : smem;
+}
+
+// Whether a launch with NS CTAs per group merges in clusters: asked for (cluster_merge), NS <= 8 (the
+// portable cluster size), and the device holds the launch's clusters in no more waves than its CTAs
+// without clusters (one CTA per SM); clusters of NS CTAs must fit in one GPC, so a size that leaves
+// SMs idle would cost a wave.
+template <class C>
+bool fast_cluster_applies(const DecodeParams& p, int NS, int smem) {
+  if (!p.cluster_merge || NS < 1 || NS > 8 || smem <= 0) return false;
+  if (smem_limit_once<decode_fast_kernel<C>>(smem) != cudaSuccess) return false;
+  const int per = max_active_clusters_once<decode_fast_kernel<C>>(NS, C::THREADS, smem);
+  if (per <= 0) return false;
+  const long groups = static_cast<long>(p.batch) * p.fmt.kv_heads;
+  const int sms = p.sm_count > 0 ? p.sm_count : device_sms();
+  const long waves_cluster = (groups + per - 1) / per;
+  const long waves_plain = (groups * NS + sms - 1) / sms;
+  return waves_cluster <= waves_plain;
+}
+
+template <class C>
+cudaError_t launch_decode_fast(const DecodeParams& p, const SplitArgs& a, cudaStream_t st) {
+  const int smem = fast_smem<C>(p);
+  if (smem == 0) return cudaErrorInvalidValue;
+  cudaError_t e = smem_limit_once<decode_fast_kernel<C>>(smem);
   if (e != cudaSuccess) return e;
-  const dim3 grid(static_cast<unsigned>(a.nsplit + (p.protect.enabled() ? 1 : 0)), static_cast<unsigned>(p.fmt.kv_heads),
-                  static_cast<unsigned>(p.batch));
+  const int NS = a.nsplit + (p.protect.enabled() ? 1 : 0);
+  const dim3 grid(static_cast<unsigned>(NS), static_cast<unsigned>(p.fmt.kv_heads), static_cast<unsigned>(p.batch));
+  if (fast_cluster_applies<C>(p, NS, smem)) {
+    SplitArgs ac = a;
+    ac.cluster = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(C::THREADS, 1, 1);
+    cfg.dynamicSmemBytes = static_cast<std::size_t>(smem);
+    cfg.stream = st;
+    cudaLaunchAttribute at[1];
+    at[0].id = cudaLaunchAttributeClusterDimension;
+    at[0].val.clusterDim.x = static_cast<unsigned>(NS);
+    at[0].val.clusterDim.y = 1;
+    at[0].val.clusterDim.z = 1;
+    cfg.attrs = at;
+    cfg.numAttrs = 1;
+    return cudaLaunchKernelEx(&cfg, decode_fast_kernel<C>, p, ac);
+  }
   decode_fast_kernel<C><<<grid, C::THREADS, static_cast<std::size_t>(smem), st>>>(p, a);
   return cudaGetLastError();
 }

@@ -97,6 +97,41 @@ cudaError_t smem_limit_once(int bytes) {
   if (e == cudaSuccess && bit != 0) done.fetch_or(bit, std::memory_order_acq_rel);
   return e;
 }
+// Clusters of `cluster` CTAs (1..8, along the grid's x) of Kernel, with `threads` threads and `smem`
+// bytes of dynamic shared memory each, that the current device holds at once
+// (cudaOccupancyMaxActiveClusters; 0 where the runtime cannot say or none fits), asked once per
+// device and cluster size (the smem limit must be set first, and `threads` / `smem` be the same on
+// every call for one device).
+template <auto Kernel>
+int max_active_clusters_once(int cluster, int threads, int smem) {
+  static std::atomic<int> cache[64][9];  // 0: unknown, -1: none, n > 0
+  if (cluster < 1 || cluster > 8) return 0;
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return 0;
+  std::atomic<int>* slot = dev >= 0 && dev < 64 ? &cache[dev][cluster] : nullptr;
+  if (slot) {
+    const int v = slot->load(std::memory_order_acquire);
+    if (v != 0) return v > 0 ? v : 0;
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(cluster), 1, 1);
+  cfg.blockDim = dim3(static_cast<unsigned>(threads), 1, 1);
+  cfg.dynamicSmemBytes = static_cast<std::size_t>(smem);
+  cudaLaunchAttribute at[1];
+  at[0].id = cudaLaunchAttributeClusterDimension;
+  at[0].val.clusterDim.x = static_cast<unsigned>(cluster);
+  at[0].val.clusterDim.y = 1;
+  at[0].val.clusterDim.z = 1;
+  cfg.attrs = at;
+  cfg.numAttrs = 1;
+  int n = 0;
+  if (cudaOccupancyMaxActiveClusters(&n, Kernel, &cfg) != cudaSuccess) {
+    (void)cudaGetLastError();  // not sticky: clear it, the caller falls back
+    n = 0;
+  }
+  if (slot) slot->store(n > 0 ? n : -1, std::memory_order_release);
+  return n > 0 ? n : 0;
+}
 // The current device's multiprocessors (132, an H200's, when the runtime cannot say).
 inline int device_sms() {
   DeviceFacts f;

@@ -138,6 +138,10 @@ struct DecodeParams {
   std::size_t workspace_bytes = 0;
   std::int32_t num_splits = 0;   // 0: chosen from batch x heads x length to fill the SMs
   std::int32_t sm_count = 0;     // 0: read from the current device
+  // Fast kernel: merge the splits of a (sequence, KV head) inside a thread-block cluster (their
+  // partials through distributed shared memory) where the device holds the launch's clusters in
+  // as few waves as its CTAs without clusters; false: always through the workspace.
+  bool cluster_merge = true;
 };
 // Split count the launcher will use, and the workspace it needs.
 int decode_splits(const DecodeParams& p);
@@ -146,6 +150,8 @@ cudaError_t decode(const DecodeParams& p, cudaStream_t stream = nullptr);
 // True when decode(p) runs the fast kernel of decode_fast.cuh (head_dim 128, G <= 4, the TurboQuant
 // and fp8 formats including the outlier splits), false when it runs the generic one.
 bool decode_uses_fast_kernel(const DecodeParams& p);
+// True when decode(p) merges its splits inside thread-block clusters (DecodeParams::cluster_merge).
+bool decode_uses_cluster_merge(const DecodeParams& p);
 
 // Bytes the decode kernel must read for one launch (codes, metadata, protected bf16 rows and
 // block tables), the figure the benchmark divides by time.

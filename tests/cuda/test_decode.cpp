@@ -8,9 +8,10 @@
 // kernel packs the same rows on the GPU and must reproduce the CPU bytes (tolerating records
 // whose double-precision norm rounds differently, counted and bounded); records the CPU encoders
 // refuse (NaN / inf rows, norms or uniform ranges beyond fp16) must be refused and counted, their
-// slots left untouched. Inputs: Gaussian rows
-// with outlier channels and the tiny-gqa fixture keys / values (before RoPE: a kernel test needs
-// none). `--small` runs a reduced set (for compute-sanitizer).
+// slots left untouched. Where the fast kernel merges its splits in thread-block clusters, the merge
+// through the workspace must give the same bits, and relaunches and graph replays take both.
+// Inputs: Gaussian rows with outlier channels and the tiny-gqa fixture keys / values (before RoPE:
+// a kernel test needs none). `--small` runs a reduced set (for compute-sanitizer).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -33,6 +34,8 @@ using kvq::cudatest::CapturedCall;
 using kvq::cudatest::check;
 
 namespace {
+
+int g_cluster_cases = 0;  // decode cases whose launch merged its splits in thread-block clusters
 
 struct Case {
   std::string fmt;
@@ -326,8 +329,25 @@ double run_case(const Case& c) {
   }
   const double nmse = num / den;
   check(std::isfinite(nmse) && nmse <= 1e-5, name + ": decode NMSE " + std::to_string(nmse));
-  std::printf("  %-58s %-7s splits %3d  NMSE %.2e\n", name.c_str(), want_fast ? "fast" : "generic",
-              cuda::decode_splits(p), nmse);
+  const bool cluster = cuda::decode_uses_cluster_merge(p);
+  check(!cluster || want_fast, name + ": a cluster merge outside the fast kernel");
+  std::printf("  %-58s %-7s splits %3d%s  NMSE %.2e\n", name.c_str(), want_fast ? "fast" : "generic",
+              cuda::decode_splits(p), cluster ? " cluster" : "", nmse);
+  // The same launch merging through the workspace (counters, last CTA): where p merges in clusters,
+  // it must give the same bits (the same partials, weighted in the same split order).
+  cuda::DecodeParams pw = p;
+  pw.cluster_merge = false;
+  if (cluster) {
+    ++g_cluster_cases;
+    check(!cuda::decode_uses_cluster_merge(pw), name + ": cluster_merge = false still merges in clusters");
+    KVQ_CUDA_OK(cudaMemset(dout, 0xff, q.size() * sizeof(float)));
+    check(cuda::decode(pw) == cudaSuccess, name + ": decode launch without clusters");
+    KVQ_CUDA_OK(cudaDeviceSynchronize());
+    std::vector<float> outw(q.size());
+    KVQ_CUDA_OK(cudaMemcpy(outw.data(), dout, outw.size() * sizeof(float), cudaMemcpyDeviceToHost));
+    check(std::memcmp(outw.data(), out.data(), out.size() * sizeof(float)) == 0,
+          name + ": the workspace merge differs from the cluster merge");
+  }
   // The splits are merged by the last CTA of each group, counted in through per-group counters in
   // the workspace that every launch tags with its own epoch and leaves at zero: a second launch on
   // the same workspace, and two replays of one captured graph (the same epoch twice), must give
@@ -343,12 +363,17 @@ double run_case(const Case& c) {
     };
     // Eight more launches: a CTA that counted itself in before all its threads had written its
     // partial showed up here, one launch in many (most often under compute-sanitizer racecheck).
+    // Where p merges in clusters, every other launch and one captured graph take the workspace merge.
     for (int r = 0; r < 8; ++r)
-      again("launch " + std::to_string(r + 2) + " on the same workspace",
-            [&] { check(cuda::decode(p) == cudaSuccess, name + ": relaunch"); });
-    CapturedCall call([&](cudaStream_t st) { return cuda::decode(p, st); });
-    check(call.launched() == cudaSuccess, name + ": decode under graph capture");
-    for (int r = 0; r < 2; ++r) again("graph replay " + std::to_string(r + 1), [&] { call.replay(); });
+      again("launch " + std::to_string(r + 2) + " on the same workspace" + (cluster && r % 2 ? " (workspace merge)" : ""),
+            [&] { check(cuda::decode(cluster && r % 2 ? pw : p) == cudaSuccess, name + ": relaunch"); });
+    for (int k = 0; k < (cluster ? 2 : 1); ++k) {
+      const cuda::DecodeParams& pc = k == 0 ? p : pw;
+      CapturedCall call([&](cudaStream_t st) { return cuda::decode(pc, st); });
+      check(call.launched() == cudaSuccess, name + ": decode under graph capture");
+      for (int r = 0; r < 2; ++r)
+        again("graph replay " + std::to_string(r + 1) + (k ? " (workspace merge)" : ""), [&] { call.replay(); });
+    }
   }
 
   // Store kernel: the same rows packed on the GPU must give the CPU's bytes.
@@ -751,6 +776,9 @@ int main(int argc, char** argv) {
     }
   }
   for (const auto& c : cases) run_case(c);
+  // The fast kernel's launches of these shapes fit the device in clusters (one wave or less).
+  check(g_cluster_cases > 0, "no decode case merged its splits in a cluster");
+  std::printf("  %d decode cases merged in clusters (and matched the workspace merge bit for bit)\n", g_cluster_cases);
   test_decode_rejects();
   if (small) {
     test_store_edges("tq-3.5bit", 128, 2, 45, 3);

@@ -38,7 +38,7 @@ struct BenchOptions {
   std::string batches = "8,32", contexts = "4096,16384,65536";
   std::string formats = "bf16,tq-k8v4,tq-4bit-nc,tq-k3v4-nc,tq-3bit-nc,tq-4bit,tq-3.5bit,tq-3bit";
   int q_heads = 32, kv_heads = 8, head_dim = 128, reps = 60, warmup = 5, store_tokens = 0;
-  bool json = false, centered = false;
+  bool json = false, centered = false, no_cluster_merge = false;
   std::string peers, commit = "unknown", command, flush = "read";
 };
 
@@ -184,6 +184,7 @@ void run_decode_bench(const BenchOptions& o) {
         p.q = q.as<float>();
         p.out = out.as<float>();
         p.scale = 1.0f / std::sqrt(static_cast<float>(o.head_dim));
+        p.cluster_merge = !o.no_cluster_merge;
         p.workspace_bytes = cuda::decode_workspace_bytes(p);
         DevBuf ws(p.workspace_bytes);
         p.workspace = ws.p;
@@ -207,6 +208,7 @@ void run_decode_bench(const BenchOptions& o) {
                               {"speedup_vs_vllm_triton", vllm.is_null() ? nlohmann::json(nullptr) : nlohmann::json(vllm.get<double>() / us)},
                               {"bytes", bytes},
                               {"splits", cuda::decode_splits(p)},
+                              {"cluster_merge", cuda::decode_uses_cluster_merge(p)},
                               {"compression_vs_bf16", static_cast<double>(bf16_token_bytes(g)) /
                                                           static_cast<double>(fd.kv_heads * (pg.key_code_bytes + pg.value_code_bytes + pg.meta_bytes))},
                               {"vllm_pair", vpair.empty() ? nlohmann::json(nullptr) : nlohmann::json(vpair)},
@@ -259,6 +261,8 @@ void register_bench(CLI::App& app) {
   dec->add_option("--flush", o->flush, "L2 flush before every timed run: read (clean L2) or write (memset, dirty L2)")
       ->check(CLI::IsMember({"read", "write"}));
   dec->add_flag("--json", o->json, "print one JSON object");
+  dec->add_flag("--no-cluster-merge", o->no_cluster_merge,
+                "merge the fast kernel's splits through the workspace even where they fit in thread-block clusters");
   dec->add_flag("--centered", o->centered, "kvq's calibrated formats (tq-4bit, tq-3bit, tq-3.5bit, tq-2.5bit) with per-channel means");
   dec->callback([o] {
 #if defined(KVQ_WITH_KVQ_CUDA)
