@@ -590,8 +590,8 @@ __global__ void __launch_bounds__(C::THREADS, 1)
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
           const std::uint32_t x0 = wv[2 * mt][kt], x1 = wv[2 * mt + 1][kt];
-          const std::uint32_t a[4] = {fp8x2_to_half2(x0 & 0xffffu), fp8x2_to_half2(x1 & 0xffffu), fp8x2_to_half2(x0 >> 16),
-                                      fp8x2_to_half2(x1 >> 16)};
+          const std::uint32_t a[4] = {fp8x2_half_to_half2<0>(x0), fp8x2_half_to_half2<0>(x1), fp8x2_half_to_half2<1>(x0),
+                                      fp8x2_half_to_half2<1>(x1)};
           mma16816<false>(acc[mt], a, qb[kt][0], qb[kt][1]);
         }
       }

@@ -263,6 +263,17 @@ __device__ __forceinline__ std::uint32_t fp8x2_to_half2(std::uint32_t two_bytes)
   const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two_bytes & 0xffffu), __NV_E4M3);
   return static_cast<std::uint32_t>(r.x) | (static_cast<std::uint32_t>(r.y) << 16);
 }
+// The e4m3 pairs in the low / high 16 bits of w as an fp16 pair (the half is picked by the
+// conversion's operand, no shift).
+template <int kHalf>
+__device__ __forceinline__ std::uint32_t fp8x2_half_to_half2(std::uint32_t w) {
+  std::uint32_t r;
+  if constexpr (kHalf == 0)
+    asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n}" : "=r"(r) : "r"(w));
+  else
+    asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, hi;\n}" : "=r"(r) : "r"(w));
+  return r;
+}
 
 __device__ __forceinline__ float half_bits_to_float(std::uint16_t h) { return __half2float(__ushort_as_half(h)); }
 __device__ __forceinline__ float bf16_bits_to_float(std::uint16_t h) { return __uint_as_float(static_cast<std::uint32_t>(h) << 16); }
