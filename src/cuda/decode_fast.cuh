@@ -904,18 +904,8 @@ cudaError_t launch_decode_fast(const DecodeParams& p, const SplitArgs& a, cudaSt
   if (fast_cluster_applies<C>(p, NS, smem)) {
     SplitArgs ac = a;
     ac.cluster = 1;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(C::THREADS, 1, 1);
-    cfg.dynamicSmemBytes = static_cast<std::size_t>(smem);
-    cfg.stream = st;
     cudaLaunchAttribute at[1];
-    at[0].id = cudaLaunchAttributeClusterDimension;
-    at[0].val.clusterDim.x = static_cast<unsigned>(NS);
-    at[0].val.clusterDim.y = 1;
-    at[0].val.clusterDim.z = 1;
-    cfg.attrs = at;
-    cfg.numAttrs = 1;
+    const cudaLaunchConfig_t cfg = cluster_launch_config(grid, C::THREADS, smem, st, NS, at);
     return cudaLaunchKernelEx(&cfg, decode_fast_kernel<C>, p, ac);
   }
   decode_fast_kernel<C><<<grid, C::THREADS, static_cast<std::size_t>(smem), st>>>(p, a);
