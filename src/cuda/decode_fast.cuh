@@ -269,6 +269,16 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   const int NS = nsplit + (prot ? 1 : 0);
   const int tid = threadIdx.x, w = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   const std::size_t row0 = static_cast<std::size_t>(b) * p.q_heads + static_cast<std::size_t>(kh) * G;
+  // Block-table entries of the warp's first NST chunks, loaded together with the sequence length (the
+  // first copies then wait for one round trip instead of two): without protection the CTA's range
+  // starts at chunk split * cps whatever the length. Entries are read only inside the sequence's
+  // table row; those past the sequence are never used.
+  int bt_first[C::NST];
+#pragma unroll
+  for (int i = 0; i < C::NST; ++i) {
+    const int idx = (split * cps + w + i * C::WARPS) >> 1;
+    bt_first[i] = !prot && idx < p.max_pages ? p.block_tables[static_cast<std::size_t>(b) * p.max_pages + idx] : 0;
+  }
   // The CTA's partial: in the workspace, or (cluster merge) in its own shared memory.
   const bool clus = a.cluster != 0;
   const int pst = clus ? 1 : NS;  // the partial's row stride, in outputs of D and in log2-sum-exps
@@ -357,6 +367,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   static_assert(C::WARPS % 2 == 0, "fast decode: a warp's chunks must keep their half page");
   const std::int32_t* const bt_w = p.block_tables + static_cast<std::size_t>(b) * p.max_pages + ((cb + w) >> 1);
   auto page_of = [&](int i) { return i < nloc ? bt_w[i * (C::WARPS / 2)] : 0; };
+  auto page_first = [&](int i) { return i < nloc ? (prot ? bt_w[i * (C::WARPS / 2)] : bt_first[i]) : 0; };  // i < NST
   const std::uint32_t page_bytes32 = static_cast<std::uint32_t>(page_bytes);
   const std::size_t slot0 = static_cast<std::size_t>(kh) * 64 + static_cast<std::size_t>(((cb + w) & 1) * kChunk);
   const std::uint8_t* const pool_k = pool + (koff + slot0 * C::KCB);
@@ -394,10 +405,10 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   };
 #pragma unroll
   for (int s = 0; s + 1 < C::NST; ++s) {
-    if (s < nloc) issue(s, page_of(s));
+    if (s < nloc) issue(s, page_first(s));
     cp_async_commit();
   }
-  int page_next = page_of(C::NST - 1);
+  int page_next = page_first(C::NST - 1);
   int slot_rd = 0, slot_wr = C::NST - 1;  // ring slots of chunk i and of chunk i + NST - 1
 
   // Query (scaled into the log2 domain, gathered and signed like the keys) and the centroids
