@@ -917,7 +917,8 @@ cudaError_t launch_decode_fast(const DecodeParams& p, const SplitArgs& a, cudaSt
     ac.cluster = 1;
     cudaLaunchAttribute at[1];
     const cudaLaunchConfig_t cfg = cluster_launch_config(grid, C::THREADS, smem, st, NS, at);
-    return cudaLaunchKernelEx(&cfg, decode_fast_kernel<C>, p, ac);
+    if (cudaLaunchKernelEx(&cfg, decode_fast_kernel<C>, p, ac) == cudaSuccess) return cudaSuccess;
+    (void)cudaGetLastError();  // a launch-configuration error is not sticky: merge through the workspace instead
   }
   decode_fast_kernel<C><<<grid, C::THREADS, static_cast<std::size_t>(smem), st>>>(p, a);
   return cudaGetLastError();
