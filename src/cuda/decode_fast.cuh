@@ -374,26 +374,26 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   const std::uint8_t* const pool_v = pool + (voff + slot0 * C::VCB);
   const std::uint8_t* const pool_m = pool + (moff + slot0 * C::MB);
   auto issue = [&](int slot_i, int page) {
-    const std::uint64_t po = static_cast<std::uint64_t>(static_cast<std::uint32_t>(page)) * page_bytes32;
+    const std::uint64_t pgo = static_cast<std::uint64_t>(static_cast<std::uint32_t>(page)) * page_bytes32;
     std::uint8_t* dst = my_stages + slot_i * C::STAGE_BYTES;
     constexpr int nk = kChunk * C::KCB / 16, nv = kChunk * C::VCB / 16, nm = kChunk * C::MB / 16;
     if constexpr (nk % 32 == 0 && nv % 32 == 0) {
       static_assert(nm <= 32, "chunk regions");
-      const std::uint8_t* srck = pool_k + 16 * lane + po;
-      const std::uint8_t* srcv = pool_v + 16 * lane + po;
+      const std::uint8_t* srck = pool_k + 16 * lane + pgo;
+      const std::uint8_t* srcv = pool_v + 16 * lane + pgo;
       std::uint8_t* dl = dst + 16 * lane;
 #pragma unroll
       for (int j = 0; j < nk / 32; ++j) cp_async16(dl + 512 * j, srck + 512 * j);
 #pragma unroll
       for (int j = 0; j < nv / 32; ++j) cp_async16(dl + 16 * nk + 512 * j, srcv + 512 * j);
-      if (lane < nm) cp_async16(dl + 16 * (nk + nv), pool_m + 16 * lane + po);
+      if (lane < nm) cp_async16(dl + 16 * (nk + nv), pool_m + 16 * lane + pgo);
     } else {
       // Regions not in whole warps (the split formats: 112 + 112 + 16 or 80 + 80 + 16 units): unit
       // q = lane + 32 j of the stage, its source picked by a select where a warp's units straddle two
       // regions.
-      const std::uint8_t* srck = pool_k + po;
-      const std::uint8_t* srcv = pool_v + po;
-      const std::uint8_t* srcm = pool_m + po;
+      const std::uint8_t* srck = pool_k + pgo;
+      const std::uint8_t* srcv = pool_v + pgo;
+      const std::uint8_t* srcm = pool_m + pgo;
       constexpr int nt = nk + nv + nm;
 #pragma unroll
       for (int j = 0; j < (nt + 31) / 32; ++j) {
