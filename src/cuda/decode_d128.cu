@@ -44,7 +44,9 @@ cudaError_t decode_fast_d128(const DecodeParams& p, bool launch, int* warps, con
 #define KVQ_FAST_CLUSTER_CASE(KC, KB, VC, VB, KB1, VB1)                                             \
   if (format_is(p.fmt, KC, KB, KB1, VC, VB, VB1)) {                                                 \
     using C = FCfg<KC, KB, VC, VB, KB1, VB1>;                                                        \
-    return fast_cluster_applies<C>(p, ns, fast_smem<C>(p));                                         \
+    const int smem = fast_smem<C>(p);                                                                \
+    return smem > 0 && smem_limit_once<decode_fast_kernel<C>>(smem) == cudaSuccess &&                \
+           fast_cluster_applies<C>(p, ns, smem);                                                     \
   }
 
 // Whether the fast kernel's launch with ns CTAs per group would merge in clusters.

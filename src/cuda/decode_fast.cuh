@@ -890,11 +890,10 @@ int fast_smem(const DecodeParams& p) {
 // Whether a launch with NS CTAs per group merges in clusters: asked for (cluster_merge), NS <= 8 (the
 // portable cluster size), and the device holds the launch's clusters in no more waves than its CTAs
 // without clusters (one CTA per SM); clusters of NS CTAs must fit in one GPC, so a size that leaves
-// SMs idle would cost a wave.
+// SMs idle would cost a wave. The caller has raised the kernel's shared-memory limit to smem.
 template <class C>
 bool fast_cluster_applies(const DecodeParams& p, int NS, int smem) {
   if (!p.cluster_merge || NS < 1 || NS > 8 || smem <= 0) return false;
-  if (smem_limit_once<decode_fast_kernel<C>>(smem) != cudaSuccess) return false;
   const int per = max_active_clusters_once<decode_fast_kernel<C>>(NS, C::THREADS, smem);
   if (per <= 0) return false;
   const long groups = static_cast<long>(p.batch) * p.fmt.kv_heads;
