@@ -105,6 +105,13 @@ struct FCfg {
 __device__ __forceinline__ std::uint32_t smem_u32(const void* p) {
   return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
 }
+// The query rows in shared memory (qs, [4][D] floats) hold 4-float chunk c of a row at chunk
+// qs_chunk(c). The B fragments read chunks 8 t4 + kt (4 t4 + kt + 12 (kt / 4) for the split), which
+// all lie in one bank group of an unswizzled row: 16-way conflicts that cost ~4 us of the prologue
+// at batch 8 x 16K (8 K shared-memory cycles per SM). Swizzled, the 8 lanes of a 16-byte load
+// phase (one head, t4 = 0..3) hit 4 different bank groups: one wavefront per phase.
+__host__ __device__ constexpr int qs_chunk(int c) { return c ^ ((c >> 3) & 7); }
+
 // 32-bit load from a shared-window address.
 __device__ __forceinline__ std::uint32_t lds_u32(std::uint32_t a) {
   std::uint32_t v;
@@ -423,7 +430,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     const int i = tid + k * C::THREADS;
     if (i < G * D) {
       if constexpr (C::KC == KeyCode::kTq) qraw_s[i] = qraw[k];
-      else qs[i] = qraw[k] * qscale;
+      else qs[(i / D) * D + 4 * qs_chunk((i % D) >> 2) + (i & 3)] = qraw[k] * qscale;
     }
   }
   __syncthreads();
@@ -467,7 +474,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
                     src[qperm.w] * qscale * qsign.w};
       warp_fwht4(x, lane, C::sd(0));
       const float sc = static_cast<float>(1.0 / sqrt(static_cast<double>(C::sd(0))));
-      reinterpret_cast<float4*>(qs + w * D)[lane] = make_float4(x[0] * sc, x[1] * sc, x[2] * sc, x[3] * sc);
+      reinterpret_cast<float4*>(qs + w * D)[qs_chunk(lane)] = make_float4(x[0] * sc, x[1] * sc, x[2] * sc, x[3] * sc);
     }
   }
   __syncthreads();
@@ -483,9 +490,9 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     const int d0 = NSEG == 2 ? 64 * (kt >> 2) + 16 * t4 + 4 * (kt & 3) : 32 * t4 + 4 * kt;
     std::uint32_t h0 = 0, l0 = 0, h1 = 0, l1 = 0;
     if (hq < G) {
-      const float* qq = qs + hq * D;
-      split2<false>(qq[d0], qq[d0 + 1], h0, l0);
-      split2<false>(qq[d0 + 2], qq[d0 + 3], h1, l1);
+      const float4 v = reinterpret_cast<const float4*>(qs + hq * D)[qs_chunk(d0 >> 2)];
+      split2<false>(v.x, v.y, h0, l0);
+      split2<false>(v.z, v.w, h1, l1);
     }
     qb[kt][0] = lo_col ? l0 : h0;
     qb[kt][1] = lo_col ? l1 : h1;
