@@ -518,6 +518,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
 #pragma unroll
   for (int i = 0; i < 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0;
   float m_run = -INFINITY, l_run = 0, z_run = 0;
+  float w_run = 0;  // 4-bit uniform values: sum of P times the value scale (the magic numbers' offsets, below)
 
   for (int i = 0; i < nloc; ++i) {
     cp_async_wait<C::NST - 2>();  // chunk i has landed
@@ -689,6 +690,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     }
     z_run = z_run * alpha + zsum;
     l_run = l_run * alpha + psum;
+    if constexpr (C::kMagicV) w_run = w_run * alpha + ((pv[0][0] + pv[0][1]) + (pv[0][2] + pv[0][3]));
     m_run = m_new;
     if (__any_sync(0xffffffffu, alpha != 1.0f)) {
 #pragma unroll
@@ -773,22 +775,21 @@ __global__ void __launch_bounds__(C::THREADS, 1)
             }
           }
         } else if constexpr (C::kMagicV) {
-          // (c_a, c_b) as fp16: low nibble | 0x6400 = 1024 + c, high nibble | 0x5400 = 64 + c.
+          // (c_a, c_b) as fp16 with an offset: low nibble | 0x6400 = 1024 + c (even dims, rows g),
+          // high nibble | 0x5400 = 64 + c (odd dims, rows g + 8). The offsets stay in the products; the
+          // merge takes them out once (1024 w_run / 64 w_run, w_run = sum of the B operand's P), instead of
+          // two half subtractions per pair here.
           const uint2 va = *reinterpret_cast<const uint2*>(sv + p0 * C::VCB + g * 8);
           const uint2 vb = *reinterpret_cast<const uint2*>(sv + p1 * C::VCB + g * 8);
           const std::uint32_t wa[2] = {va.x, va.y}, wb[2] = {vb.x, vb.y};
-          const __half2 k1024 = __floats2half2_rn(1024.0f, 1024.0f), k64 = __floats2half2_rn(64.0f, 64.0f);
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
 #pragma unroll
             for (int k = 0; k < 4; ++k) {
               const unsigned sel = static_cast<unsigned>(k | (k << 4) | ((4 + k) << 8) | ((4 + k) << 12));
               const std::uint32_t t = __byte_perm(wa[h], wb[h], sel);
-              std::uint32_t ev = (t & 0x000f000fu) | 0x64006400u, od = (t & 0x00f000f0u) | 0x54005400u;
-              __half2 he = __hsub2(*reinterpret_cast<const __half2*>(&ev), k1024);
-              __half2 ho = __hsub2(*reinterpret_cast<const __half2*>(&od), k64);
-              areg[tp][8 * h + 2 * k] = *reinterpret_cast<const std::uint32_t*>(&he);
-              areg[tp][8 * h + 2 * k + 1] = *reinterpret_cast<const std::uint32_t*>(&ho);
+              areg[tp][8 * h + 2 * k] = (t & 0x000f000fu) | 0x64006400u;
+              areg[tp][8 * h + 2 * k + 1] = (t & 0x00f000f0u) | 0x54005400u;
             }
           }
         } else if constexpr (C::VB == 4) {
@@ -840,7 +841,10 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   for (int s = 4; s < 32; s <<= 1) {
     l_run += __shfl_xor_sync(0xffffffffu, l_run, s);
     z_run += __shfl_xor_sync(0xffffffffu, z_run, s);
+    if constexpr (C::kMagicV) w_run += __shfl_xor_sync(0xffffffffu, w_run, s);
   }
+  // 4-bit uniform values: the magic numbers' offsets out of the rows (1024 for row g, 64 for g + 8).
+  const float off_e = C::kMagicV ? 1024.0f * w_run : 0.0f, off_o = C::kMagicV ? 64.0f * w_run : 0.0f;
   __syncthreads();
   constexpr int RS = C::RS;
   float* red = reinterpret_cast<float*>(smem_raw);  // every warp's copies have landed (cp_async_wait above)
@@ -850,8 +854,8 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     for (int mt = 0; mt < 8; ++mt) {
       // dim of row g: 16 g + 2 mt (split: 64 (mt / 4) + 8 g + 2 (mt % 4)); row g + 8: the next one
       const int d = NSEG == 2 ? 64 * (mt >> 2) + 8 * g + 2 * (mt & 3) : 16 * g + 2 * mt;
-      rr[d] = o[mt][0] + o[mt][1];
-      rr[d + 1] = o[mt][2] + o[mt][3];
+      rr[d] = (o[mt][0] + o[mt][1]) - off_e;
+      rr[d + 1] = (o[mt][2] + o[mt][3]) - off_o;
     }
     if (g == 0) {
       rr[D] = nloc > 0 ? m_run : -INFINITY;
