@@ -67,6 +67,13 @@ struct FCfg {
   // 4-bit uniform values are decoded arithmetically (fp16 magic numbers), no table.
   static constexpr bool kMagicV = VC == ValueCode::kUniform && VB == 4;
   static constexpr int VENT = kMagicV ? 0 : 1 << (2 * VB);
+  // 64-byte rows of TurboQuant values (4 bits, one segment: tq-4bit) are stored swizzled in the stages:
+  // 16-byte unit u of row r at u ^ (2 ((r >> 1) & 1)). A PV load phase (16 lanes: rows t4 = 0..3, 8 bytes at
+  // 8 g) then hits 32 different banks; unswizzled, rows t4 and t4 + 2 (128 bytes apart) share theirs (2-way
+  // conflicts). tq-4bit's loop waits most on the shared-memory queue (its value pairs are table lookups):
+  // 1.02-1.07x. The 4-bit uniform values (magic numbers, no lookups) measured 0.94-1.00x with it, so they
+  // keep the plain rows.
+  static constexpr bool kSwzV = NSEG == 1 && VCB == 64 && VC == ValueCode::kTq;
   // Segment 0's table (key and value pairs of segment 0, or of the only segment), aligned to its
   // size; the split formats' segment 1 table follows it.
   static constexpr int LUT_ALIGN = (KENT > VENT ? KENT : VENT) * 256;  // may be 0; a power of two
@@ -380,6 +387,10 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   const std::uint8_t* const pool_k = pool + (koff + slot0 * C::KCB);
   const std::uint8_t* const pool_v = pool + (voff + slot0 * C::VCB);
   const std::uint8_t* const pool_m = pool + (moff + slot0 * C::MB);
+  // kSwzV: value unit q = lane + 32 j of a stage (row (lane >> 2) + 8 j, unit lane & 3) is copied from the
+  // row's unit (lane & 3) ^ 2 ((row >> 1) & 1): the swizzle is an involution, so permuting the sources lays the
+  // stage out swizzled with no per-copy cost (a loop-invariant pointer, as before).
+  const int vlane = C::kSwzV ? lane ^ ((lane >> 2) & 2) : lane;
   auto issue = [&](int slot_i, int page) {
     const std::uint64_t pgo = static_cast<std::uint64_t>(static_cast<std::uint32_t>(page)) * page_bytes32;
     std::uint8_t* dst = my_stages + slot_i * C::STAGE_BYTES;
@@ -387,7 +398,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     if constexpr (nk % 32 == 0 && nv % 32 == 0) {
       static_assert(nm <= 32, "chunk regions");
       const std::uint8_t* srck = pool_k + 16 * lane + pgo;
-      const std::uint8_t* srcv = pool_v + 16 * lane + pgo;
+      const std::uint8_t* srcv = pool_v + 16 * vlane + pgo;
       std::uint8_t* dl = dst + 16 * lane;
 #pragma unroll
       for (int j = 0; j < nk / 32; ++j) cp_async16(dl + 512 * j, srck + 512 * j);
@@ -509,6 +520,8 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   std::uint8_t* const scr = lut + C::LUT_BYTES + C::Q_BYTES + static_cast<std::size_t>(w) * C::SCR_WARP;
   std::uint32_t* const scr_st = reinterpret_cast<std::uint32_t*>(scr) + 8 * t4 + 2 * (g & 3) + (g >> 2);
   const uint2* const scr_ld = reinterpret_cast<const uint2*>(scr + 4 * (64 * (g & 1) + 8 * hq + 2 * t4));
+  // The lane's 8 value bytes in a 64-byte row (kSwzV): rows p0 / p1 of the PV loads have row bit 1 = t4 bit 1.
+  const int vofs = C::kSwzV ? (8 * g) ^ ((t4 & 2) << 4) : 8 * g;
   // Metadata of 6-byte tokens: the lane's tokens g + 8 j start 2 bytes into a word where g is odd.
   const unsigned msel0 = (g & 1) ? 0x5432u : 0x3210u, msel1 = (g & 1) ? 0x7676u : 0x5454u;
 
@@ -779,8 +792,8 @@ __global__ void __launch_bounds__(C::THREADS, 1)
           // high nibble | 0x5400 = 64 + c (odd dims, rows g + 8). The offsets stay in the products; the
           // merge takes them out once (1024 w_run / 64 w_run, w_run = sum of the B operand's P), instead of
           // two half subtractions per pair here.
-          const uint2 va = *reinterpret_cast<const uint2*>(sv + p0 * C::VCB + g * 8);
-          const uint2 vb = *reinterpret_cast<const uint2*>(sv + p1 * C::VCB + g * 8);
+          const uint2 va = *reinterpret_cast<const uint2*>(sv + p0 * C::VCB + vofs);
+          const uint2 vb = *reinterpret_cast<const uint2*>(sv + p1 * C::VCB + vofs);
           const std::uint32_t wa[2] = {va.x, va.y}, wb[2] = {vb.x, vb.y};
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
@@ -793,8 +806,8 @@ __global__ void __launch_bounds__(C::THREADS, 1)
             }
           }
         } else if constexpr (C::VB == 4) {
-          const uint2 va = *reinterpret_cast<const uint2*>(sv + p0 * C::VCB + g * 8);
-          const uint2 vb = *reinterpret_cast<const uint2*>(sv + p1 * C::VCB + g * 8);
+          const uint2 va = *reinterpret_cast<const uint2*>(sv + p0 * C::VCB + vofs);
+          const uint2 vb = *reinterpret_cast<const uint2*>(sv + p1 * C::VCB + vofs);
           const std::uint32_t wa[2] = {va.x, va.y}, wb[2] = {vb.x, vb.y};
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
