@@ -8,15 +8,19 @@
 //
 // Differences from the generic kernel (docs/kernels.md, "Decode kernel"):
 //  - 16 warps in one CTA per SM (fewer where shared memory does not fit), registers capped at 128;
-//    a two-stage cp.async ring per warp, the next chunk issued before the current one is used.
+//    a two- or three-stage cp.async ring per warp, the next chunk issued before the current one is used.
 //  - QK with the keys as A (16 tokens x 16 dims) and the query as B (columns 2h / 2h + 1: head h
 //    rounded to fp16 / its rounding residual): 16 MMAs per 32 tokens, every row and column used;
 //    lane (g, t4) gets the scores of head t4 for its tokens g + 8 j, sums the two columns, and
 //    keeps the online softmax of head t4 (max over the 8 lanes of the head).
 //  - PV with the values as A (16 dims x 16 tokens) and P as B (columns 2h / 2h + 1 again): P times
 //    the value scale, split into fp16 + residual, goes from the score layout (token by g) to the B
-//    layout (token by t4) through a 512-byte scratch per warp (one 16-byte store, two 8-byte loads
+//    layout (token by t4) through a 512-byte scratch per warp (four 32-bit stores, two 8-byte loads
 //    per lane); every accumulator of a lane belongs to head t4, so the rescale needs no shuffle.
+//    4-bit uniform values enter the MMA as fp16 magic numbers (1024 + c, 64 + c); the merge takes the
+//    offsets out once.
+//  - Swizzles against shared-memory bank conflicts: the query rows by 16-byte chunk (qs_chunk), and
+//    tq-4bit's 64-byte value rows by 16-byte unit in the stages (kSwzV).
 //  - Pair tables laid out [entry][64 words]: key pairs at word `lane`, value pairs at word
 //    32 + lane, so a table address is `entry << 8 | lane << 2` (+128): for 4-bit codes one PRMT
 //    builds it from a byte of codes; value pairs of two tokens are interleaved nibble-wise with one
