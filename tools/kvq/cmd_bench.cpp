@@ -39,6 +39,7 @@ struct BenchOptions {
   std::string formats = "bf16,tq-k8v4,tq-4bit-nc,tq-k3v4-nc,tq-3bit-nc,tq-4bit,tq-3.5bit,tq-3bit";
   int q_heads = 32, kv_heads = 8, head_dim = 128, reps = 60, warmup = 5, store_tokens = 0;
   bool json = false, centered = false, no_cluster_merge = false;
+  std::string pages = "random";  // page order in the pool
   std::string peers, commit = "unknown", command, flush = "read";
 };
 
@@ -162,7 +163,7 @@ void run_decode_bench(const BenchOptions& o) {
         ok(cuda::fill_random_pages(fd, pool.as<std::uint8_t>(), n_pages * copies, 3), "fill pages");
         std::vector<std::int32_t> ids(n_pages);
         for (std::size_t i = 0; i < n_pages; ++i) ids[i] = static_cast<std::int32_t>(i);
-        std::shuffle(ids.begin(), ids.end(), rng);
+        if (o.pages == "random") std::shuffle(ids.begin(), ids.end(), rng);  // a fragmented pool
         std::vector<std::int32_t> lens(static_cast<std::size_t>(B), ctx);
         DevBuf bt(n_pages * 4), dl(static_cast<std::size_t>(B) * 4);
         ok(cudaMemcpy(bt.p, ids.data(), n_pages * 4, cudaMemcpyHostToDevice), "copy");
@@ -229,7 +230,7 @@ void run_decode_bench(const BenchOptions& o) {
   nlohmann::json res = {{"gpu", prop.name},     {"copy_gbps", copy_gbps}, {"commit", o.commit},
                         {"command", o.command}, {"sms", prop.multiProcessorCount}, {"l2_bytes", l2},
                         {"peers", peer_info},   {"rows", rows},           {"store", store_rows},
-                        {"flush", flush.mode()}};
+                        {"flush", flush.mode()}, {"pages", o.pages}};
   if (o.json) {
     fmt::print("{}\n", res.dump(1));
   } else {
@@ -260,6 +261,8 @@ void register_bench(CLI::App& app) {
   dec->add_option("--command-line", o->command, "command recorded in the result");
   dec->add_option("--flush", o->flush, "L2 flush before every timed run: read (clean L2) or write (memset, dirty L2)")
       ->check(CLI::IsMember({"read", "write"}));
+  dec->add_option("--pages", o->pages, "page order in the pool: random (default) or sequential")
+      ->check(CLI::IsMember({"random", "sequential"}));
   dec->add_flag("--json", o->json, "print one JSON object");
   dec->add_flag("--no-cluster-merge", o->no_cluster_merge,
                 "merge the fast kernel's splits through the workspace even where they fit in thread-block clusters");
