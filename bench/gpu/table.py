@@ -22,7 +22,9 @@ def main():
         target = None if comp is None or row["format"] == "bf16" else 0.8 * comp
         sf = row["speedup_vs_bf16_flash"]
         mark = "" if target is None or sf is None else (" ok" if sf >= target else " MISS")
-        print(f"| {row['format']} | {row['batch']} | {row['context']} | {row['us']:.1f} | {fmt(row['gbps'], '.0f')} | "
+        # results since the fourteenth session name the kernel; the generic one is marked
+        name = row["format"] + (" (generic kernel)" if row.get("kernel") == "generic" and row["format"] != "bf16" else "")
+        print(f"| {name} | {row['batch']} | {row['context']} | {row['us']:.1f} | {fmt(row['gbps'], '.0f')} | "
               f"{fmt(None if row['gbps'] is None else 100 * row['gbps'] / r['copy_gbps'], '.0f')} | {fmt(comp, '.2f')} | "
               f"{fmt(sf, '.2f')}{mark} | {fmt(target, '.2f')} | {fmt(row['speedup_vs_vllm_triton'], '.2f')} ({row.get('vllm_pair') or '-'}) |")
     print()

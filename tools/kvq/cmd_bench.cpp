@@ -210,14 +210,16 @@ void run_decode_bench(const BenchOptions& o) {
                               {"bytes", bytes},
                               {"splits", cuda::decode_splits(p)},
                               {"cluster_merge", cuda::decode_uses_cluster_merge(p)},
+                              {"kernel", cuda::decode_uses_fast_kernel(p) ? "fast" : "generic"},
                               {"compression_vs_bf16", static_cast<double>(bf16_token_bytes(g)) /
                                                           static_cast<double>(fd.kv_heads * (pg.key_code_bytes + pg.value_code_bytes + pg.meta_bytes))},
                               {"vllm_pair", vpair.empty() ? nlohmann::json(nullptr) : nlohmann::json(vpair)},
                               {"centered", fd.key_mean != nullptr}};
         rows.push_back(row);
         if (!o.json)
-          fmt::print(stderr, "{:<11} B={:<3} ctx={:<6} {:9.1f} us {:7.0f} GB/s  vs flash {}  vs vllm {}\n", fname, B, ctx, us,
-                     bytes / (us * 1e3), row["speedup_vs_bf16_flash"].dump(), row["speedup_vs_vllm_triton"].dump());
+          fmt::print(stderr, "{:<11} B={:<3} ctx={:<6} {:9.1f} us {:7.0f} GB/s  vs flash {}  vs vllm {}  ({} kernel)\n", fname, B,
+                     ctx, us, bytes / (us * 1e3), row["speedup_vs_bf16_flash"].dump(), row["speedup_vs_vllm_triton"].dump(),
+                     row["kernel"].get<std::string>());
       }
     }
   }
