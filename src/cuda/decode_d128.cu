@@ -1,4 +1,4 @@
-// Decode kernels for head_dim 128: the fast kernel (decode_fast.cuh) for G <= 4 and the
+// Decode kernels for head_dim 128: the fast kernel (decode_fast.cuh) for G <= 8 and the
 // TurboQuant / fp8 formats (outlier splits included), the generic kernel (decode.cuh) for
 // everything else.
 #include "decode_fast.cuh"
@@ -20,16 +20,22 @@ bool fast_applies(const DecodeParams& p) {
                        (f.value != ValueCode::kTq || a16(f.value_perm, f.value_signs));
   // The fast kernel forms page offsets by a 32 x 32 -> 64-bit multiply.
   const bool page32 = f.page.page_bytes <= 0xffffffffull;
-  return f.head_dim == 128 && f.kv_heads > 0 && p.q_heads % f.kv_heads == 0 && p.q_heads / f.kv_heads <= 4 &&
+  return f.head_dim == 128 && f.kv_heads > 0 && p.q_heads % f.kv_heads == 0 && p.q_heads / f.kv_heads <= 8 &&
          (f.segments == 1 || f.segments == 2) && aligned && page32;
 }
 }  // namespace
 
-#define KVQ_FAST_CASE(KC, KB, VC, VB, KB1, VB1)                                 \
-  if (format_is(p.fmt, KC, KB, KB1, VC, VB, VB1)) {                             \
-    if (warps) *warps = FCfg<KC, KB, VC, VB, KB1, VB1>::WARPS;                  \
-    if (!launch) return cudaSuccess;                                            \
-    return launch_decode_fast<FCfg<KC, KB, VC, VB, KB1, VB1>>(p, a, st);     \
+// Four heads per CTA for G <= 4, eight for 4 < G <= 8 (FCfg::kHG8).
+#define KVQ_FAST_CASE(KC, KB, VC, VB, KB1, VB1)                                     \
+  if (format_is(p.fmt, KC, KB, KB1, VC, VB, VB1)) {                                 \
+    if (p.q_heads / p.fmt.kv_heads > 4) {                                           \
+      if (warps) *warps = FCfg<KC, KB, VC, VB, KB1, VB1, 8>::WARPS;                 \
+      if (!launch) return cudaSuccess;                                              \
+      return launch_decode_fast<FCfg<KC, KB, VC, VB, KB1, VB1, 8>>(p, a, st);       \
+    }                                                                               \
+    if (warps) *warps = FCfg<KC, KB, VC, VB, KB1, VB1>::WARPS;                      \
+    if (!launch) return cudaSuccess;                                                \
+    return launch_decode_fast<FCfg<KC, KB, VC, VB, KB1, VB1>>(p, a, st);           \
   }
 
 // Launches the fast kernel when it applies (launch = false: only reports whether it would, and
@@ -41,12 +47,15 @@ cudaError_t decode_fast_d128(const DecodeParams& p, bool launch, int* warps, con
 }
 #undef KVQ_FAST_CASE
 
-#define KVQ_FAST_CLUSTER_CASE(KC, KB, VC, VB, KB1, VB1)                                             \
-  if (format_is(p.fmt, KC, KB, KB1, VC, VB, VB1)) {                                                 \
-    using C = FCfg<KC, KB, VC, VB, KB1, VB1>;                                                        \
-    const int smem = fast_smem<C>(p);                                                                \
-    return smem > 0 && smem_limit_once<decode_fast_kernel<C>>(smem) == cudaSuccess &&                \
-           fast_cluster_applies<C>(p, ns, smem);                                                     \
+template <class C>
+bool fast_cluster_for(const DecodeParams& p, int ns) {
+  const int smem = fast_smem<C>(p);
+  return smem > 0 && smem_limit_once<decode_fast_kernel<C>>(smem) == cudaSuccess && fast_cluster_applies<C>(p, ns, smem);
+}
+#define KVQ_FAST_CLUSTER_CASE(KC, KB, VC, VB, KB1, VB1)                                  \
+  if (format_is(p.fmt, KC, KB, KB1, VC, VB, VB1)) {                                      \
+    if (p.q_heads / p.fmt.kv_heads > 4) return fast_cluster_for<FCfg<KC, KB, VC, VB, KB1, VB1, 8>>(p, ns); \
+    return fast_cluster_for<FCfg<KC, KB, VC, VB, KB1, VB1>>(p, ns);                      \
   }
 
 // Whether the fast kernel's launch with ns CTAs per group would merge in clusters.

@@ -1,4 +1,4 @@
-// decode_fast.cuh: the specialized decode kernel for the hot shapes: head_dim 128, G <= 4 query
+// decode_fast.cuh: the specialized decode kernel for the hot shapes: head_dim 128, G <= 8 query
 // heads per KV head, TurboQuant or fp8 keys, uniform or TurboQuant values (tq-k8v4, tq-4bit-nc,
 // tq-k3v4-nc, tq-3bit-nc, tq-4bit, tq-3bit) and the outlier splits into two segments of 64
 // (tq-3.5bit, tq-2.5bit). Other shapes and formats take the generic kernel of decode.cuh; the
@@ -46,9 +46,18 @@ namespace kvq::cuda::detail {
 
 // KB1 / VB1 > 0: outlier split, segment 0 (dims 0-63 in segment order) at KB / VB bits, segment 1
 // (dims 64-127) at KB1 / VB1 bits; TurboQuant keys and values with the same widths on both sides.
-template <KeyCode KC_, int KB_, ValueCode VC_, int VB_, int KB1_ = 0, int VB1_ = 0>
+// HG_: query heads per CTA, 4 (G <= 4) or 8 (4 < G <= 8; see kHG8 below).
+template <KeyCode KC_, int KB_, ValueCode VC_, int VB_, int KB1_ = 0, int VB1_ = 0, int HG_ = 4>
 struct FCfg {
   static constexpr int D = 128;
+  static constexpr int HG = HG_;
+  static_assert(HG == 4 || HG == 8, "fast decode: 4 or 8 heads per CTA");
+  // Eight heads: the QK B operand takes two n-tiles (heads 0-3 and 4-7, fp16 value and residual columns
+  // each) and every lane keeps the softmax of heads t4 and t4 + 4. PV keeps one n-tile: column 2 h is
+  // head h, column 2 h + 1 head h + 4, both rounded to fp16 without the residual column the four-head
+  // kernel uses (the 4-bit magic offsets then subtract the sum of the rounded B values, which the MMA
+  // multiplied). ~30 more registers per thread, so 12 warps.
+  static constexpr bool kHG8 = HG == 8;
   static constexpr KeyCode KC = KC_;
   static constexpr ValueCode VC = VC_;
   static constexpr int KB = KB_, VB = VB_;
@@ -83,7 +92,7 @@ struct FCfg {
   static constexpr int LUT_ALIGN = (KENT > VENT ? KENT : VENT) * 256;  // may be 0; a power of two
   static constexpr int LUT1_BYTES = NSEG == 2 ? (1 << (2 * KB1_)) * 256 : 0;
   static constexpr int LUT_BYTES = LUT_ALIGN + LUT1_BYTES;
-  static constexpr int Q_BYTES = 4 * D * 4 + 2 * NSEG * 16 * 4;  // query [4][D], then centroids [2 NSEG][16]
+  static constexpr int Q_BYTES = HG * D * 4 + 2 * NSEG * 16 * 4;  // query [HG][D], then centroids [2 NSEG][16]
   static constexpr int STAGE_BYTES = align16c(kChunk * (KCB + VCB + MB)) + 16;
   // per-warp scratch of the P transpose: [segment][4 parts][4 heads][8 words]
   static constexpr int SCR_WARP = 512 * NSEG;
@@ -91,7 +100,8 @@ struct FCfg {
   static constexpr int AVAIL = kSmemBudget - LUT_BYTES - Q_BYTES - 16 * SCR_WARP;
   static constexpr int NST = KVQ_FAST_MAX_STAGES >= 3 && AVAIL / (3 * STAGE_BYTES) >= 16 ? 3 : 2;
   static constexpr int WFIT = AVAIL / (NST * STAGE_BYTES);
-  static constexpr int WARPS = WFIT >= 16 ? 16 : (WFIT / 2) * 2;
+  static constexpr int WMAX = kHG8 ? 12 : 16;
+  static constexpr int WARPS = WFIT >= WMAX ? WMAX : (WFIT / 2) * 2;
   static constexpr int THREADS = WARPS * 32;
   static constexpr int RS = D + 3;
   // Layout (lut_pad: bytes from the start of dynamic shared memory to the first shared-window address
@@ -100,11 +110,11 @@ struct FCfg {
   // P-transpose scratch, the stages of the other warps.
   static constexpr int nlo(int lut_pad) { return lut_pad / (NST * STAGE_BYTES) < WARPS ? lut_pad / (NST * STAGE_BYTES) : WARPS; }
   static constexpr int PROT_BYTES = kMaxGroup * D * 4 + WARPS * kMaxGroup * RS * 4;  // protected split
-  static constexpr int RED_BYTES = WARPS * 4 * RS * 4 + (4 * WARPS + 4) * 4;         // merge of the warps, its weights
+  static constexpr int RED_BYTES = WARPS * HG * RS * 4 + (HG * WARPS + HG) * 4;     // merge of the warps, its weights
   // Cluster split merge: the CTA's partial ([4][D] outputs, then 4 log2-sum-exps), past what the tail
   // of every CTA kind uses.
   static constexpr int CL_OFF = align16c(PROT_BYTES > RED_BYTES ? PROT_BYTES : RED_BYTES);
-  static constexpr int CL_BYTES = (4 * D + 4) * 4;
+  static constexpr int CL_BYTES = (HG * D + HG) * 4;
   static constexpr int smem(int lut_pad) {
     const int need = lut_pad + LUT_BYTES + Q_BYTES + WARPS * SCR_WARP + (WARPS - nlo(lut_pad)) * NST * STAGE_BYTES;
     return need > CL_OFF + CL_BYTES ? need : CL_OFF + CL_BYTES;
@@ -171,10 +181,12 @@ __device__ __forceinline__ void load_run(const std::uint8_t* row, int o, std::ui
 // Keys as A from TurboQuant codes: the lane's codes of its 4 tokens (wv[j]: token g + 8 j, FW-bit
 // fields of two codes each) become pair-table addresses (x: the table base with the lane's word
 // bits; one PRMT for 4-bit codes, a shift and a LOP3 otherwise), one LDS per fp16 pair, and NKT
-// k-tiles of mma with the query fragments qb[0 .. NKT - 1] into acc (m-tiles 0, 1).
-template <int FW, int NKT, int NW>
+// k-tiles of mma with the query fragments qb[0 .. NKT - 1] into acc (m-tiles 0, 1); NT = 2: the same A
+// fragments also with qb1 into acc1 (eight heads).
+template <int FW, int NKT, int NW, int NT = 1>
 __device__ __forceinline__ void tq_keys_mma(const std::uint32_t (&wv)[4][NW], std::uint32_t x, const std::uint32_t (*qb)[2],
-                                            float (&acc)[2][4]) {
+                                            float (&acc)[2][4], const std::uint32_t (*qb1)[2] = nullptr,
+                                            float (*acc1)[4] = nullptr) {
   auto kaddr = [&](const std::uint32_t(&ww)[NW], int pair) -> std::uint32_t {
     const int pos = pair * FW;
     if constexpr (FW == 8) {
@@ -190,6 +202,7 @@ __device__ __forceinline__ void tq_keys_mma(const std::uint32_t (&wv)[4][NW], st
       const std::uint32_t a[4] = {lds_u32(kaddr(wv[2 * mt], 2 * kt)), lds_u32(kaddr(wv[2 * mt + 1], 2 * kt)),
                                   lds_u32(kaddr(wv[2 * mt], 2 * kt + 1)), lds_u32(kaddr(wv[2 * mt + 1], 2 * kt + 1))};
       mma16816<false>(acc[mt], a, qb[kt][0], qb[kt][1]);
+      if constexpr (NT == 2) mma16816<false>(acc1[mt], a, qb1[kt][0], qb1[kt][1]);
     }
   }
 }
@@ -205,9 +218,10 @@ template <class C>
 __device__ __forceinline__ void merge_warps(float* red, float* po, float* plse, int stride, int G) {
   constexpr int D = C::D, RS = C::RS;
   const int tid = tid_after_loop(), w = tid >> 5, lane = tid & 31;
-  float* const coef = red + C::WARPS * 4 * RS;  // [4][WARPS] weights, then [4] constants
+  constexpr int HG = C::HG;
+  float* const coef = red + C::WARPS * HG * RS;  // [HG][WARPS] weights, then [HG] constants
   if (w < G) {
-    const float* rr = red + (lane * 4 + w) * RS;
+    const float* rr = red + (lane * HG + w) * RS;
     const float mw = lane < C::WARPS ? rr[D] : -INFINITY;
     const float lw = lane < C::WARPS ? rr[D + 1] : 0.0f, zw = lane < C::WARPS ? rr[D + 2] : 0.0f;
     float M = mw;
@@ -223,16 +237,16 @@ __device__ __forceinline__ void merge_warps(float* red, float* po, float* plse, 
     for (int o = 16; o > 0; o >>= 1) zc += __shfl_xor_sync(0xffffffffu, zc, o);
     if (lane < C::WARPS) coef[w * C::WARPS + lane] = c;
     if (lane == 0) {
-      coef[4 * C::WARPS + w] = zc;
+      coef[HG * C::WARPS + w] = zc;
       plse[static_cast<std::size_t>(w) * stride] = sum > 0 ? M + log2f(sum) : -INFINITY;
     }
   }
   __syncthreads();
   for (int idx = tid; idx < G * D; idx += C::THREADS) {
     const int h = idx / D, d = idx % D;
-    float acc = coef[4 * C::WARPS + h];
+    float acc = coef[HG * C::WARPS + h];
 #pragma unroll
-    for (int ww = 0; ww < C::WARPS; ++ww) acc += coef[h * C::WARPS + ww] * red[(ww * 4 + h) * RS + d];
+    for (int ww = 0; ww < C::WARPS; ++ww) acc += coef[h * C::WARPS + ww] * red[(ww * HG + h) * RS + d];
     po[static_cast<std::size_t>(h) * stride * D + d] = acc;
   }
 }
@@ -265,7 +279,7 @@ __device__ __forceinline__ void finish_cluster(const DecodeParams& p, int NS, in
     float* const part = reinterpret_cast<float*>(smem_raw + C::CL_OFF);
     const std::size_t row = static_cast<std::size_t>(b) * p.q_heads + static_cast<std::size_t>(kh) * G + w;
     merge_row_reg<C::VC == ValueCode::kTq>(
-        p, NS, lane, vp, vs, mu, row, [&](int s) { return cl.map_shared_rank(part, s)[4 * D + w]; },
+        p, NS, lane, vp, vs, mu, row, [&](int s) { return cl.map_shared_rank(part, s)[C::HG * D + w]; },
         [&](int s) { return reinterpret_cast<const float4*>(cl.map_shared_rank(part, s) + w * D)[lane]; });
   }
   cl.sync();
@@ -301,7 +315,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   const bool clus = a.cluster != 0;
   const int pst = clus ? 1 : NS;  // the partial's row stride, in outputs of D and in log2-sum-exps
   float* po = clus ? reinterpret_cast<float*>(smem_raw + C::CL_OFF) : part_o + (row0 * NS + split) * D;
-  float* plse = clus ? reinterpret_cast<float*>(smem_raw + C::CL_OFF) + 4 * D : part_lse + row0 * NS + split;
+  float* plse = clus ? reinterpret_cast<float*>(smem_raw + C::CL_OFF) + C::HG * D : part_lse + row0 * NS + split;
   auto finish = [&]() {
     if (clus) finish_cluster<C>(p, NS, G, smem_raw);
     else finish_group<C::THREADS, C::D, C::VC == ValueCode::kTq, false>(p, a, NS, G, reinterpret_cast<float*>(smem_raw));
@@ -318,7 +332,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   // with it and with the block-table loads below (one round trip of the prologue instead of
   // three). Thread i holds the raw query element i; warp h < G holds dims 4 lane .. 4 lane + 3 of
   // the key permutation and signs for head h's rotation.
-  constexpr int QPT = (4 * D + C::THREADS - 1) / C::THREADS;
+  constexpr int QPT = (C::HG * D + C::THREADS - 1) / C::THREADS;
   const float* qg = p.q + row0 * D;
   float qraw[QPT];
 #pragma unroll
@@ -436,7 +450,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   // Query (scaled into the log2 domain, gathered and signed like the keys) and the centroids
   // into shared memory; the raw query goes through the P-transpose scratch (unused until the loop)
   // for the gather.
-  float* const cent = qs + 4 * D;  // [0, 16): key centroids, [16, 32): value centroids (split: per segment)
+  float* const cent = qs + C::HG * D;  // [0, 16): key centroids, [16, 32): value centroids (split: per segment)
   float* const qraw_s = reinterpret_cast<float*>(lut + C::LUT_BYTES + C::Q_BYTES);
   const float qscale = p.scale * kLog2e;
   if (tid < 32 * NSEG) cent[tid] = cent_v;
@@ -512,6 +526,22 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     qb[kt][0] = lo_col ? l0 : h0;
     qb[kt][1] = lo_col ? l1 : h1;
   }
+  // Eight heads: the second n-tile, heads 4 + (g >> 1).
+  std::uint32_t qb1[C::kHG8 ? 8 : 1][2];
+  if constexpr (C::kHG8) {
+#pragma unroll
+    for (int kt = 0; kt < 8; ++kt) {
+      const int d0 = NSEG == 2 ? 64 * (kt >> 2) + 16 * t4 + 4 * (kt & 3) : 32 * t4 + 4 * kt;
+      std::uint32_t h0 = 0, l0 = 0, h1 = 0, l1 = 0;
+      if (4 + hq < G) {
+        const float4 v = reinterpret_cast<const float4*>(qs + (4 + hq) * D)[qs_chunk(d0 >> 2)];
+        split2<false>(v.x, v.y, h0, l0);
+        split2<false>(v.z, v.w, h1, l1);
+      }
+      qb1[kt][0] = lo_col ? l0 : h0;
+      qb1[kt][1] = lo_col ? l1 : h1;
+    }
+  }
   const std::uint32_t L4 = static_cast<std::uint32_t>(lane) << 2;
   const std::uint32_t XK = lut_s | L4, XV = lut_s | 128u | L4;  // table address of entry 0 for this lane
   const std::uint32_t lut1_s = lut_s + static_cast<std::uint32_t>(C::LUT_ALIGN);  // split: segment 1's table
@@ -536,6 +566,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   for (int i = 0; i < 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0;
   float m_run = -INFINITY, l_run = 0, z_run = 0;
   float w_run = 0;  // 4-bit uniform values: sum of P times the value scale (the magic numbers' offsets, below)
+  float m_run1 = -INFINITY, l_run1 = 0, z_run1 = 0, w_run1 = 0;  // eight heads: head t4 + 4
 
   for (int i = 0; i < nloc; ++i) {
     cp_async_wait<C::NST - 2>();  // chunk i has landed
@@ -555,20 +586,27 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     // ---- scores: keys as A (m-tile mt, rows g / g + 8 = tokens 16 mt + g / + 8), query as B ----
     // The lane's tokens are g + 8 j (j = 2 mt + row half); it gets their scores for head t4.
     float sc[4], vsc[NSEG][4], vz[4];
+    float sc1[4];  // eight heads: head t4 + 4
     if constexpr (NSEG == 2) {
       // Per segment s: the lane's run of codes (dims 16 t4 .. 16 t4 + 15 of the segment: 2 kb(s) bytes at
       // kcoff(s) + 2 kb(s) t4) of each of its 4 tokens, 4 k-tiles, own accumulators.
-      float acc[2][2][4];
+      float acc[2][2][4], acc1[2][2][4];
 #pragma unroll
       for (int s = 0; s < 2; ++s)
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt) acc[s][mt][0] = acc[s][mt][1] = acc[s][mt][2] = acc[s][mt][3] = 0;
+        for (int mt = 0; mt < 2; ++mt) {
+          acc[s][mt][0] = acc[s][mt][1] = acc[s][mt][2] = acc[s][mt][3] = 0;
+          acc1[s][mt][0] = acc1[s][mt][1] = acc1[s][mt][2] = acc1[s][mt][3] = 0;
+        }
       auto segment = [&](auto seg) {
         constexpr int sg = decltype(seg)::value, KBs = C::kb(sg);
         std::uint32_t wv[4][2];
 #pragma unroll
         for (int j = 0; j < 4; ++j) load_run<2 * KBs>(sk + (g + 8 * j) * C::KCB, C::kcoff(sg) + 2 * KBs * t4, wv[j]);
-        tq_keys_mma<2 * KBs, 4>(wv, sg == 0 ? XK : XK1, qb + 4 * sg, acc[sg]);
+        if constexpr (C::kHG8)
+          tq_keys_mma<2 * KBs, 4, 2, 2>(wv, sg == 0 ? XK : XK1, qb + 4 * sg, acc[sg], qb1 + 4 * sg, acc1[sg]);
+        else
+          tq_keys_mma<2 * KBs, 4>(wv, sg == 0 ? XK : XK1, qb + 4 * sg, acc[sg]);
       };
       segment(std::integral_constant<int, 0>{});
       segment(std::integral_constant<int, 1>{});
@@ -580,14 +618,19 @@ __global__ void __launch_bounds__(C::THREADS, 1)
         const float2 vn = __half22float2(*reinterpret_cast<const __half2*>(&x.y));
         const int mt = j >> 1, r = 2 * (j & 1);
         sc[j] = (acc[0][mt][r] + acc[0][mt][r + 1]) * kn.x + (acc[1][mt][r] + acc[1][mt][r + 1]) * kn.y;
+        if constexpr (C::kHG8)
+          sc1[j] = (acc1[0][mt][r] + acc1[0][mt][r + 1]) * kn.x + (acc1[1][mt][r] + acc1[1][mt][r + 1]) * kn.y;
         vsc[0][j] = vn.x;
         vsc[1][j] = vn.y;
         vz[j] = 0.0f;
       }
     } else {
-    float acc[2][4];
+    float acc[2][4], acc1[2][4];
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0;
+    for (int mt = 0; mt < 2; ++mt) {
+      acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0;
+      acc1[mt][0] = acc1[mt][1] = acc1[mt][2] = acc1[mt][3] = 0;
+    }
     if constexpr (C::KC == KeyCode::kTq) {
       constexpr int NB = 32 * C::KB, NW = NB / 32, FW = 2 * C::KB;
       std::uint32_t wv[4][NW];
@@ -605,7 +648,10 @@ __global__ void __launch_bounds__(C::THREADS, 1)
           for (int k = 0; k < NW; ++k) wv[j][k] = reinterpret_cast<const std::uint32_t*>(src)[k];
         }
       }
-      tq_keys_mma<FW, 8>(wv, XK, qb, acc);
+      if constexpr (C::kHG8)
+        tq_keys_mma<FW, 8, NW, 2>(wv, XK, qb, acc, qb1, acc1);
+      else
+        tq_keys_mma<FW, 8>(wv, XK, qb, acc);
     } else {  // fp8 keys: 32 bytes per lane and token
       std::uint32_t wv[4][8];
 #pragma unroll
@@ -629,6 +675,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
           const std::uint32_t a[4] = {fp8x2_half_to_half2<0>(x0), fp8x2_half_to_half2<0>(x1), fp8x2_half_to_half2<1>(x0),
                                       fp8x2_half_to_half2<1>(x1)};
           mma16816<false>(acc[mt], a, qb[kt][0], qb[kt][1]);
+          if constexpr (C::kHG8) mma16816<false>(acc1[mt], a, qb1[kt][0], qb1[kt][1]);
         }
       }
     }
@@ -665,10 +712,17 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     for (int mt = 0; mt < 2; ++mt) {
       sc[2 * mt] = acc[mt][0] + acc[mt][1];
       sc[2 * mt + 1] = acc[mt][2] + acc[mt][3];
+      if constexpr (C::kHG8) {
+        sc1[2 * mt] = acc1[mt][0] + acc1[mt][1];
+        sc1[2 * mt + 1] = acc1[mt][2] + acc1[mt][3];
+      }
     }
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      if constexpr (C::KC == KeyCode::kTq) sc[j] *= kn[j];
+      if constexpr (C::KC == KeyCode::kTq) {
+        sc[j] *= kn[j];
+        if constexpr (C::kHG8) sc1[j] *= kn[j];
+      }
     }
     }  // NSEG == 1
     if (!full) {  // warp-uniform: only the first and last chunk of a range can be partial
@@ -679,6 +733,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
         const int x = pos0 + g + 8 * j;
         if (x < lo || x >= hi) {
           sc[j] = -INFINITY;
+          sc1[j] = -INFINITY;
           vz[j] = 0.0f;
 #pragma unroll
           for (int s = 0; s < NSEG; ++s) vsc[s][j] = 0.0f;
@@ -707,9 +762,49 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     }
     z_run = z_run * alpha + zsum;
     l_run = l_run * alpha + psum;
+    // Eight heads: PV's B values are fp16-rounded without a residual column, so the offsets' sum is
+    // taken over the rounded values.
+    if constexpr (C::kHG8) {
+#pragma unroll
+      for (int s = 0; s < NSEG; ++s)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) pv[s][j] = round_elt<false>(pv[s][j]);
+    }
     if constexpr (C::kMagicV) w_run = w_run * alpha + ((pv[0][0] + pv[0][1]) + (pv[0][2] + pv[0][3]));
     m_run = m_new;
-    if (__any_sync(0xffffffffu, alpha != 1.0f)) {
+    // Eight heads: the same for head t4 + 4 (columns 2 t4 + 1 of PV).
+    float alpha1 = 1.0f, pv1[NSEG][4];
+    if constexpr (C::kHG8) {
+      float mx1 = fmaxf(fmaxf(sc1[0], sc1[1]), fmaxf(sc1[2], sc1[3]));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 4));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 8));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 16));
+      const float m_new1 = fmaxf(m_run1, mx1);
+      const float m_use1 = m_new1 == -INFINITY ? 0.0f : m_new1;
+      alpha1 = ex2(m_run1 - m_use1);
+      float psum1 = 0, zsum1 = 0;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float pj = ex2(sc1[j] - m_use1);
+        psum1 += pj;
+#pragma unroll
+        for (int s = 0; s < NSEG; ++s) pv1[s][j] = round_elt<false>(pj * vsc[s][j]);
+        if constexpr (C::VC == ValueCode::kUniform) zsum1 += pj * vz[j];
+      }
+      z_run1 = z_run1 * alpha1 + zsum1;
+      l_run1 = l_run1 * alpha1 + psum1;
+      if constexpr (C::kMagicV) w_run1 = w_run1 * alpha1 + ((pv1[0][0] + pv1[0][1]) + (pv1[0][2] + pv1[0][3]));
+      m_run1 = m_new1;
+      if (__any_sync(0xffffffffu, alpha != 1.0f || alpha1 != 1.0f)) {
+#pragma unroll
+        for (int n = 0; n < 8; ++n) {
+          o[n][0] *= alpha;
+          o[n][1] *= alpha1;
+          o[n][2] *= alpha;
+          o[n][3] *= alpha1;
+        }
+      }
+    } else if (__any_sync(0xffffffffu, alpha != 1.0f)) {
 #pragma unroll
       for (int n = 0; n < 8; ++n) {
         o[n][0] *= alpha;
@@ -721,13 +816,20 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     // ---- P (times the value scale; per segment for the split) to the B layout of PV through the scratch ----
 #pragma unroll
     for (int s = 0; s < NSEG; ++s) {
-      std::uint32_t h01, l01, h23, l23;
-      split2<false>(pv[s][0], pv[s][1], h01, l01);
-      split2<false>(pv[s][2], pv[s][3], h23, l23);
-      scr_st[128 * s] = h01;  // segment s: + 512 s bytes
-      scr_st[128 * s + 32] = h23;
-      scr_st[128 * s + 64] = l01;
-      scr_st[128 * s + 96] = l23;
+      if constexpr (C::kHG8) {  // parts 2 / 3: head t4 + 4 instead of the residuals (all values rounded above)
+        scr_st[128 * s] = pack2<false>(pv[s][0], pv[s][1]);
+        scr_st[128 * s + 32] = pack2<false>(pv[s][2], pv[s][3]);
+        scr_st[128 * s + 64] = pack2<false>(pv1[s][0], pv1[s][1]);
+        scr_st[128 * s + 96] = pack2<false>(pv1[s][2], pv1[s][3]);
+      } else {
+        std::uint32_t h01, l01, h23, l23;
+        split2<false>(pv[s][0], pv[s][1], h01, l01);
+        split2<false>(pv[s][2], pv[s][3], h23, l23);
+        scr_st[128 * s] = h01;  // segment s: + 512 s bytes
+        scr_st[128 * s + 32] = h23;
+        scr_st[128 * s + 64] = l01;
+        scr_st[128 * s + 96] = l23;
+      }
     }
     __syncwarp();
     uint2 bk[NSEG][2];  // [segment][k-block]
@@ -859,13 +961,38 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     l_run += __shfl_xor_sync(0xffffffffu, l_run, s);
     z_run += __shfl_xor_sync(0xffffffffu, z_run, s);
     if constexpr (C::kMagicV) w_run += __shfl_xor_sync(0xffffffffu, w_run, s);
+    if constexpr (C::kHG8) {
+      l_run1 += __shfl_xor_sync(0xffffffffu, l_run1, s);
+      z_run1 += __shfl_xor_sync(0xffffffffu, z_run1, s);
+      if constexpr (C::kMagicV) w_run1 += __shfl_xor_sync(0xffffffffu, w_run1, s);
+    }
   }
   // 4-bit uniform values: the magic numbers' offsets out of the rows (1024 for row g, 64 for g + 8).
   const float off_e = C::kMagicV ? 1024.0f * w_run : 0.0f, off_o = C::kMagicV ? 64.0f * w_run : 0.0f;
+  const float off_e1 = C::kMagicV ? 1024.0f * w_run1 : 0.0f, off_o1 = C::kMagicV ? 64.0f * w_run1 : 0.0f;
   __syncthreads();
   constexpr int RS = C::RS;
   float* red = reinterpret_cast<float*>(smem_raw);  // every warp's copies have landed (cp_async_wait above)
-  if (t4 < G) {
+  if constexpr (C::kHG8) {
+    // Columns 2 t4 (head t4) and 2 t4 + 1 (head t4 + 4), each one fp16-rounded column.
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      if (t4 + 4 * hh < G) {
+        float* rr = red + (w * 8 + t4 + 4 * hh) * RS;
+#pragma unroll
+        for (int mt = 0; mt < 8; ++mt) {
+          const int d = NSEG == 2 ? 64 * (mt >> 2) + 8 * g + 2 * (mt & 3) : 16 * g + 2 * mt;
+          rr[d] = o[mt][hh] - (hh ? off_e1 : off_e);
+          rr[d + 1] = o[mt][2 + hh] - (hh ? off_o1 : off_o);
+        }
+        if (g == 0) {
+          rr[D] = nloc > 0 ? (hh ? m_run1 : m_run) : -INFINITY;
+          rr[D + 1] = hh ? l_run1 : l_run;
+          rr[D + 2] = hh ? z_run1 : z_run;
+        }
+      }
+    }
+  } else if (t4 < G) {
     float* rr = red + (w * 4 + t4) * RS;
 #pragma unroll
     for (int mt = 0; mt < 8; ++mt) {

@@ -147,7 +147,7 @@ struct DecodeParams {
 int decode_splits(const DecodeParams& p);
 std::size_t decode_workspace_bytes(const DecodeParams& p);
 cudaError_t decode(const DecodeParams& p, cudaStream_t stream = nullptr);
-// True when decode(p) runs the fast kernel of decode_fast.cuh (head_dim 128, G <= 4, the TurboQuant
+// True when decode(p) runs the fast kernel of decode_fast.cuh (head_dim 128, G <= 8, the TurboQuant
 // and fp8 formats including the outlier splits), false when it runs the generic one.
 bool decode_uses_fast_kernel(const DecodeParams& p);
 // True when decode(p) merges its splits inside thread-block clusters (DecodeParams::cluster_merge).

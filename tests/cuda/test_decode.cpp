@@ -313,8 +313,9 @@ double run_case(const Case& c) {
                            (pr.enabled() ? " S" + std::to_string(c.sinks) + "W" + std::to_string(c.window) : "") +
                            (c.splits ? " splits" + std::to_string(c.splits) : "") + (c.centered ? " centered" : "");
   check(!c.centered || (p.fmt.key_mean && p.fmt.value_mean), name + ": centered case without means in the tables");
-  // The fast kernel serves head_dim 128 with G <= 4 for every format but bf16 (outlier splits included).
-  const bool want_fast = D == 128 && G <= 4 && c.fmt != "bf16";
+  // The fast kernel serves head_dim 128 with G <= 8 (four heads per CTA up to G = 4, eight above) for
+  // every format but bf16 (outlier splits included).
+  const bool want_fast = D == 128 && G <= 8 && c.fmt != "bf16";
   check(cuda::decode_uses_fast_kernel(p) == want_fast, name + ": expected the " + (want_fast ? "fast" : "generic") + " kernel");
   const cudaError_t e = cuda::decode(p);
   check(e == cudaSuccess, name + ": decode launch: " + cudaGetErrorString(e));
@@ -753,11 +754,18 @@ int main(int argc, char** argv) {
       const std::string name = fm;
       add(name, name == "tq-3bit" || name == "tq-2.5bit", 128, 8, 2, {70, 33}, false, 4, 8, 0);
     }
+    // Eight heads per CTA (G = 8 and G = 6), unprotected and protected, one 4-bit magic-number format.
+    for (const char* fm : {"tq-k8v4", "tq-3.5bit"}) add(fm, false, 128, 16, 2, {70, 33}, false, 4, 8, 0);
+    add("tq-4bit-nc", false, 128, 12, 2, {95, 40}, false, 0, 0, 0);
   } else {
     for (const auto& fm : formats) {
       add(fm, false, 128, 32, 8, {1, 100, 257}, false, 0, 0, 0);
       add(fm, false, 128, 4, 2, {512, 300}, true, 0, 0, 0);              // tiny-gqa fixture, G = 2
       add(fm, false, 128, 16, 2, {64, 65, 1000, 7}, false, 0, 0, 0);     // G = 8, mixed lengths
+      add(fm, false, 128, 64, 8, {1, 100, 2100}, false, 0, 0, 0);         // G = 8, 8 KV heads (64 / 8)
+      add(fm, false, 128, 16, 2, {512, 300}, true, 0, 0, 0);             // fixture, G = 8
+      add(fm, false, 128, 12, 2, {129, 3000}, false, 0, 0, 5);            // G = 6, forced splits
+      add(fm, false, 128, 16, 2, {2, 40, 333, 1500}, false, 4, 64, 0);   // G = 8 with protection
       add(fm, false, 128, 2, 2, {129, 3000}, false, 0, 0, 5);             // G = 1, forced splits
       add(fm, false, 128, 8, 2, {2, 40, 333, 1500}, false, 4, 64, 0);    // protection, lengths below and above S + W
       add(fm, false, 128, 4, 2, {511, 200}, true, 4, 32, 3);             // fixture with protection
@@ -770,6 +778,7 @@ int main(int argc, char** argv) {
     for (const char* fm : {"tq-4bit", "tq-3bit", "tq-3.5bit", "tq-2.5bit"}) {
       add(fm, true, 128, 32, 8, {1, 100, 257}, false, 0, 0, 0);
       add(fm, true, 128, 8, 2, {2, 40, 333, 1500}, false, 4, 64, 0);  // protection: the rows that need the means
+      add(fm, true, 128, 16, 2, {2, 40, 1500}, false, 4, 64, 0);      // the same with eight heads per CTA
       add(fm, true, 128, 4, 2, {511, 200}, true, 4, 32, 3);          // fixture keys (real channel means)
       add(fm, true, 64, 16, 4, {77, 300}, false, 2, 16, 0);
       add(fm, true, 96, 12, 4, {95, 250}, false, 4, 8, 0);
