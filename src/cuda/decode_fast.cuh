@@ -772,7 +772,9 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     }
     if constexpr (C::kMagicV) w_run = w_run * alpha + ((pv[0][0] + pv[0][1]) + (pv[0][2] + pv[0][3]));
     m_run = m_new;
-    // Eight heads: the same for head t4 + 4 (columns 2 t4 + 1 of PV).
+    // Eight heads: the same for head t4 + 4 (columns 2 t4 + 1 of PV). Written out rather than shared with
+    // the step above through a function: that sharing changed the register allocation of the four-head
+    // kernels' loops, which stay SASS-identical this way.
     float alpha1 = 1.0f, pv1[NSEG][4];
     if constexpr (C::kHG8) {
       float mx1 = fmaxf(fmaxf(sc1[0], sc1[1]), fmaxf(sc1[2], sc1[3]));
