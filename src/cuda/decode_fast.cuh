@@ -111,7 +111,7 @@ struct FCfg {
   static constexpr int nlo(int lut_pad) { return lut_pad / (NST * STAGE_BYTES) < WARPS ? lut_pad / (NST * STAGE_BYTES) : WARPS; }
   static constexpr int PROT_BYTES = kMaxGroup * D * 4 + WARPS * kMaxGroup * RS * 4;  // protected split
   static constexpr int RED_BYTES = WARPS * HG * RS * 4 + (HG * WARPS + HG) * 4;     // merge of the warps, its weights
-  // Cluster split merge: the CTA's partial ([4][D] outputs, then 4 log2-sum-exps), past what the tail
+  // Cluster split merge: the CTA's partial ([HG][D] outputs, then HG log2-sum-exps), past what the tail
   // of every CTA kind uses.
   static constexpr int CL_OFF = align16c(PROT_BYTES > RED_BYTES ? PROT_BYTES : RED_BYTES);
   static constexpr int CL_BYTES = (HG * D + HG) * 4;
