@@ -754,7 +754,7 @@ int main(int argc, char** argv) {
       const std::string name = fm;
       add(name, name == "tq-3bit" || name == "tq-2.5bit", 128, 8, 2, {70, 33}, false, 4, 8, 0);
     }
-    // Eight heads per CTA (G = 8 and G = 6), unprotected and protected, one 4-bit magic-number format.
+    // Eight heads per CTA: G = 8 with protection (fp8 keys, an outlier split), G = 6 unprotected (4-bit magic values).
     for (const char* fm : {"tq-k8v4", "tq-3.5bit"}) add(fm, false, 128, 16, 2, {70, 33}, false, 4, 8, 0);
     add("tq-4bit-nc", false, 128, 12, 2, {95, 40}, false, 0, 0, 0);
   } else {
