@@ -526,7 +526,8 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     qb[kt][0] = lo_col ? l0 : h0;
     qb[kt][1] = lo_col ? l1 : h1;
   }
-  // Eight heads: the second n-tile, heads 4 + (g >> 1).
+  // Eight heads: the second n-tile, heads 4 + (g >> 1). The loop above is not shared through a lambda: that
+  // changed the split formats' main-loop register allocation in the four-head kernels.
   std::uint32_t qb1[C::kHG8 ? 8 : 1][2];
   if constexpr (C::kHG8) {
 #pragma unroll
