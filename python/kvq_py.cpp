@@ -1,0 +1,646 @@
+// python/kvq_py.cpp: the `kvq._kvq` extension module (pybind11): kvq's CPU library from Python
+// with NumPy arrays.
+//
+// What it exposes, one class or function per library concept, nothing computed here:
+//  - the format registry (Format, formats(), format(), token_bytes());
+//  - the per-vector quantizers of a (layer, head) (Quantizer: encode / decode / scores /
+//    weighted_sum, the paths attention uses on packed codes);
+//  - the caches the model runtime writes to (PagedCache with its protection policy and memory
+//    accounting, DenseCache) and their attention;
+//  - the CPU model runtime, the tokenizer, the perplexity protocol and format calibration.
+// Arrays are taken as C-contiguous float32 / int32 (other dtypes are converted, as NumPy would);
+// a wrong shape is a ValueError naming the argument, and every kvq::Error (bad format name, NaN
+// input, malformed model, exhausted page pool) is raised as kvq.Error with the library's message.
+// Long calls (encode / decode of many rows, attention, forward, perplexity) release the GIL.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kvq/common.hpp"
+#include "kvq/dense_cache.hpp"
+#include "kvq/eval.hpp"
+#include "kvq/formats.hpp"
+#include "kvq/model.hpp"
+#include "kvq/paged_cache.hpp"
+#include "kvq/quality.hpp"
+#include "kvq/tokenizer.hpp"
+
+namespace py = pybind11;
+
+namespace {
+
+using kvq::fail;
+template <class T>
+using Arr = py::array_t<T, py::array::c_style | py::array::forcecast>;
+
+[[noreturn]] void bad_arg(const std::string& what) { throw py::value_error(what); }
+
+// Rows of width d: a (d,) vector is one row, an (n, d) array n rows.
+struct Rows {
+  const float* p = nullptr;
+  std::size_t n = 0;
+  bool single = false;
+};
+Rows rows_of(const Arr<float>& a, std::size_t d, const char* name) {
+  if (a.ndim() == 1 && static_cast<std::size_t>(a.shape(0)) == d) return {a.data(), 1, true};
+  if (a.ndim() == 2 && static_cast<std::size_t>(a.shape(1)) == d) return {a.data(), static_cast<std::size_t>(a.shape(0)), false};
+  std::string shape = "(";
+  for (py::ssize_t i = 0; i < a.ndim(); ++i) shape += (i ? ", " : "") + std::to_string(a.shape(i));
+  bad_arg(std::string(name) + ": expected shape (" + std::to_string(d) + ",) or (n, " + std::to_string(d) + "), got " +
+          shape + (a.ndim() == 1 ? ",)" : ")"));
+}
+// Records of `bytes` bytes: (bytes,) is one record, (n, bytes) n records.
+struct Records {
+  const std::uint8_t* p = nullptr;
+  std::size_t n = 0;
+  bool single = false;
+};
+Records records_of(const Arr<std::uint8_t>& a, std::size_t bytes) {
+  if (a.ndim() == 1 && static_cast<std::size_t>(a.shape(0)) == bytes) return {a.data(), 1, true};
+  if (a.ndim() == 2 && static_cast<std::size_t>(a.shape(1)) == bytes)
+    return {a.data(), static_cast<std::size_t>(a.shape(0)), false};
+  bad_arg("records: expected uint8 shape (" + std::to_string(bytes) + ",) or (n, " + std::to_string(bytes) + ")");
+}
+
+const kvq::FormatSpec& spec_of(const py::object& f) {
+  if (py::isinstance<py::str>(f)) return kvq::find_format(f.cast<std::string>());
+  return *f.cast<const kvq::FormatSpec*>();
+}
+
+std::string family_name(kvq::FormatFamily f) {
+  switch (f) {
+    case kvq::FormatFamily::kKV: return "kv";
+    case kvq::FormatFamily::kMLA: return "mla";
+    default: return "any";
+  }
+}
+std::string kind_name(kvq::FormatKind k) {
+  switch (k) {
+    case kvq::FormatKind::kBf16: return "bf16";
+    case kvq::FormatKind::kFp8: return "fp8";
+    case kvq::FormatKind::kTqVllm: return "tq-vllm";
+    case kvq::FormatKind::kTqOurs: return "tq";
+    case kvq::FormatKind::kTqSplit: return "tq-split";
+    case kvq::FormatKind::kTqQjl: return "tq-qjl";
+    case kvq::FormatKind::kMlaAffine: return "mla-affine";
+    case kvq::FormatKind::kMlaTq: return "mla-tq";
+  }
+  return "?";
+}
+
+kvq::CacheGeometry make_geometry(int n_layers, int n_kv_heads, int head_dim, int v_head_dim, int d_latent, int d_rope) {
+  kvq::CacheGeometry g;
+  if (n_layers <= 0) bad_arg("n_layers must be positive");
+  g.n_layers = n_layers;
+  if (d_latent > 0 || d_rope > 0) {
+    if (n_kv_heads != 0 || head_dim != 0) bad_arg("an MLA geometry (d_latent, d_rope) takes no n_kv_heads / head_dim");
+    if (d_latent <= 0 || d_rope <= 0) bad_arg("an MLA geometry needs d_latent > 0 and d_rope > 0");
+    g.mla = true;
+    g.d_latent = d_latent;
+    g.d_rope = d_rope;
+  } else {
+    if (n_kv_heads <= 0 || head_dim <= 0) bad_arg("a GQA geometry needs n_kv_heads > 0 and head_dim > 0 (or give d_latent, d_rope)");
+    g.n_kv_heads = n_kv_heads;
+    g.head_dim = head_dim;
+    g.v_head_dim = v_head_dim > 0 ? v_head_dim : head_dim;
+  }
+  return g;
+}
+std::string geometry_repr(const kvq::CacheGeometry& g) {
+  if (g.mla)
+    return "Geometry(n_layers=" + std::to_string(g.n_layers) + ", d_latent=" + std::to_string(g.d_latent) +
+           ", d_rope=" + std::to_string(g.d_rope) + ")";
+  return "Geometry(n_layers=" + std::to_string(g.n_layers) + ", n_kv_heads=" + std::to_string(g.n_kv_heads) +
+         ", head_dim=" + std::to_string(g.head_dim) + ", v_head_dim=" + std::to_string(g.v_head_dim) + ")";
+}
+// Row widths of one append: GQA all KV heads; MLA latent and RoPE key.
+std::size_t key_width(const kvq::CacheGeometry& g) {
+  return g.mla ? static_cast<std::size_t>(g.d_latent) : static_cast<std::size_t>(g.n_kv_heads) * g.head_dim;
+}
+std::size_t value_width(const kvq::CacheGeometry& g) {
+  return g.mla ? static_cast<std::size_t>(g.d_rope) : static_cast<std::size_t>(g.n_kv_heads) * g.v_head_dim;
+}
+
+// Calibration (outlier channels and channel means) of a format, as kvq::PagedCache and
+// make_quantizers take it.
+struct Calibration {
+  std::shared_ptr<const kvq::FormatCalibration> c;
+};
+
+// One quantizer of a (layer, head); holds what it was made from.
+struct Quantizer {
+  std::shared_ptr<const kvq::VectorQuantizer> q;
+  std::shared_ptr<const kvq::FormatCalibration> calib;  // kept alive with the quantizer
+  std::string side;
+
+  std::size_t dim() const { return static_cast<std::size_t>(q->dim()); }
+  py::array_t<std::uint8_t> encode(const Arr<float>& x) const {
+    const Rows r = rows_of(x, dim(), "x");
+    const std::size_t b = q->bytes();
+    py::array_t<std::uint8_t> out = r.single ? py::array_t<std::uint8_t>({static_cast<py::ssize_t>(b)})
+                                             : py::array_t<std::uint8_t>({static_cast<py::ssize_t>(r.n), static_cast<py::ssize_t>(b)});
+    std::uint8_t* dst = out.mutable_data();
+    {
+      py::gil_scoped_release nogil;
+      q->encode_batch(r.p, r.n, dst);
+    }
+    return out;
+  }
+  py::array_t<float> decode(const Arr<std::uint8_t>& rec) const {
+    const Records r = records_of(rec, q->bytes());
+    py::array_t<float> out = r.single ? py::array_t<float>({static_cast<py::ssize_t>(dim())})
+                                      : py::array_t<float>({static_cast<py::ssize_t>(r.n), static_cast<py::ssize_t>(dim())});
+    float* dst = out.mutable_data();
+    {
+      py::gil_scoped_release nogil;
+      q->decode_batch(r.p, r.n, dst);
+    }
+    return out;
+  }
+  // <query, decode(record)> for every record, from the packed codes (prepare_query once).
+  py::array_t<float> scores(const Arr<float>& query, const Arr<std::uint8_t>& rec) const {
+    const Rows qr = rows_of(query, dim(), "query");
+    if (!qr.single) bad_arg("query: one vector of shape (" + std::to_string(dim()) + ",)");
+    for (std::size_t i = 0; i < dim(); ++i)
+      if (!std::isfinite(qr.p[i])) fail("query: element " + std::to_string(i) + " is not finite");
+    const Records r = records_of(rec, q->bytes());
+    py::array_t<float> out({static_cast<py::ssize_t>(r.n)});
+    float* dst = out.mutable_data();
+    {
+      py::gil_scoped_release nogil;
+      std::vector<float> qp(static_cast<std::size_t>(q->query_dim()));
+      q->prepare_query(qr.p, qp.data());
+      const std::size_t b = q->bytes(), cb = q->code_bytes();
+      for (std::size_t i = 0; i < r.n; ++i) dst[i] = q->score(qp.data(), r.p + i * b, r.p + i * b + cb);
+    }
+    return out;
+  }
+  // sum_i w_i decode(record_i), accumulated in the quantizer's own domain (rotated for
+  // TurboQuant values) and mapped back once.
+  py::array_t<float> weighted_sum(const Arr<float>& w, const Arr<std::uint8_t>& rec) const {
+    const Records r = records_of(rec, q->bytes());
+    if (w.ndim() != 1 || static_cast<std::size_t>(w.shape(0)) != r.n)
+      bad_arg("weights: expected shape (" + std::to_string(r.n) + ",), one per record");
+    for (std::size_t i = 0; i < r.n; ++i)
+      if (!std::isfinite(w.data()[i])) fail("weights: element " + std::to_string(i) + " is not finite");
+    py::array_t<float> out({static_cast<py::ssize_t>(dim())});
+    float* dst = out.mutable_data();
+    const float* wp = w.data();
+    {
+      py::gil_scoped_release nogil;
+      std::vector<float> acc(static_cast<std::size_t>(q->acc_dim()), 0.0f);
+      const std::size_t b = q->bytes(), cb = q->code_bytes();
+      for (std::size_t i = 0; i < r.n; ++i) q->accumulate(wp[i], r.p + i * b, r.p + i * b + cb, acc.data());
+      q->finish(acc.data(), dst);
+    }
+    return out;
+  }
+};
+
+py::tuple make_quantizer_pair(const py::object& fmt, const kvq::CacheGeometry& g, int layer, int head,
+                              const py::object& calibration) {
+  const kvq::FormatSpec& f = spec_of(fmt);
+  kvq::check_format_fits(f, g);
+  if (layer < 0 || layer >= g.n_layers) bad_arg("layer " + std::to_string(layer) + " outside 0.." + std::to_string(g.n_layers - 1));
+  if (!g.mla && (head < 0 || head >= g.n_kv_heads))
+    bad_arg("head " + std::to_string(head) + " outside 0.." + std::to_string(g.n_kv_heads - 1));
+  std::shared_ptr<const kvq::FormatCalibration> c;
+  if (!calibration.is_none()) c = calibration.cast<const Calibration&>().c;
+  kvq::QuantizerPair p = kvq::make_quantizers(f, g, layer, head, c.get());
+  Quantizer k{std::shared_ptr<const kvq::VectorQuantizer>(std::move(p.key)), c, "key"};
+  Quantizer v{std::shared_ptr<const kvq::VectorQuantizer>(std::move(p.value)), c, "value"};
+  return py::make_tuple(k, v);
+}
+
+// A calibration from explicit per-(layer, head) channels and means (lists indexed [layer][head]).
+Calibration calibration_from(const py::object& key_channels, const py::object& value_channels, const py::object& key_mean,
+                             const py::object& value_mean) {
+  auto c = std::make_shared<kvq::FormatCalibration>();
+  if (!key_channels.is_none()) c->key = key_channels.cast<std::vector<std::vector<std::vector<int>>>>();
+  if (!value_channels.is_none()) c->value = value_channels.cast<std::vector<std::vector<std::vector<int>>>>();
+  if (!key_mean.is_none()) c->key_mean = key_mean.cast<std::vector<std::vector<std::vector<float>>>>();
+  if (!value_mean.is_none()) c->value_mean = value_mean.cast<std::vector<std::vector<std::vector<float>>>>();
+  if (c->key.size() != c->value.size()) bad_arg("key_channels and value_channels must cover the same layers");
+  if (c->key_mean.size() != c->value_mean.size()) bad_arg("key_mean and value_mean must cover the same layers");
+  return Calibration{std::move(c)};
+}
+
+// Cache wrapper: the library's KvCache plus what Python needs to check arguments.
+struct Cache {
+  std::unique_ptr<kvq::KvCache> c;
+  kvq::PagedCache* paged = nullptr;  // null for the dense cache
+  int max_seqs = 1;
+  std::shared_ptr<const kvq::FormatCalibration> calib;
+
+  const kvq::CacheGeometry& geo() const { return c->geometry(); }
+  void check_seq(int seq) const {
+    if (seq < 0 || seq >= max_seqs) bad_arg("seq " + std::to_string(seq) + " outside 0.." + std::to_string(max_seqs - 1));
+  }
+  void check_layer(int layer) const {
+    if (layer < 0 || layer >= geo().n_layers)
+      bad_arg("layer " + std::to_string(layer) + " outside 0.." + std::to_string(geo().n_layers - 1));
+  }
+  void append(int layer, const Arr<float>& k, const Arr<float>& v, int seq) {
+    check_seq(seq);
+    check_layer(layer);
+    const Rows kr = rows_of(k, key_width(geo()), "k"), vr = rows_of(v, value_width(geo()), "v");
+    if (kr.n != vr.n) bad_arg("k and v must hold the same number of rows");
+    if (kr.n == 0) return;
+    py::gil_scoped_release nogil;
+    c->append(seq, layer, static_cast<int>(kr.n), kr.p, vr.p);
+  }
+  py::array_t<float> attend(int layer, const Arr<float>& q, int n_heads, float scale, py::object pos0, int seq) const {
+    check_seq(seq);
+    check_layer(layer);
+    const kvq::CacheGeometry& g = geo();
+    if (n_heads <= 0) bad_arg("n_heads must be positive");
+    if (!g.mla && n_heads % g.n_kv_heads != 0)
+      bad_arg("n_heads (" + std::to_string(n_heads) + ") must be a multiple of the cache's n_kv_heads (" +
+              std::to_string(g.n_kv_heads) + ")");
+    const std::size_t qd = static_cast<std::size_t>(n_heads) * (g.mla ? g.d_latent + g.d_rope : g.head_dim);
+    const std::size_t od = static_cast<std::size_t>(n_heads) * (g.mla ? g.d_latent : g.v_head_dim);
+    const Rows qr = rows_of(q, qd, "q");
+    if (!std::isfinite(scale)) bad_arg("scale must be finite");
+    const int len = c->length(seq);
+    // Queries default to the last positions of the stored sequence (decode: one query at len - 1).
+    const int p0 = pos0.is_none() ? len - static_cast<int>(qr.n) : pos0.cast<int>();
+    if (qr.n == 0) bad_arg("q: no query rows");
+    if (p0 < 0 || p0 + static_cast<int>(qr.n) > len)
+      bad_arg("query positions " + std::to_string(p0) + ".." + std::to_string(p0 + static_cast<int>(qr.n) - 1) +
+              " outside the " + std::to_string(len) + " stored tokens of seq " + std::to_string(seq));
+    for (std::size_t i = 0; i < qr.n * qd; ++i)
+      if (!std::isfinite(qr.p[i])) fail("q: element " + std::to_string(i) + " is not finite");
+    py::array_t<float> out = qr.single ? py::array_t<float>({static_cast<py::ssize_t>(od)})
+                                       : py::array_t<float>({static_cast<py::ssize_t>(qr.n), static_cast<py::ssize_t>(od)});
+    float* dst = out.mutable_data();
+    {
+      py::gil_scoped_release nogil;
+      c->attend(seq, layer, static_cast<int>(qr.n), p0, n_heads, scale, qr.p, dst);
+    }
+    return out;
+  }
+  kvq::PagedCache& need_paged(const char* what) const {
+    if (!paged) bad_arg(std::string(what) + " is a PagedCache method");
+    return *paged;
+  }
+};
+
+py::dict memory_dict(const kvq::CacheMemory& m) {
+  py::dict d;
+  d["blocks"] = m.blocks;
+  d["packed_bytes"] = m.packed_bytes;
+  d["protection_bytes"] = m.protection_bytes;
+  d["reverse_map_bytes"] = m.reverse_map_bytes;
+  d["total"] = m.total();
+  return d;
+}
+
+kvq::ProtectionPolicy policy_of(int sinks, int window, int boundary_layers) {
+  if (sinks < 0 || window < 0 || boundary_layers < 0) bad_arg("sinks, window and boundary_layers must be >= 0");
+  return kvq::ProtectionPolicy{sinks, window, boundary_layers};
+}
+
+Cache make_paged(const kvq::CacheGeometry& g, const py::object& fmt, int sinks, int window, int boundary_layers,
+                 int page_tokens, std::size_t pool_bytes, int max_seqs, bool preempt, const std::string& path,
+                 const py::object& calibration) {
+  if (max_seqs <= 0) bad_arg("max_seqs must be positive");
+  if (path != "fast" && path != "reference") bad_arg("path must be 'fast' or 'reference'");
+  kvq::CacheOptions o;
+  o.format = spec_of(fmt).name;
+  o.protect = policy_of(sinks, window, boundary_layers);
+  o.page_tokens = page_tokens;
+  o.pool_bytes = pool_bytes;
+  o.preempt = preempt;
+  Cache c;
+  if (!calibration.is_none()) c.calib = calibration.cast<const Calibration&>().c;
+  o.outliers = c.calib;
+  auto p = std::make_unique<kvq::PagedCache>(g, o, max_seqs);
+  p->set_attention_path(path == "fast" ? kvq::AttentionPath::kFast : kvq::AttentionPath::kReference);
+  c.paged = p.get();
+  c.c = std::move(p);
+  c.max_seqs = max_seqs;
+  return c;
+}
+
+py::dict config_dict(const kvq::ModelConfig& c) {
+  py::dict d;
+  d["architecture"] = c.architecture;
+  d["model_type"] = c.model_type;
+  d["vocab_size"] = c.vocab_size;
+  d["hidden_size"] = c.hidden_size;
+  d["n_layers"] = c.n_layers;
+  d["n_heads"] = c.n_heads;
+  d["n_kv_heads"] = c.n_kv_heads;
+  d["head_dim"] = c.head_dim;
+  d["mla"] = c.mla;
+  d["kv_lora_rank"] = c.kv_lora_rank;
+  d["qk_nope_head_dim"] = c.qk_nope_head_dim;
+  d["qk_rope_head_dim"] = c.qk_rope_head_dim;
+  d["v_head_dim"] = c.v_head_dim;
+  d["max_position_embeddings"] = c.max_position_embeddings;
+  d["softmax_scale"] = c.softmax_scale;
+  d["bos_token_id"] = c.bos_token_id;
+  d["eos_token_ids"] = c.eos_token_ids;
+  d["moe_experts"] = c.moe.n_routed_experts;
+  return d;
+}
+
+struct PyModel {
+  std::unique_ptr<kvq::Model> m;
+};
+
+std::vector<std::int32_t> tokens_of(const Arr<std::int32_t>& t) {
+  if (t.ndim() != 1) bad_arg("tokens: expected a 1-D array of token ids");
+  return std::vector<std::int32_t>(t.data(), t.data() + t.shape(0));
+}
+
+std::unique_ptr<kvq::Tokenizer> load_tokenizer(const std::string& path) {
+  std::string p = path;
+  if (p.size() < 5 || p.compare(p.size() - 5, 5, ".json") != 0) p += "/tokenizer.json";
+  return kvq::Tokenizer::load(p);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_kvq, m) {
+  m.doc() = "kvq: low-bit KV caches (TurboQuant, QuantMLA) - CPU library bindings";
+  static py::exception<kvq::Error> error(m, "Error", PyExc_RuntimeError);
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const kvq::Error& e) {
+      error(e.what());
+    }
+  });
+  m.attr("format_version") = kvq::kFormatVersion;
+  m.attr("default_page_tokens") = kvq::kDefaultPageTokens;
+
+  py::class_<kvq::FormatSpec>(m, "Format", "A cache format of the registry (docs/formats.md).")
+      .def_readonly("name", &kvq::FormatSpec::name)
+      .def_property_readonly("family", [](const kvq::FormatSpec& f) { return family_name(f.family); })
+      .def_property_readonly("kind", [](const kvq::FormatSpec& f) { return kind_name(f.kind); })
+      .def_readonly("key_bits", &kvq::FormatSpec::key_bits, "code bits of keys (MLA: the content latent)")
+      .def_readonly("value_bits", &kvq::FormatSpec::value_bits, "code bits of values (MLA: the RoPE key)")
+      .def_readonly("fp8_keys", &kvq::FormatSpec::fp8_keys)
+      .def_readonly("outlier_channels", &kvq::FormatSpec::outlier_channels)
+      .def_readonly("keys", &kvq::FormatSpec::keys)
+      .def_readonly("values", &kvq::FormatSpec::values)
+      .def_readonly("pair", &kvq::FormatSpec::pair, "the vLLM preset this format is compared with ('' if none)")
+      .def_readonly("summary", &kvq::FormatSpec::summary)
+      .def_property_readonly("needs_calibration", [](const kvq::FormatSpec& f) { return kvq::format_needs_calibration(f); })
+      .def("__repr__", [](const kvq::FormatSpec& f) { return "<kvq.Format '" + f.name + "'>"; });
+
+  m.def("formats", [](const std::string& family) {
+        std::vector<const kvq::FormatSpec*> out;
+        if (family != "" && family != "kv" && family != "mla") bad_arg("family must be '', 'kv' or 'mla'");
+        for (const kvq::FormatSpec& f : kvq::all_formats()) {
+          const bool any = f.family == kvq::FormatFamily::kAny;
+          if (family.empty() || any || (family == "kv") == (f.family == kvq::FormatFamily::kKV)) out.push_back(&f);
+        }
+        return out;
+      }, py::arg("family") = "", py::return_value_policy::reference,
+      "The registry's formats; family 'kv' or 'mla' keeps those that fit (bf16 and fp8 fit both).");
+  m.def("format", [](const std::string& name) { return &kvq::find_format(name); }, py::arg("name"),
+        py::return_value_policy::reference, "The format called `name` (kvq.Error listing the names if unknown).");
+
+  py::class_<kvq::CacheGeometry>(m, "Geometry", "Per-layer cache shape: GQA (n_kv_heads, head_dim) or MLA (d_latent, d_rope).")
+      .def(py::init(&make_geometry), py::arg("n_layers") = 1, py::arg("n_kv_heads") = 0, py::arg("head_dim") = 0,
+           py::arg("v_head_dim") = 0, py::arg("d_latent") = 0, py::arg("d_rope") = 0)
+      .def_readonly("n_layers", &kvq::CacheGeometry::n_layers)
+      .def_readonly("mla", &kvq::CacheGeometry::mla)
+      .def_readonly("n_kv_heads", &kvq::CacheGeometry::n_kv_heads)
+      .def_readonly("head_dim", &kvq::CacheGeometry::head_dim)
+      .def_readonly("v_head_dim", &kvq::CacheGeometry::v_head_dim)
+      .def_readonly("d_latent", &kvq::CacheGeometry::d_latent)
+      .def_readonly("d_rope", &kvq::CacheGeometry::d_rope)
+      .def("__repr__", &geometry_repr);
+
+  m.def("token_bytes", [](const py::object& fmt, const kvq::CacheGeometry& g) {
+        const kvq::FormatSpec& f = spec_of(fmt);
+        kvq::check_format_fits(f, g);
+        const kvq::TokenBytes t = kvq::token_bytes(f, g);
+        py::dict d;
+        d["key_code"] = t.key_code;
+        d["key_meta"] = t.key_meta;
+        d["value_code"] = t.value_code;
+        d["value_meta"] = t.value_meta;
+        d["record"] = t.record;
+        d["per_layer"] = t.per_layer;
+        d["bits_per_value"] = t.bits_per_value;
+        d["bf16_per_layer"] = kvq::bf16_token_bytes(g);
+        return d;
+      }, py::arg("format"), py::arg("geometry"),
+      "Bytes per token and layer (codes, metadata, record with padding) and the bf16 cache's for comparison.");
+
+  py::class_<Calibration>(m, "Calibration", "Outlier channels and channel means of kvq's calibrated formats.")
+      .def(py::init(&calibration_from), py::arg("key_channels") = py::none(), py::arg("value_channels") = py::none(),
+           py::arg("key_mean") = py::none(), py::arg("value_mean") = py::none(),
+           "From explicit lists indexed [layer][head]: channels (ints) of the split formats, means (floats) of the "
+           "centering formats.")
+      .def_property_readonly("key_channels", [](const Calibration& c) { return c.c->key; })
+      .def_property_readonly("value_channels", [](const Calibration& c) { return c.c->value; })
+      .def_property_readonly("key_mean", [](const Calibration& c) { return c.c->key_mean; })
+      .def_property_readonly("value_mean", [](const Calibration& c) { return c.c->value_mean; });
+
+  py::class_<Quantizer>(m, "Quantizer", "The per-vector quantizer of one side of a (layer, head).")
+      .def_property_readonly("name", [](const Quantizer& q) { return q.q->name(); })
+      .def_readonly("side", &Quantizer::side)
+      .def_property_readonly("dim", &Quantizer::dim)
+      .def_property_readonly("code_bytes", [](const Quantizer& q) { return q.q->code_bytes(); })
+      .def_property_readonly("meta_bytes", [](const Quantizer& q) { return q.q->meta_bytes(); })
+      .def_property_readonly("bytes", [](const Quantizer& q) { return q.q->bytes(); }, "bytes of one record (codes then metadata)")
+      .def_property_readonly("code_bits", [](const Quantizer& q) { return q.q->code_bits(); })
+      .def("encode", &Quantizer::encode, py::arg("x"), "float32 (d,) or (n, d) -> uint8 records (bytes,) or (n, bytes)")
+      .def("decode", &Quantizer::decode, py::arg("records"), "records -> float32 vectors")
+      .def("scores", &Quantizer::scores, py::arg("query"), py::arg("records"),
+           "<query, decode(r)> for every record, computed from the packed codes")
+      .def("weighted_sum", &Quantizer::weighted_sum, py::arg("weights"), py::arg("records"),
+           "sum_i weights[i] * decode(records[i]), accumulated in the quantizer's domain")
+      .def("__repr__", [](const Quantizer& q) { return "<kvq.Quantizer " + q.side + " '" + q.q->name() + "'>"; });
+
+  m.def("quantizers", &make_quantizer_pair, py::arg("format"), py::arg("geometry"), py::arg("layer") = 0,
+        py::arg("head") = 0, py::arg("calibration") = py::none(),
+        "(key, value) quantizers of a (layer, head); for MLA formats (latent, RoPE key).");
+
+  py::class_<Cache>(m, "Cache", "A KV cache the model runtime writes to (kvq.PagedCache() or kvq.DenseCache()).")
+      .def_property_readonly("geometry", [](const Cache& c) { return c.geo(); })
+      .def_readonly("max_seqs", &Cache::max_seqs)
+      .def_property_readonly("paged", [](const Cache& c) { return c.paged != nullptr; })
+      .def("length", [](const Cache& c, int seq) { c.check_seq(seq); return c.c->length(seq); }, py::arg("seq") = 0)
+      .def("append", &Cache::append, py::arg("layer"), py::arg("k"), py::arg("v"), py::arg("seq") = 0,
+           "Appends rows to one layer (GQA: k (n, H*d) after RoPE, v (n, H*dv); MLA: latent (n, d_c), RoPE key (n, d_r)); "
+           "the length advances with the last layer.")
+      .def("attend", &Cache::attend, py::arg("layer"), py::arg("q"), py::arg("n_heads"), py::arg("scale"),
+           py::arg("pos0") = py::none(), py::arg("seq") = 0,
+           "Causal attention of query rows at positions pos0.. (default: the last stored positions); GQA q (n, heads*d) -> "
+           "(n, heads*dv); MLA absorbed q (n, heads*(d_c+d_r)) -> (n, heads*d_c).")
+      .def("reset", [](Cache& c, int seq) { c.check_seq(seq); c.c->reset(seq); }, py::arg("seq") = 0)
+      .def("describe", [](const Cache& c) { return c.c->describe(); })
+      // PagedCache only (a DenseCache raises ValueError):
+      .def("memory", [](const Cache& c, py::object seq) {
+             kvq::PagedCache& p = c.need_paged("memory");
+             if (seq.is_none()) return memory_dict(p.memory_total());
+             c.check_seq(seq.cast<int>());
+             return memory_dict(p.memory(seq.cast<int>()));
+           }, py::arg("seq") = py::none(), "Persistent bytes of one sequence (or of the whole cache): pages, protection rows, reverse map.")
+      .def("read_row", [](const Cache& c, int layer, int t, py::object as_of, int seq) {
+             kvq::PagedCache& p = c.need_paged("read_row");
+             c.check_seq(seq);
+             c.check_layer(layer);
+             if (t < 0 || t >= c.c->length(seq)) bad_arg("t outside the stored tokens");
+             py::array_t<float> k({static_cast<py::ssize_t>(key_width(c.geo()))});
+             py::array_t<float> v({static_cast<py::ssize_t>(value_width(c.geo()))});
+             p.read_row(seq, layer, t, as_of.is_none() ? -1 : as_of.cast<int>(), k.mutable_data(), v.mutable_data());
+             return py::make_tuple(k, v);
+           }, py::arg("layer"), py::arg("t"), py::arg("as_of") = py::none(), py::arg("seq") = 0,
+           "The row attention reads for token t (as seen by a query at position as_of; default: the packed copy).")
+      .def("layer_format", [](const Cache& c, int layer) {
+             c.check_layer(layer);
+             return &c.need_paged("layer_format").layer_format(layer);
+           }, py::arg("layer"), py::return_value_policy::reference)
+      .def("preempted", [](const Cache& c, int seq) { c.check_seq(seq); return c.need_paged("preempted").preempted(seq); },
+           py::arg("seq") = 0)
+      .def("__repr__", [](const Cache& c) { return "<kvq.Cache " + c.c->describe() + ">"; });
+
+  m.def("PagedCache", &make_paged, py::arg("geometry"), py::arg("format") = "bf16", py::arg("sinks") = 0,
+        py::arg("window") = 0, py::arg("boundary_layers") = 0, py::arg("page_tokens") = kvq::kDefaultPageTokens,
+        py::arg("pool_bytes") = 0, py::arg("max_seqs") = 1, py::arg("preempt") = false, py::arg("path") = "fast",
+        py::arg("calibration") = py::none(),
+        "The paged packed cache: a format, the protection policy (bf16 sinks, recent window, boundary layers), an "
+        "optional page-pool budget in bytes (0: grow as needed); path 'fast' or 'reference' attention.");
+  m.def("DenseCache", [](const kvq::CacheGeometry& g, const std::string& storage, int max_seqs) {
+        if (storage != "bf16" && storage != "f32") bad_arg("storage must be 'bf16' or 'f32'");
+        if (max_seqs <= 0) bad_arg("max_seqs must be positive");
+        Cache c;
+        c.c = kvq::make_dense_cache(g, max_seqs, 0, storage == "bf16" ? kvq::DenseStorage::kBF16 : kvq::DenseStorage::kF32);
+        c.max_seqs = max_seqs;
+        return c;
+      }, py::arg("geometry"), py::arg("storage") = "bf16", py::arg("max_seqs") = 1,
+      "The dense cache: bf16 rows (the baseline) or exact f32 rows.");
+  m.def("account", [](const kvq::CacheGeometry& g, const py::object& fmt, int tokens, int sinks, int window,
+                      int boundary_layers, int page_tokens) {
+        if (tokens < 0) bad_arg("tokens must be >= 0");
+        const kvq::FormatSpec& f = spec_of(fmt);
+        kvq::check_format_fits(f, g);
+        return memory_dict(kvq::PagedCache::account(g, f.name, policy_of(sinks, window, boundary_layers), tokens, page_tokens));
+      }, py::arg("geometry"), py::arg("format"), py::arg("tokens"), py::arg("sinks") = 0, py::arg("window") = 0,
+      py::arg("boundary_layers") = 0, py::arg("page_tokens") = kvq::kDefaultPageTokens,
+      "Analytic persistent bytes of one request of `tokens` tokens (what `kvq budget` prints).");
+
+  py::class_<kvq::Tokenizer>(m, "Tokenizer", "tokenizer.json byte-level BPE.")
+      .def(py::init(&load_tokenizer), py::arg("path"), "From a tokenizer.json file or a model directory.")
+      .def("encode", [](const kvq::Tokenizer& t, const std::string& text) {
+             std::vector<std::int32_t> ids = t.encode(text);
+             py::array_t<std::int32_t> a({static_cast<py::ssize_t>(ids.size())});
+             if (!ids.empty()) std::memcpy(a.mutable_data(), ids.data(), ids.size() * sizeof(std::int32_t));
+             return a;
+           }, py::arg("text"), "Token ids (no BOS / EOS added).")
+      .def("decode_bytes", [](const kvq::Tokenizer& t, const Arr<std::int32_t>& ids) { return py::bytes(t.decode(tokens_of(ids))); },
+           py::arg("ids"))
+      .def("decode", [](const kvq::Tokenizer& t, const Arr<std::int32_t>& ids) {
+             return py::bytes(t.decode(tokens_of(ids))).attr("decode")("utf-8", "replace");
+           }, py::arg("ids"), "Text of the ids (invalid UTF-8 of partial tokens replaced).")
+      .def("token_id", [](const kvq::Tokenizer& t, const std::string& s) { return t.token_id(s); }, py::arg("content"))
+      .def("token_text", &kvq::Tokenizer::token_text, py::arg("id"))
+      .def_property_readonly("vocab_size", &kvq::Tokenizer::vocab_size);
+
+  py::class_<PyModel>(m, "Model", "The CPU model runtime (Llama family, DeepSeek-V2/V3) loaded from a Hugging Face directory.")
+      .def(py::init([](const std::string& dir) { return PyModel{kvq::Model::load(dir)}; }), py::arg("dir"))
+      .def_property_readonly("config", [](const PyModel& pm) { return config_dict(pm.m->config()); })
+      .def_property_readonly("geometry", [](const PyModel& pm) { return pm.m->cache_geometry(); })
+      .def_property_readonly("weight_bytes", [](const PyModel& pm) { return pm.m->weight_bytes(); })
+      .def("cache", [](const PyModel& pm, const py::object& fmt, int sinks, int window, int boundary_layers, std::size_t pool_bytes,
+                       int max_seqs, const py::object& calibration) {
+             return make_paged(pm.m->cache_geometry(), fmt, sinks, window, boundary_layers, kvq::kDefaultPageTokens, pool_bytes,
+                               max_seqs, false, "fast", calibration);
+           }, py::arg("format") = "bf16", py::arg("sinks") = 0, py::arg("window") = 0, py::arg("boundary_layers") = 0,
+           py::arg("pool_bytes") = 0, py::arg("max_seqs") = 1, py::arg("calibration") = py::none(),
+           "A PagedCache for this model's geometry.")
+      .def("forward", [](PyModel& pm, const Arr<std::int32_t>& tokens, Cache& cache, int seq, const std::string& logits) {
+             cache.check_seq(seq);
+             const std::vector<std::int32_t> t = tokens_of(tokens);
+             if (t.empty()) bad_arg("tokens: at least one token");
+             const kvq::CacheGeometry g = pm.m->cache_geometry(), cg = cache.geo();
+             if (g.n_layers != cg.n_layers || g.mla != cg.mla || g.n_kv_heads != cg.n_kv_heads || g.head_dim != cg.head_dim ||
+                 g.v_head_dim != cg.v_head_dim || g.d_latent != cg.d_latent || g.d_rope != cg.d_rope)
+               bad_arg("cache geometry " + geometry_repr(cg) + " does not match the model's " + geometry_repr(g));
+             const int vocab = pm.m->config().vocab_size;
+             kvq::LogitsMode mode;
+             py::array_t<float> out;
+             if (logits == "all") {
+               mode = kvq::LogitsMode::kAll;
+               out = py::array_t<float>({static_cast<py::ssize_t>(t.size()), static_cast<py::ssize_t>(vocab)});
+             } else if (logits == "last") {
+               mode = kvq::LogitsMode::kLast;
+               out = py::array_t<float>({static_cast<py::ssize_t>(vocab)});
+             } else if (logits == "none") {
+               mode = kvq::LogitsMode::kNone;
+             } else {
+               bad_arg("logits must be 'all', 'last' or 'none'");
+             }
+             float* dst = mode == kvq::LogitsMode::kNone ? nullptr : out.mutable_data();
+             {
+               py::gil_scoped_release nogil;
+               pm.m->forward(t.data(), static_cast<int>(t.size()), *cache.c, seq, dst, mode);
+             }
+             return mode == kvq::LogitsMode::kNone ? py::object(py::none()) : py::object(out);
+           }, py::arg("tokens"), py::arg("cache"), py::arg("seq") = 0, py::arg("logits") = "all",
+           "Runs tokens at the next positions of `seq`, appending their rows to `cache`; returns the logits.")
+      .def("calibrate", [](PyModel& pm, const kvq::Tokenizer& tok, const std::string& text, const py::object& fmt, int tokens,
+                           int ctx) {
+             const kvq::FormatSpec& f = spec_of(fmt);
+             std::shared_ptr<kvq::FormatCalibration> c;
+             {
+               py::gil_scoped_release nogil;
+               c = kvq::calibrate_format(*pm.m, tok, text, f, tokens, ctx);
+             }
+             return Calibration{std::move(c)};
+           }, py::arg("tokenizer"), py::arg("text"), py::arg("format"), py::arg("tokens") = 16384, py::arg("ctx") = 2048,
+           "Outlier channels / channel means of a calibrated format from calibration text (never the evaluation text).")
+      .def("perplexity", [](PyModel& pm, const kvq::Tokenizer& tok, const std::string& text, const py::object& fmt, int sinks,
+                            int window, int boundary_layers, const py::object& calibration, int ctx, int windows) {
+             if (ctx < 2) bad_arg("ctx must be >= 2");
+             if (windows < 0) bad_arg("windows must be >= 0");
+             const kvq::ModelConfig& cfg = pm.m->config();
+             const std::int32_t eos = cfg.eos_token_ids.empty() ? tok.token_id("<|eos|>") : cfg.eos_token_ids.front();
+             kvq::PerplexityOptions o;
+             o.ctx = ctx;
+             o.windows = windows;
+             o.bos_id = cfg.bos_token_id >= 0 ? cfg.bos_token_id : tok.token_id("<|bos|>");
+             if (!fmt.is_none()) {  // the paged cache in that format, as `kvq ppl --cache`
+               kvq::CacheOptions co;
+               const kvq::FormatSpec& f = spec_of(fmt);
+               kvq::check_format_fits(f, pm.m->cache_geometry());
+               co.format = f.name;
+               co.protect = policy_of(sinks, window, boundary_layers);
+               if (!calibration.is_none()) co.outliers = calibration.cast<const Calibration&>().c;
+               o.make_cache = [co](const kvq::CacheGeometry& g) {
+                 return std::unique_ptr<kvq::KvCache>(std::make_unique<kvq::PagedCache>(g, co));
+               };
+             }
+             kvq::PerplexityResult r;
+             {
+               py::gil_scoped_release nogil;
+               const std::vector<std::int32_t> stream =
+                   kvq::ppl_token_stream(text, [&](std::string_view s) { return tok.encode(s); }, eos);
+               r = kvq::perplexity_windows(*pm.m, stream, o);
+             }
+             py::dict d;
+             d["ppl"] = r.ppl;
+             d["mean_nll"] = r.mean_nll;
+             d["windows"] = r.windows;
+             d["predictions"] = r.predictions;
+             d["stream_tokens"] = r.stream_tokens;
+             d["window_nll"] = r.window_nll;
+             d["seconds"] = r.seconds;
+             return d;
+           }, py::arg("tokenizer"), py::arg("text"), py::arg("format") = py::none(), py::arg("sinks") = 0, py::arg("window") = 0,
+           py::arg("boundary_layers") = 0, py::arg("calibration") = py::none(), py::arg("ctx") = 2048, py::arg("windows") = 0,
+           "Perplexity by the protocol of models/README.md with the dense bf16 cache (format None) or a PagedCache in `format`.");
+}

@@ -1,0 +1,378 @@
+"""Tests of the Python bindings (python/kvq_py.cpp) against NumPy references and the fixtures.
+
+Run by ctest (test `python_bindings`) with PYTHONPATH=build/python; KVQ_ROOT names the source
+tree (models/, data/). What they check is the binding, not the library again: shapes, dtypes and
+record layout on the way in and out, that the packed-code paths (scores, weighted sums,
+attention over pages) agree with NumPy on the decoded rows, that errors arrive as kvq.Error /
+ValueError with the library's message, and that the model runtime reproduces the transformers
+logits of the fixtures.
+"""
+
+import json
+import os
+import struct
+
+import numpy as np
+import pytest
+
+import kvq
+
+ROOT = os.environ.get("KVQ_ROOT", os.path.join(os.path.dirname(__file__), "..", ".."))
+
+
+def models_dir(name):
+    return os.path.join(ROOT, "models", name)
+
+
+def read_safetensors(path):
+    """The tensors of a safetensors file as float32 / int arrays (bf16 widened exactly)."""
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+        data = f.read()
+    out = {}
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        a, b = t["data_offsets"]
+        raw = data[a:b]
+        if t["dtype"] == "F32":
+            arr = np.frombuffer(raw, dtype="<f4")
+        elif t["dtype"] == "BF16":
+            arr = (np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
+        elif t["dtype"] == "I64":
+            arr = np.frombuffer(raw, dtype="<i8")
+        elif t["dtype"] == "I32":
+            arr = np.frombuffer(raw, dtype="<i4")
+        else:
+            raise ValueError(t["dtype"])
+        out[name] = arr.reshape(t["shape"])
+    return out
+
+
+def bf16_round(x):
+    """Round float32 to bf16 (nearest even), as float32."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    return u.astype(np.uint32).view(np.float32)
+
+
+def nmse(a, b):
+    return float(np.sum((a - b) ** 2) / np.sum(b ** 2))
+
+
+def gqa_attention(q, keys, values, n_heads, n_kv, d, dv, scale):
+    """Softmax attention of one query row over rows [T, n_kv * d] (query head h reads kv head h // group)."""
+    group = n_heads // n_kv
+    out = np.zeros(n_heads * dv)
+    for h in range(n_heads):
+        kv = h // group
+        k = keys[:, kv * d:(kv + 1) * d].astype(np.float64)
+        v = values[:, kv * dv:(kv + 1) * dv].astype(np.float64)
+        s = k @ q[h * d:(h + 1) * d].astype(np.float64) * scale
+        p = np.exp(s - s.max())
+        out[h * dv:(h + 1) * dv] = (p / p.sum()) @ v
+    return out
+
+
+# ---- registry ----------------------------------------------------------------------------
+
+
+def test_registry_names_and_bits():
+    names = [f.name for f in kvq.formats()]
+    for n in ["bf16", "fp8", "tq-k8v4", "tq-4bit-nc", "tq-k3v4-nc", "tq-3bit-nc", "tq-4bit", "tq-3.5bit", "tq-3bit",
+              "tq-2.5bit", "c4r4", "c2r4", "mla-tq4"]:
+        assert n in names
+    kv = {f.name for f in kvq.formats("kv")}
+    mla = {f.name for f in kvq.formats("mla")}
+    assert "c4r4" in mla and "c4r4" not in kv and "tq-3bit" in kv and "tq-3bit" not in mla
+    assert "bf16" in kv and "bf16" in mla
+    f = kvq.format("tq-k3v4-nc")
+    assert (f.key_bits, f.value_bits, f.family, f.pair) == (3, 4, "kv", "")
+    assert kvq.format("tq-3.5bit").needs_calibration and not kvq.format("tq-4bit-nc").needs_calibration
+    with pytest.raises(kvq.Error, match="tq-4bit-nc"):  # the message lists the valid names
+        kvq.format("tq-5bit")
+    with pytest.raises(ValueError):
+        kvq.formats("gqa")
+
+
+@pytest.mark.parametrize("name,per_head", [("bf16", 512), ("tq-k8v4", 196), ("tq-4bit-nc", 134), ("tq-k3v4-nc", 118),
+                                           ("tq-3bit-nc", 102), ("tq-4bit", 132), ("tq-3bit", 100)])
+def test_token_bytes_match_the_format_table(name, per_head):
+    # README's table: bytes per token and KV head at head_dim 128.
+    g = kvq.Geometry(n_layers=2, n_kv_heads=8, head_dim=128)
+    t = kvq.token_bytes(name, g)
+    assert t["per_layer"] == 8 * per_head
+    assert t["bf16_per_layer"] == 8 * 512
+
+
+def test_mla_token_bytes():
+    g = kvq.Geometry(n_layers=1, d_latent=512, d_rope=64)
+    assert kvq.token_bytes("c4r4", g)["record"] == 320
+    assert kvq.token_bytes("c2r4", g)["record"] == 192
+    with pytest.raises(kvq.Error):
+        kvq.token_bytes("tq-3bit", g)  # a GQA format on an MLA geometry
+    with pytest.raises(ValueError):
+        kvq.Geometry(n_layers=1, n_kv_heads=2, head_dim=64, d_latent=512, d_rope=64)
+
+
+# ---- quantizers --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,lo,hi", [("tq-4bit", 0.005, 0.015), ("tq-3bit", 0.02, 0.05), ("tq-4bit-nc", 0.005, 0.015)])
+def test_key_distortion_is_the_lloyd_max_distortion(name, lo, hi):
+    # TurboQuant-MSE keys on Gaussian vectors: NMSE near the sphere codebook's distortion
+    # (4 bits ~0.0095, 3 bits ~0.034 per the chapter).
+    rng = np.random.default_rng(1)
+    g = kvq.Geometry(n_layers=1, n_kv_heads=1, head_dim=128)
+    kq, vq = kvq.quantizers(name, g)
+    x = rng.standard_normal((2000, 128)).astype(np.float32)
+    rec = kq.encode(x)
+    assert rec.dtype == np.uint8 and rec.shape == (2000, kq.bytes)
+    assert kq.bytes == kq.code_bytes + kq.meta_bytes
+    y = kq.decode(rec)
+    assert y.shape == x.shape and y.dtype == np.float32
+    e = nmse(y, x)
+    assert lo <= e <= hi, e
+    # One vector in, one record out, equal to the batch's row.
+    np.testing.assert_array_equal(kq.encode(x[7]), rec[7])
+    np.testing.assert_array_equal(kq.decode(rec[7]), y[7])
+    # Other dtypes and layouts are converted like NumPy would.
+    np.testing.assert_array_equal(kq.encode(np.asfortranarray(x.astype(np.float64))), rec)
+
+
+@pytest.mark.parametrize("name", ["tq-4bit", "tq-3bit", "tq-k8v4", "tq-3bit-nc", "fp8", "tq-3bit-qjl"])
+def test_scores_and_weighted_sums_from_packed_codes(name):
+    rng = np.random.default_rng(2)
+    g = kvq.Geometry(n_layers=3, n_kv_heads=4, head_dim=128)
+    kq, vq = kvq.quantizers(name, g, layer=2, head=3)
+    keys = rng.standard_normal((300, 128)).astype(np.float32)
+    vals = rng.standard_normal((300, 128)).astype(np.float32)
+    kr, vr = kq.encode(keys), vq.encode(vals)
+    q = rng.standard_normal(128).astype(np.float32)
+    s = kq.scores(q, kr)
+    assert s.shape == (300,)
+    want = kq.decode(kr).astype(np.float64) @ q
+    if name == "tq-3bit-qjl":  # QJL scores are an unbiased estimate, not decode(code) . q
+        assert np.corrcoef(s, want)[0, 1] > 0.9
+    else:
+        np.testing.assert_allclose(s, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    w = rng.random(300).astype(np.float32)
+    acc = vq.weighted_sum(w, vr)
+    want_v = w.astype(np.float64) @ vq.decode(vr).astype(np.float64)
+    np.testing.assert_allclose(acc, want_v, rtol=1e-4, atol=1e-4 * np.abs(want_v).max())
+
+
+def test_quantizers_differ_by_layer_and_head():
+    # kvq's formats rotate with a sign diagonal per (layer, head): the records must differ.
+    g = kvq.Geometry(n_layers=2, n_kv_heads=2, head_dim=64)
+    x = np.random.default_rng(3).standard_normal((4, 64)).astype(np.float32)
+    r00 = kvq.quantizers("tq-4bit", g, 0, 0)[0].encode(x)
+    r01 = kvq.quantizers("tq-4bit", g, 0, 1)[0].encode(x)
+    r10 = kvq.quantizers("tq-4bit", g, 1, 0)[0].encode(x)
+    assert not np.array_equal(r00, r01) and not np.array_equal(r00, r10)
+    np.testing.assert_array_equal(r00, kvq.quantizers("tq-4bit", g, 0, 0)[0].encode(x))
+
+
+def test_quantizer_errors():
+    g = kvq.Geometry(n_layers=1, n_kv_heads=2, head_dim=64)
+    kq, _ = kvq.quantizers("tq-3bit", g)
+    x = np.ones((3, 64), np.float32)
+    x[1, 5] = np.nan
+    with pytest.raises(kvq.Error, match="finite|NaN|nan"):
+        kq.encode(x)
+    with pytest.raises(ValueError, match="64"):
+        kq.encode(np.ones((3, 65), np.float32))
+    with pytest.raises(ValueError):
+        kq.decode(np.zeros((2, kq.bytes + 1), np.uint8))
+    with pytest.raises(ValueError):
+        kvq.quantizers("tq-3bit", g, head=2)
+    with pytest.raises(kvq.Error, match="outlier"):
+        kvq.quantizers("tq-3.5bit", kvq.Geometry(n_layers=1, n_kv_heads=1, head_dim=128))
+    # A zero vector encodes (norm 0) and decodes to zeros.
+    z = kq.decode(kq.encode(np.zeros(64, np.float32)))
+    assert np.all(z == 0)
+
+
+def test_split_format_with_explicit_calibration():
+    g = kvq.Geometry(n_layers=1, n_kv_heads=1, head_dim=128)
+    ch = list(range(0, 128, 2))
+    c = kvq.Calibration(key_channels=[[ch]], value_channels=[[ch]])
+    kq, vq = kvq.quantizers("tq-3.5bit", g, calibration=c)
+    x = np.random.default_rng(4).standard_normal((500, 128)).astype(np.float32)
+    e = nmse(kq.decode(kq.encode(x)), x)
+    assert 0.01 < e < 0.03, e  # between the 4-bit and 3-bit distortions
+
+
+# ---- caches ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,sinks,window", [("tq-4bit-nc", 0, 0), ("tq-3bit", 4, 16), ("tq-k8v4", 0, 8), ("bf16", 0, 0)])
+def test_paged_attention_equals_numpy_on_the_rows_it_reads(name, sinks, window):
+    rng = np.random.default_rng(5)
+    n_kv, d, heads, T = 2, 64, 4, 150
+    g = kvq.Geometry(n_layers=2, n_kv_heads=n_kv, head_dim=d)
+    cache = kvq.PagedCache(g, name, sinks=sinks, window=window, page_tokens=16)
+    keys = rng.standard_normal((T, n_kv * d)).astype(np.float32)
+    vals = rng.standard_normal((T, n_kv * d)).astype(np.float32)
+    for layer in range(2):
+        cache.append(layer, keys[:100], vals[:100])
+    assert cache.length() == 100
+    for layer in range(2):
+        cache.append(layer, keys[100:], vals[100:])
+    assert cache.length() == T
+    q = rng.standard_normal(heads * d).astype(np.float32)
+    scale = 1 / np.sqrt(d)
+    out = cache.attend(1, q, heads, scale)  # one query at the last position
+    assert out.shape == (heads * d,)
+    rows = [cache.read_row(1, t, as_of=T - 1) for t in range(T)]
+    k = np.stack([r[0] for r in rows])
+    v = np.stack([r[1] for r in rows])
+    want = gqa_attention(q, k, v, heads, n_kv, d, d, scale)
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5)
+    # Protected rows are read from bf16, the others from their packed copies.
+    if window:
+        np.testing.assert_array_equal(k[T - 1], bf16_round(keys[T - 1]))
+    if name != "bf16":
+        assert not np.array_equal(cache.read_row(1, T - 1)[0], bf16_round(keys[T - 1]))
+    # A causal query at an earlier position sees only the rows up to it. With a recent window,
+    # queries must belong to the chunk appended last (older window rows are gone).
+    if window:
+        with pytest.raises(kvq.Error, match="chunk appended last"):
+            cache.attend(1, q, heads, scale, pos0=9)
+        return
+    out_early = cache.attend(1, q, heads, scale, pos0=9)
+    rows9 = [cache.read_row(1, t, as_of=9) for t in range(10)]
+    want9 = gqa_attention(q, np.stack([r[0] for r in rows9]), np.stack([r[1] for r in rows9]), heads, n_kv, d, d, scale)
+    np.testing.assert_allclose(out_early, want9, rtol=1e-4, atol=1e-5)
+
+
+def test_dense_cache_is_bf16_rows():
+    rng = np.random.default_rng(6)
+    g = kvq.Geometry(n_layers=1, n_kv_heads=1, head_dim=32)
+    keys = rng.standard_normal((40, 32)).astype(np.float32)
+    vals = rng.standard_normal((40, 32)).astype(np.float32)
+    q = rng.standard_normal(64).astype(np.float32)
+    for storage, rnd in [("bf16", bf16_round), ("f32", lambda a: a)]:
+        c = kvq.DenseCache(g, storage)
+        c.append(0, keys, vals)
+        out = c.attend(0, q, 2, 0.2)
+        want = gqa_attention(q, rnd(keys), rnd(vals), 2, 1, 32, 32, 0.2)
+        np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5)
+        with pytest.raises(ValueError, match="PagedCache"):
+            c.memory()
+
+
+def test_memory_accounting_and_pool_exhaustion():
+    g = kvq.Geometry(n_layers=2, n_kv_heads=2, head_dim=128)
+    c = kvq.PagedCache(g, "tq-3bit-nc", sinks=4, window=32)
+    x = np.random.default_rng(7).standard_normal((200, 256)).astype(np.float32)
+    for layer in range(2):
+        c.append(layer, x, x)
+    assert c.memory() == kvq.account(g, "tq-3bit-nc", 200, sinks=4, window=32)
+    bf = kvq.account(g, "bf16", 200)
+    assert bf["total"] > 4 * c.memory()["packed_bytes"]
+    # A pool of two blocks: the third block's append fails with kvq.Error and nothing is lost.
+    block = kvq.PagedCache(g, "tq-3bit-nc").memory()  # empty cache: no blocks yet
+    assert block["blocks"] == 0
+    small = kvq.PagedCache(g, "tq-3bit-nc", page_tokens=16, pool_bytes=2 * 16 * 2 * 2 * 102)
+    for layer in range(2):
+        small.append(layer, x[:32], x[:32])
+    assert small.length() == 32
+    with pytest.raises(kvq.Error, match="pool|exhaust"):
+        small.append(0, x[32:33], x[32:33])
+    assert small.length() == 32
+    out = small.attend(0, np.ones(256, np.float32), 2, 0.1)
+    assert np.all(np.isfinite(out))
+
+
+def test_cache_argument_errors():
+    g = kvq.Geometry(n_layers=1, n_kv_heads=2, head_dim=16)
+    c = kvq.PagedCache(g, "tq-4bit-nc")
+    with pytest.raises(ValueError, match="k"):
+        c.append(0, np.ones((3, 31), np.float32), np.ones((3, 32), np.float32))
+    with pytest.raises(ValueError, match="layer"):
+        c.append(1, np.ones((3, 32), np.float32), np.ones((3, 32), np.float32))
+    bad = np.ones((3, 32), np.float32)
+    bad[2, 0] = np.inf
+    with pytest.raises(kvq.Error):
+        c.append(0, bad, np.ones((3, 32), np.float32))
+    assert c.length() == 0
+    c.append(0, np.ones((3, 32), np.float32), np.ones((3, 32), np.float32))
+    with pytest.raises(ValueError, match="positions"):
+        c.attend(0, np.ones(32, np.float32), 2, 0.1, pos0=3)
+    with pytest.raises(ValueError, match="multiple"):
+        c.attend(0, np.ones(48, np.float32), 3, 0.1)
+    with pytest.raises(kvq.Error):
+        kvq.PagedCache(g, "c4r4")
+
+
+def test_mla_cache_attention():
+    rng = np.random.default_rng(8)
+    g = kvq.Geometry(n_layers=1, d_latent=128, d_rope=64)
+    c = kvq.PagedCache(g, "c4r4", sinks=2, window=8)
+    lat = rng.standard_normal((90, 128)).astype(np.float32)
+    rope = rng.standard_normal((90, 64)).astype(np.float32)
+    c.append(0, lat, rope)
+    heads = 4
+    q = rng.standard_normal(heads * 192).astype(np.float32)
+    out = c.attend(0, q, heads, 0.07)
+    assert out.shape == (heads * 128,)
+    rows = [c.read_row(0, t, as_of=89) for t in range(90)]
+    kc = np.stack([r[0] for r in rows]).astype(np.float64)
+    kr = np.stack([r[1] for r in rows]).astype(np.float64)
+    for h in range(heads):
+        qh = q[h * 192:(h + 1) * 192].astype(np.float64)
+        s = (kc @ qh[:128] + kr @ qh[128:]) * 0.07
+        p = np.exp(s - s.max())
+        np.testing.assert_allclose(out[h * 128:(h + 1) * 128], (p / p.sum()) @ kc, rtol=1e-4, atol=1e-5)
+
+
+# ---- model runtime -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["tiny-gqa", "tiny-mla"])
+def test_model_logits_match_transformers(name):
+    ref = read_safetensors(os.path.join(models_dir(name), "reference.safetensors"))
+    model = kvq.Model(models_dir(name))
+    cfg = model.config
+    assert cfg["vocab_size"] == 4096 and cfg["n_layers"] == 4 and cfg["mla"] == (name == "tiny-mla")
+    ids = ref["input_ids"].astype(np.int32)
+    cache = kvq.DenseCache(model.geometry, "f32")
+    logits = model.forward(ids, cache)
+    assert logits.shape == (len(ids), 4096)
+    assert np.max(np.abs(logits - ref["logits"])) <= 2e-3  # the C++ parity test's bound
+    assert cache.length() == len(ids)
+    # Decode one more token: its logits equal those of a one-shot run over all tokens.
+    nxt = model.forward(np.array([int(np.argmax(logits[-1]))], np.int32), cache, logits="last")
+    cache2 = kvq.DenseCache(model.geometry, "f32")
+    full = model.forward(np.append(ids, int(np.argmax(logits[-1]))).astype(np.int32), cache2, logits="last")
+    np.testing.assert_allclose(nxt, full, atol=1e-4)
+
+
+def test_model_with_a_quantized_cache_and_perplexity():
+    model = kvq.Model(models_dir("tiny-gqa"))
+    tok = kvq.Tokenizer(models_dir("tiny-gqa"))
+    assert tok.vocab_size == 4096 and tok.token_id("<|eos|>") == 1
+    text = open(os.path.join(ROOT, "data", "validation.txt"), encoding="utf-8").read()
+    ids = tok.encode(text[:2000])
+    assert ids.dtype == np.int32 and tok.decode(ids) == text[:2000]
+    base = model.perplexity(tok, text, ctx=256, windows=2)
+    q4 = model.perplexity(tok, text, format="tq-4bit-nc", ctx=256, windows=2)
+    q3 = model.perplexity(tok, text, format="tq-3bit-nc", ctx=256, windows=2)
+    assert base["windows"] == 2 and base["predictions"] == 2 * 255
+    assert np.isfinite(base["ppl"]) and 5 < base["ppl"] < 200
+    # Quantized caches change the result a little, 3 bits more than 4 (measured on these two
+    # short windows: bf16 34.00, tq-4bit-nc 34.95, tq-3bit-nc 37.28).
+    assert 0 < abs(q4["ppl"] / base["ppl"] - 1) < 0.05
+    assert q4["ppl"] < q3["ppl"] < 1.2 * base["ppl"]
+    # Model.cache gives the model's geometry; forward checks the cache fits.
+    c = model.cache("tq-4bit-nc", sinks=4, window=64)
+    lg = model.forward(ids[:50], c, logits="last")
+    assert lg.shape == (4096,) and c.length() == 50
+    with pytest.raises(ValueError, match="geometry"):
+        model.forward(ids[:5], kvq.PagedCache(kvq.Geometry(n_layers=4, n_kv_heads=2, head_dim=64)))
+    with pytest.raises(kvq.Error):
+        model.forward(np.array([5000], np.int32), c)  # a token id beyond the vocabulary
+    with pytest.raises(kvq.Error):
+        kvq.Model(os.path.join(ROOT, "data"))  # no config.json
