@@ -16,6 +16,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -23,13 +24,20 @@
 #include <vector>
 
 #include "kvq/common.hpp"
+#include "kvq/formats.hpp"
+#if KVQ_PY_RUNTIME
 #include "kvq/dense_cache.hpp"
 #include "kvq/eval.hpp"
-#include "kvq/formats.hpp"
 #include "kvq/model.hpp"
 #include "kvq/paged_cache.hpp"
 #include "kvq/quality.hpp"
 #include "kvq/tokenizer.hpp"
+#endif
+#if KVQ_PY_CUDA
+#include <cuda_runtime.h>
+
+#include "kvq_cuda.hpp"
+#endif
 
 namespace py = pybind11;
 
@@ -118,13 +126,6 @@ std::string geometry_repr(const kvq::CacheGeometry& g) {
            ", d_rope=" + std::to_string(g.d_rope) + ")";
   return "Geometry(n_layers=" + std::to_string(g.n_layers) + ", n_kv_heads=" + std::to_string(g.n_kv_heads) +
          ", head_dim=" + std::to_string(g.head_dim) + ", v_head_dim=" + std::to_string(g.v_head_dim) + ")";
-}
-// Row widths of one append: GQA all KV heads; MLA latent and RoPE key.
-std::size_t key_width(const kvq::CacheGeometry& g) {
-  return g.mla ? static_cast<std::size_t>(g.d_latent) : static_cast<std::size_t>(g.n_kv_heads) * g.head_dim;
-}
-std::size_t value_width(const kvq::CacheGeometry& g) {
-  return g.mla ? static_cast<std::size_t>(g.d_rope) : static_cast<std::size_t>(g.n_kv_heads) * g.v_head_dim;
 }
 
 // Calibration (outlier channels and channel means) of a format, as kvq::PagedCache and
@@ -229,6 +230,15 @@ Calibration calibration_from(const py::object& key_channels, const py::object& v
   if (c->key.size() != c->value.size()) bad_arg("key_channels and value_channels must cover the same layers");
   if (c->key_mean.size() != c->value_mean.size()) bad_arg("key_mean and value_mean must cover the same layers");
   return Calibration{std::move(c)};
+}
+
+#if KVQ_PY_RUNTIME
+// Row widths of one append: GQA all KV heads; MLA latent and RoPE key.
+std::size_t key_width(const kvq::CacheGeometry& g) {
+  return g.mla ? static_cast<std::size_t>(g.d_latent) : static_cast<std::size_t>(g.n_kv_heads) * g.head_dim;
+}
+std::size_t value_width(const kvq::CacheGeometry& g) {
+  return g.mla ? static_cast<std::size_t>(g.d_rope) : static_cast<std::size_t>(g.n_kv_heads) * g.v_head_dim;
 }
 
 // Cache wrapper: the library's KvCache plus what Python needs to check arguments.
@@ -365,6 +375,11 @@ std::unique_ptr<kvq::Tokenizer> load_tokenizer(const std::string& path) {
   if (p.size() < 5 || p.compare(p.size() - 5, 5, ".json") != 0) p += "/tokenizer.json";
   return kvq::Tokenizer::load(p);
 }
+void bind_runtime(py::module_& m);
+#endif
+#if KVQ_PY_CUDA
+void bind_cuda(py::module_& m);
+#endif
 
 }  // namespace
 
@@ -375,10 +390,12 @@ PYBIND11_MODULE(_kvq, m) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const kvq::Error& e) {
-      error(e.what());
+      PyErr_SetString(error.ptr(), e.what());
     }
   });
   m.attr("format_version") = kvq::kFormatVersion;
+  m.attr("has_runtime") = static_cast<bool>(KVQ_PY_RUNTIME);  // caches, model, tokenizer (the full CPU build)
+  m.attr("has_cuda") = static_cast<bool>(KVQ_PY_CUDA);        // the kvq.cuda submodule
   m.attr("default_page_tokens") = kvq::kDefaultPageTokens;
 
   py::class_<kvq::FormatSpec>(m, "Format", "A cache format of the registry (docs/formats.md).")
@@ -393,7 +410,10 @@ PYBIND11_MODULE(_kvq, m) {
       .def_readonly("values", &kvq::FormatSpec::values)
       .def_readonly("pair", &kvq::FormatSpec::pair, "the vLLM preset this format is compared with ('' if none)")
       .def_readonly("summary", &kvq::FormatSpec::summary)
-      .def_property_readonly("needs_calibration", [](const kvq::FormatSpec& f) { return kvq::format_needs_calibration(f); })
+      .def_property_readonly("needs_outliers", [](const kvq::FormatSpec& f) { return f.kind == kvq::FormatKind::kTqSplit; },
+                             "true for the outlier splits, which need channels from calibration")
+      .def_property_readonly("uses_centering", [](const kvq::FormatSpec& f) { return kvq::format_uses_centering(f); },
+                             "true for the formats that subtract calibration means when given")
       .def("__repr__", [](const kvq::FormatSpec& f) { return "<kvq.Format '" + f.name + "'>"; });
 
   m.def("formats", [](const std::string& family) {
@@ -468,6 +488,17 @@ PYBIND11_MODULE(_kvq, m) {
         py::arg("head") = 0, py::arg("calibration") = py::none(),
         "(key, value) quantizers of a (layer, head); for MLA formats (latent, RoPE key).");
 
+#if KVQ_PY_RUNTIME
+  bind_runtime(m);
+#endif
+#if KVQ_PY_CUDA
+  bind_cuda(m);
+#endif
+}
+
+namespace {
+#if KVQ_PY_RUNTIME
+void bind_runtime(py::module_& m) {
   py::class_<Cache>(m, "Cache", "A KV cache the model runtime writes to (kvq.PagedCache() or kvq.DenseCache()).")
       .def_property_readonly("geometry", [](const Cache& c) { return c.geo(); })
       .def_readonly("max_seqs", &Cache::max_seqs)
@@ -644,3 +675,234 @@ PYBIND11_MODULE(_kvq, m) {
            py::arg("boundary_layers") = 0, py::arg("calibration") = py::none(), py::arg("ctx") = 2048, py::arg("windows") = 0,
            "Perplexity by the protocol of models/README.md with the dense bf16 cache (format None) or a PagedCache in `format`.");
 }
+#endif
+
+#if KVQ_PY_CUDA
+// ---- CUDA kernels on torch tensors ----------------------------------------------------------
+// Tensors are taken duck-typed (data_ptr(), dtype, shape, is_cuda, is_contiguous(): torch's), so
+// the module does not link torch. The launchers are the C++ ones (src/cuda/kvq_cuda.hpp).
+
+void check_cuda(cudaError_t e, const std::string& what) {
+  if (e != cudaSuccess) fail(what + ": " + cudaGetErrorString(e));
+}
+
+struct TensorArg {
+  std::uintptr_t ptr = 0;
+  std::vector<std::int64_t> shape;
+  std::int64_t numel() const {
+    std::int64_t n = 1;
+    for (std::int64_t d : shape) n *= d;
+    return n;
+  }
+};
+TensorArg tensor_arg(const py::object& t, const std::string& name, const char* dtype) {
+  if (!py::hasattr(t, "data_ptr") || !py::hasattr(t, "is_cuda")) bad_arg(name + ": expected a torch tensor");
+  if (!t.attr("is_cuda").cast<bool>()) bad_arg(name + ": must be a CUDA tensor");
+  if (!t.attr("is_contiguous")().cast<bool>()) bad_arg(name + ": must be contiguous");
+  const std::string dt = py::str(t.attr("dtype"));
+  if (dt != std::string("torch.") + dtype) bad_arg(name + ": expected dtype torch." + dtype + ", got " + dt);
+  TensorArg a;
+  a.shape = t.attr("shape").cast<std::vector<std::int64_t>>();
+  a.ptr = t.attr("data_ptr")().cast<std::uintptr_t>();
+  return a;
+}
+template <class T>
+std::vector<T> to_host(const TensorArg& a, cudaStream_t s) {
+  std::vector<T> h(static_cast<std::size_t>(a.numel()));
+  if (!h.empty()) {
+    check_cuda(cudaMemcpyAsync(h.data(), reinterpret_cast<const void*>(a.ptr), h.size() * sizeof(T), cudaMemcpyDeviceToHost, s),
+               "copying an index tensor to the host");
+    check_cuda(cudaStreamSynchronize(s), "copying an index tensor to the host");
+  }
+  return h;
+}
+
+// One layer of a GQA cache on the GPU: the format's device tables (kvq::cuda::LayerTables), a
+// decode workspace and the store's refusal counter.
+struct CudaLayer {
+  std::unique_ptr<kvq::cuda::LayerTables> tables;
+  kvq::CacheGeometry geo;
+  std::shared_ptr<const kvq::FormatCalibration> calib;
+  void* workspace = nullptr;
+  std::size_t workspace_bytes = 0;
+  std::uint32_t* rejected = nullptr;
+  int device = -1;
+
+  CudaLayer(const py::object& fmt, const kvq::CacheGeometry& g, int layer, const py::object& calibration) : geo(g) {
+    const kvq::FormatSpec& f = spec_of(fmt);
+    if (g.mla) bad_arg("kvq.cuda.Layer: a GQA geometry (the MLA kernels are not bound yet)");
+    kvq::check_format_fits(f, g);
+    if (layer < 0 || layer >= g.n_layers) bad_arg("layer " + std::to_string(layer) + " outside 0.." + std::to_string(g.n_layers - 1));
+    if (!calibration.is_none()) calib = calibration.cast<const Calibration&>().c;
+    check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+    tables = std::make_unique<kvq::cuda::LayerTables>(f, g, layer, calib.get());
+    check_cuda(cudaMalloc(&rejected, sizeof(std::uint32_t)), "cudaMalloc");
+  }
+  ~CudaLayer() {
+    cudaFree(workspace);
+    cudaFree(rejected);
+  }
+  const kvq::cuda::FormatDesc& desc() const { return tables->desc(); }
+  const kvq::PageLayout& page() const { return desc().page; }
+  void on_device() const {
+    int d = -1;
+    check_cuda(cudaGetDevice(&d), "cudaGetDevice");
+    if (d != device) bad_arg("this Layer's tables live on device " + std::to_string(device) + ", the current device is " + std::to_string(d));
+  }
+  std::int64_t pool_pages(const TensorArg& pool) const {
+    if (pool.shape.size() != 1) bad_arg("pool: a 1-D uint8 tensor of n_pages * page_bytes bytes");
+    if (pool.numel() % static_cast<std::int64_t>(page().page_bytes) != 0)
+      bad_arg("pool: " + std::to_string(pool.numel()) + " bytes is not a whole number of " + std::to_string(page().page_bytes) +
+              "-byte pages");
+    if (pool.ptr % 16 != 0) bad_arg("pool: must be 16-byte aligned");
+    return pool.numel() / static_cast<std::int64_t>(page().page_bytes);
+  }
+  std::size_t row_elems() const { return static_cast<std::size_t>(geo.n_kv_heads) * static_cast<std::size_t>(geo.head_dim); }
+  void check_rows(const TensorArg& a, const char* name, std::int64_t n) const {
+    if (a.shape.empty() || a.shape[0] != n || a.numel() != n * static_cast<std::int64_t>(row_elems()))
+      bad_arg(std::string(name) + ": expected bf16 (n, n_kv_heads, head_dim) or (n, n_kv_heads * head_dim) with n = " +
+              std::to_string(n) + " and n_kv_heads * head_dim = " + std::to_string(row_elems()));
+  }
+
+  // Returns the number of (token, head) records refused (non-finite rows, norms beyond fp16).
+  std::uint32_t store(const py::object& key, const py::object& value, const py::object& slots, const py::object& pool_t,
+                      std::uintptr_t stream_handle, bool validate) {
+    on_device();
+    const TensorArg sm = tensor_arg(slots, "slot_mapping", "int64");
+    if (sm.shape.size() != 1) bad_arg("slot_mapping: a 1-D int64 tensor, one slot per token (< 0 skips it)");
+    const std::int64_t n = sm.shape[0];
+    const TensorArg k = tensor_arg(key, "key", "bfloat16"), v = tensor_arg(value, "value", "bfloat16");
+    check_rows(k, "key", n);
+    check_rows(v, "value", n);
+    const TensorArg pool = tensor_arg(pool_t, "pool", "uint8");
+    const std::int64_t pages = pool_pages(pool);
+    if (n > INT32_MAX) bad_arg("slot_mapping: too many tokens for one call");
+    auto s = reinterpret_cast<cudaStream_t>(stream_handle);
+    if (validate) {
+      const std::vector<std::int64_t> h = to_host<std::int64_t>(sm, s);
+      const std::int64_t cap = pages * page().tokens;
+      for (std::size_t i = 0; i < h.size(); ++i)
+        if (h[i] >= cap)
+          bad_arg("slot_mapping[" + std::to_string(i) + "] = " + std::to_string(h[i]) + " is beyond the pool's " +
+                  std::to_string(cap) + " slots");
+    }
+    kvq::cuda::StoreParams p;
+    p.fmt = desc();
+    p.key = reinterpret_cast<const std::uint16_t*>(k.ptr);
+    p.value = reinterpret_cast<const std::uint16_t*>(v.ptr);
+    p.slot_mapping = reinterpret_cast<const std::int64_t*>(sm.ptr);
+    p.n_tokens = static_cast<std::int32_t>(n);
+    p.pool = reinterpret_cast<std::uint8_t*>(pool.ptr);
+    p.rejected = rejected;
+    std::uint32_t count = 0;
+    py::gil_scoped_release nogil;
+    check_cuda(cudaMemsetAsync(rejected, 0, sizeof(std::uint32_t), s), "kvq.cuda store");
+    check_cuda(kvq::cuda::store(p, s), "kvq.cuda store");
+    check_cuda(cudaMemcpyAsync(&count, rejected, sizeof(count), cudaMemcpyDeviceToHost, s), "kvq.cuda store");
+    check_cuda(cudaStreamSynchronize(s), "kvq.cuda store");
+    return count;
+  }
+
+  void decode(const py::object& pool_t, const py::object& tables_t, const py::object& lens_t, const py::object& q_t,
+              const py::object& out_t, float scale, int max_seq_len, int num_splits, std::uintptr_t stream_handle, bool validate) {
+    on_device();
+    if (!kvq::cuda::decode_supported(desc())) bad_arg("kvq.cuda decode: no kernel for this format and head_dim");
+    const TensorArg pool = tensor_arg(pool_t, "pool", "uint8");
+    const std::int64_t pages = pool_pages(pool);
+    const TensorArg bt = tensor_arg(tables_t, "block_tables", "int32"), sl = tensor_arg(lens_t, "seq_lens", "int32");
+    const TensorArg q = tensor_arg(q_t, "q", "float32"), out = tensor_arg(out_t, "out", "float32");
+    if (bt.shape.size() != 2) bad_arg("block_tables: int32 (batch, max_pages)");
+    const std::int64_t batch = bt.shape[0], max_pages = bt.shape[1];
+    if (sl.shape != std::vector<std::int64_t>{batch}) bad_arg("seq_lens: int32 (batch,)");
+    if (q.shape.size() != 3 || q.shape[0] != batch || q.shape[2] != geo.head_dim || q.shape[1] % geo.n_kv_heads != 0)
+      bad_arg("q: float32 (batch, q_heads, head_dim) with q_heads a multiple of n_kv_heads = " + std::to_string(geo.n_kv_heads));
+    if (out.shape != q.shape) bad_arg("out: float32 of q's shape");
+    if (!std::isfinite(scale)) bad_arg("scale must be finite");
+    if (num_splits < 0) bad_arg("num_splits must be >= 0 (0: chosen by the launcher)");
+    auto s = reinterpret_cast<cudaStream_t>(stream_handle);
+    if (validate) {
+      const std::vector<std::int32_t> lens = to_host<std::int32_t>(sl, s), tab = to_host<std::int32_t>(bt, s);
+      int longest = 0;
+      for (std::int64_t b = 0; b < batch; ++b) {
+        const std::int32_t len = lens[static_cast<std::size_t>(b)];
+        if (len < 0 || static_cast<std::int64_t>(len) > max_pages * page().tokens)
+          bad_arg("seq_lens[" + std::to_string(b) + "] = " + std::to_string(len) + " outside 0.." +
+                  std::to_string(max_pages * page().tokens) + " (max_pages x page tokens)");
+        const std::int64_t used = (len + page().tokens - 1) / page().tokens;
+        for (std::int64_t j = 0; j < used; ++j) {
+          const std::int32_t id = tab[static_cast<std::size_t>(b * max_pages + j)];
+          if (id < 0 || id >= pages)
+            bad_arg("block_tables[" + std::to_string(b) + ", " + std::to_string(j) + "] = " + std::to_string(id) +
+                    " is not a page of the pool (" + std::to_string(pages) + " pages)");
+        }
+        longest = std::max(longest, static_cast<int>(len));
+      }
+      if (max_seq_len <= 0) max_seq_len = longest;
+      if (max_seq_len < longest) bad_arg("max_seq_len is below the longest sequence");
+    }
+    if (max_seq_len <= 0) bad_arg("max_seq_len: the longest seq_lens entry (or validate=True to read it)");
+    kvq::cuda::DecodeParams p;
+    p.fmt = desc();
+    p.pool = reinterpret_cast<const std::uint8_t*>(pool.ptr);
+    p.block_tables = reinterpret_cast<const std::int32_t*>(bt.ptr);
+    p.max_pages = static_cast<std::int32_t>(max_pages);
+    p.seq_lens = reinterpret_cast<const std::int32_t*>(sl.ptr);
+    p.batch = static_cast<std::int32_t>(batch);
+    p.q_heads = static_cast<std::int32_t>(q.shape[1]);
+    p.max_seq_len = max_seq_len;
+    p.q = reinterpret_cast<const float*>(q.ptr);
+    p.out = reinterpret_cast<float*>(out.ptr);
+    p.scale = scale;
+    p.num_splits = num_splits;
+    py::gil_scoped_release nogil;
+    const std::size_t need = kvq::cuda::decode_workspace_bytes(p);
+    if (need > workspace_bytes) {
+      check_cuda(cudaStreamSynchronize(s), "kvq.cuda decode");  // the old workspace may still be in use
+      cudaFree(workspace);
+      workspace = nullptr;
+      workspace_bytes = 0;
+      check_cuda(cudaMalloc(&workspace, need), "kvq.cuda decode workspace");
+      check_cuda(cudaMemsetAsync(workspace, 0, need, s), "kvq.cuda decode workspace");
+      workspace_bytes = need;
+    }
+    p.workspace = workspace;
+    p.workspace_bytes = workspace_bytes;
+    check_cuda(kvq::cuda::decode(p, s), "kvq.cuda decode");
+  }
+};
+
+void bind_cuda(py::module_& m) {
+  py::module_ c = m.def_submodule("cuda", "kvq's CUDA kernels (sm_90a) on torch tensors: fused store and paged split-KV decode.");
+  c.def("device_count", []() {
+    int n = 0;
+    return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
+  });
+  py::class_<CudaLayer>(c, "Layer", "One layer of a paged GQA cache on the current GPU (its format's device tables).")
+      .def(py::init<const py::object&, const kvq::CacheGeometry&, int, const py::object&>(), py::arg("format"),
+           py::arg("geometry"), py::arg("layer") = 0, py::arg("calibration") = py::none())
+      .def_property_readonly("page_bytes", [](const CudaLayer& l) { return l.page().page_bytes; })
+      .def_property_readonly("page_tokens", [](const CudaLayer& l) { return l.page().tokens; })
+      .def_property_readonly("decode_supported", [](const CudaLayer& l) { return kvq::cuda::decode_supported(l.desc()); })
+      .def("offsets", [](const CudaLayer& l, int head, int tok) {
+             if (head < 0 || head >= l.geo.n_kv_heads || tok < 0 || tok >= l.page().tokens) bad_arg("head or token outside the page");
+             const kvq::PageLayout& pg = l.page();
+             py::dict d;
+             d["key_code"] = py::make_tuple(pg.key_code(head, tok), pg.key_code_bytes);
+             d["value_code"] = py::make_tuple(pg.value_code(head, tok), pg.value_code_bytes);
+             d["key_meta"] = py::make_tuple(pg.key_meta(head, tok), pg.key_meta_bytes);
+             d["value_meta"] = py::make_tuple(pg.value_meta(head, tok), pg.value_meta_bytes);
+             return d;
+           }, py::arg("head"), py::arg("token"),
+           "(byte offset in the page, length) of a record's key codes, value codes and metadata (docs/formats.md).")
+      .def("store", &CudaLayer::store, py::arg("key"), py::arg("value"), py::arg("slot_mapping"), py::arg("pool"),
+           py::arg("stream") = 0, py::arg("validate") = true,
+           "Quantizes bf16 rows (n, n_kv_heads, head_dim) into their slots (int64, page * page_tokens + offset; < 0 "
+           "skips) of a uint8 pool; returns the count of records refused (written nowhere). Synchronizes the stream.")
+      .def("decode", &CudaLayer::decode, py::arg("pool"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("q"),
+           py::arg("out"), py::arg("scale"), py::arg("max_seq_len") = 0, py::arg("num_splits") = 0, py::arg("stream") = 0,
+           py::arg("validate") = true,
+           "One query token per sequence: out (batch, q_heads, head_dim) float32 = softmax(scale q K^T) V over the "
+           "first seq_lens[b] positions of sequence b's pages (block_tables int32 (batch, max_pages)).");
+}
+#endif
+}  // namespace

@@ -1,6 +1,6 @@
 """kvq: low-bit KV caches (TurboQuant, QuantMLA) from Python.
 
-Bindings over kvq's CPU library (the extension module kvq._kvq, built by CMake into
+Bindings over kvq's C++ library (the extension module kvq._kvq, built by CMake into
 build/python/kvq; use it with PYTHONPATH=build/python and /usr/bin/python3 on Debian):
 
     import numpy as np, kvq
@@ -13,31 +13,13 @@ build/python/kvq; use it with PYTHONPATH=build/python and /usr/bin/python3 on De
     cache = model.cache("tq-3bit-nc", sinks=4, window=128)
     logits = model.forward(tokens, cache)   # attention reads the packed pages
 
-Everything is computed by the C++ library; kvq.Error carries its messages (unknown format,
-NaN input, malformed model files, exhausted page pools). docs/python.md has the whole API.
+What the extension holds follows the build (kvq.has_runtime: caches, model, tokenizer;
+kvq.has_cuda: kvq.cuda, the store and decode kernels on torch tensors). Everything is computed
+by the C++ library; kvq.Error carries its messages (unknown format, NaN input, malformed model
+files, exhausted page pools). docs/python.md has the whole API.
 """
 
-from ._kvq import (  # noqa: F401
-    Cache,
-    Calibration,
-    DenseCache,
-    Error,
-    Format,
-    Geometry,
-    Model,
-    PagedCache,
-    Quantizer,
-    Tokenizer,
-    account,
-    default_page_tokens,
-    format,
-    format_version,
-    formats,
-    quantizers,
-    token_bytes,
-)
+from . import _kvq
 
-__all__ = [
-    "Cache", "Calibration", "DenseCache", "Error", "Format", "Geometry", "Model", "PagedCache", "Quantizer",
-    "Tokenizer", "account", "default_page_tokens", "format", "format_version", "formats", "quantizers", "token_bytes",
-]
+__all__ = [name for name in dir(_kvq) if not name.startswith("_")]
+globals().update({name: getattr(_kvq, name) for name in __all__})

@@ -89,7 +89,8 @@ def test_registry_names_and_bits():
     assert "bf16" in kv and "bf16" in mla
     f = kvq.format("tq-k3v4-nc")
     assert (f.key_bits, f.value_bits, f.family, f.pair) == (3, 4, "kv", "")
-    assert kvq.format("tq-3.5bit").needs_calibration and not kvq.format("tq-4bit-nc").needs_calibration
+    assert kvq.format("tq-3.5bit").needs_outliers and not kvq.format("tq-4bit").needs_outliers
+    assert kvq.format("tq-4bit").uses_centering and not kvq.format("tq-4bit-nc").uses_centering
     with pytest.raises(kvq.Error, match="tq-4bit-nc"):  # the message lists the valid names
         kvq.format("tq-5bit")
     with pytest.raises(ValueError):
