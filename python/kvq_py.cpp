@@ -1,5 +1,5 @@
-// python/kvq_py.cpp: the `kvq._kvq` extension module (pybind11): kvq's CPU library from Python
-// with NumPy arrays.
+// python/kvq_py.cpp: the `kvq._kvq` extension module (pybind11): kvq's library from Python with
+// NumPy arrays, and its GQA CUDA kernels on torch tensors (kvq.cuda, at the end of this file).
 //
 // What it exposes, one class or function per library concept, nothing computed here:
 //  - the format registry (Format, formats(), format(), token_bytes());
@@ -384,7 +384,7 @@ void bind_cuda(py::module_& m);
 }  // namespace
 
 PYBIND11_MODULE(_kvq, m) {
-  m.doc() = "kvq: low-bit KV caches (TurboQuant, QuantMLA) - CPU library bindings";
+  m.doc() = "kvq: low-bit KV caches (TurboQuant, QuantMLA) - bindings of the C++ library (and its CUDA kernels: kvq.cuda)";
   static py::exception<kvq::Error> error(m, "Error", PyExc_RuntimeError);
   py::register_exception_translator([](std::exception_ptr p) {
     try {
