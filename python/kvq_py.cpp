@@ -49,31 +49,28 @@ using Arr = py::array_t<T, py::array::c_style | py::array::forcecast>;
 
 [[noreturn]] void bad_arg(const std::string& what) { throw py::value_error(what); }
 
-// Rows of width d: a (d,) vector is one row, an (n, d) array n rows.
-struct Rows {
-  const float* p = nullptr;
+// A batch of fixed-width items (float rows of a vector width, uint8 records of a byte size):
+// shape (w,) is one item, (n, w) n items.
+template <class T>
+struct Batch {
+  const T* p = nullptr;
   std::size_t n = 0;
   bool single = false;
 };
-Rows rows_of(const Arr<float>& a, std::size_t d, const char* name) {
-  if (a.ndim() == 1 && static_cast<std::size_t>(a.shape(0)) == d) return {a.data(), 1, true};
-  if (a.ndim() == 2 && static_cast<std::size_t>(a.shape(1)) == d) return {a.data(), static_cast<std::size_t>(a.shape(0)), false};
+template <class T>
+Batch<T> batch_of(const Arr<T>& a, std::size_t w, const char* name) {
+  if (a.ndim() == 1 && static_cast<std::size_t>(a.shape(0)) == w) return {a.data(), 1, true};
+  if (a.ndim() == 2 && static_cast<std::size_t>(a.shape(1)) == w) return {a.data(), static_cast<std::size_t>(a.shape(0)), false};
   std::string shape = "(";
   for (py::ssize_t i = 0; i < a.ndim(); ++i) shape += (i ? ", " : "") + std::to_string(a.shape(i));
-  bad_arg(std::string(name) + ": expected shape (" + std::to_string(d) + ",) or (n, " + std::to_string(d) + "), got " +
+  bad_arg(std::string(name) + ": expected shape (" + std::to_string(w) + ",) or (n, " + std::to_string(w) + "), got " +
           shape + (a.ndim() == 1 ? ",)" : ")"));
 }
-// Records of `bytes` bytes: (bytes,) is one record, (n, bytes) n records.
-struct Records {
-  const std::uint8_t* p = nullptr;
-  std::size_t n = 0;
-  bool single = false;
-};
-Records records_of(const Arr<std::uint8_t>& a, std::size_t bytes) {
-  if (a.ndim() == 1 && static_cast<std::size_t>(a.shape(0)) == bytes) return {a.data(), 1, true};
-  if (a.ndim() == 2 && static_cast<std::size_t>(a.shape(1)) == bytes)
-    return {a.data(), static_cast<std::size_t>(a.shape(0)), false};
-  bad_arg("records: expected uint8 shape (" + std::to_string(bytes) + ",) or (n, " + std::to_string(bytes) + ")");
+// The output of a batch call: (w,) for one input item, (n, w) for n.
+template <class T, class U>
+py::array_t<T> batch_out(const Batch<U>& in, std::size_t w) {
+  if (in.single) return py::array_t<T>({static_cast<py::ssize_t>(w)});
+  return py::array_t<T>({static_cast<py::ssize_t>(in.n), static_cast<py::ssize_t>(w)});
 }
 
 const kvq::FormatSpec& spec_of(const py::object& f) {
@@ -133,6 +130,11 @@ std::string geometry_repr(const kvq::CacheGeometry& g) {
 struct Calibration {
   std::shared_ptr<const kvq::FormatCalibration> c;
 };
+// The `calibration` argument of quantizers, caches and kvq.cuda.Layer: None or a Calibration.
+std::shared_ptr<const kvq::FormatCalibration> calibration_of(const py::object& calibration) {
+  if (calibration.is_none()) return nullptr;
+  return calibration.cast<const Calibration&>().c;
+}
 
 // One quantizer of a (layer, head); holds what it was made from.
 struct Quantizer {
@@ -142,10 +144,8 @@ struct Quantizer {
 
   std::size_t dim() const { return static_cast<std::size_t>(q->dim()); }
   py::array_t<std::uint8_t> encode(const Arr<float>& x) const {
-    const Rows r = rows_of(x, dim(), "x");
-    const std::size_t b = q->bytes();
-    py::array_t<std::uint8_t> out = r.single ? py::array_t<std::uint8_t>({static_cast<py::ssize_t>(b)})
-                                             : py::array_t<std::uint8_t>({static_cast<py::ssize_t>(r.n), static_cast<py::ssize_t>(b)});
+    const Batch<float> r = batch_of(x, dim(), "x");
+    py::array_t<std::uint8_t> out = batch_out<std::uint8_t>(r, q->bytes());
     std::uint8_t* dst = out.mutable_data();
     {
       py::gil_scoped_release nogil;
@@ -154,9 +154,8 @@ struct Quantizer {
     return out;
   }
   py::array_t<float> decode(const Arr<std::uint8_t>& rec) const {
-    const Records r = records_of(rec, q->bytes());
-    py::array_t<float> out = r.single ? py::array_t<float>({static_cast<py::ssize_t>(dim())})
-                                      : py::array_t<float>({static_cast<py::ssize_t>(r.n), static_cast<py::ssize_t>(dim())});
+    const Batch<std::uint8_t> r = batch_of(rec, q->bytes(), "records");
+    py::array_t<float> out = batch_out<float>(r, dim());
     float* dst = out.mutable_data();
     {
       py::gil_scoped_release nogil;
@@ -166,11 +165,11 @@ struct Quantizer {
   }
   // <query, decode(record)> for every record, from the packed codes (prepare_query once).
   py::array_t<float> scores(const Arr<float>& query, const Arr<std::uint8_t>& rec) const {
-    const Rows qr = rows_of(query, dim(), "query");
+    const Batch<float> qr = batch_of(query, dim(), "query");
     if (!qr.single) bad_arg("query: one vector of shape (" + std::to_string(dim()) + ",)");
     for (std::size_t i = 0; i < dim(); ++i)
       if (!std::isfinite(qr.p[i])) fail("query: element " + std::to_string(i) + " is not finite");
-    const Records r = records_of(rec, q->bytes());
+    const Batch<std::uint8_t> r = batch_of(rec, q->bytes(), "records");
     py::array_t<float> out({static_cast<py::ssize_t>(r.n)});
     float* dst = out.mutable_data();
     {
@@ -185,7 +184,7 @@ struct Quantizer {
   // sum_i w_i decode(record_i), accumulated in the quantizer's own domain (rotated for
   // TurboQuant values) and mapped back once.
   py::array_t<float> weighted_sum(const Arr<float>& w, const Arr<std::uint8_t>& rec) const {
-    const Records r = records_of(rec, q->bytes());
+    const Batch<std::uint8_t> r = batch_of(rec, q->bytes(), "records");
     if (w.ndim() != 1 || static_cast<std::size_t>(w.shape(0)) != r.n)
       bad_arg("weights: expected shape (" + std::to_string(r.n) + ",), one per record");
     for (std::size_t i = 0; i < r.n; ++i)
@@ -211,8 +210,7 @@ py::tuple make_quantizer_pair(const py::object& fmt, const kvq::CacheGeometry& g
   if (layer < 0 || layer >= g.n_layers) bad_arg("layer " + std::to_string(layer) + " outside 0.." + std::to_string(g.n_layers - 1));
   if (!g.mla && (head < 0 || head >= g.n_kv_heads))
     bad_arg("head " + std::to_string(head) + " outside 0.." + std::to_string(g.n_kv_heads - 1));
-  std::shared_ptr<const kvq::FormatCalibration> c;
-  if (!calibration.is_none()) c = calibration.cast<const Calibration&>().c;
+  const std::shared_ptr<const kvq::FormatCalibration> c = calibration_of(calibration);
   kvq::QuantizerPair p = kvq::make_quantizers(f, g, layer, head, c.get());
   Quantizer k{std::shared_ptr<const kvq::VectorQuantizer>(std::move(p.key)), c, "key"};
   Quantizer v{std::shared_ptr<const kvq::VectorQuantizer>(std::move(p.value)), c, "value"};
@@ -259,7 +257,7 @@ struct Cache {
   void append(int layer, const Arr<float>& k, const Arr<float>& v, int seq) {
     check_seq(seq);
     check_layer(layer);
-    const Rows kr = rows_of(k, key_width(geo()), "k"), vr = rows_of(v, value_width(geo()), "v");
+    const Batch<float> kr = batch_of(k, key_width(geo()), "k"), vr = batch_of(v, value_width(geo()), "v");
     if (kr.n != vr.n) bad_arg("k and v must hold the same number of rows");
     if (kr.n == 0) return;
     py::gil_scoped_release nogil;
@@ -275,7 +273,7 @@ struct Cache {
               std::to_string(g.n_kv_heads) + ")");
     const std::size_t qd = static_cast<std::size_t>(n_heads) * (g.mla ? g.d_latent + g.d_rope : g.head_dim);
     const std::size_t od = static_cast<std::size_t>(n_heads) * (g.mla ? g.d_latent : g.v_head_dim);
-    const Rows qr = rows_of(q, qd, "q");
+    const Batch<float> qr = batch_of(q, qd, "q");
     if (!std::isfinite(scale)) bad_arg("scale must be finite");
     const int len = c->length(seq);
     // Queries default to the last positions of the stored sequence (decode: one query at len - 1).
@@ -286,8 +284,7 @@ struct Cache {
               " outside the " + std::to_string(len) + " stored tokens of seq " + std::to_string(seq));
     for (std::size_t i = 0; i < qr.n * qd; ++i)
       if (!std::isfinite(qr.p[i])) fail("q: element " + std::to_string(i) + " is not finite");
-    py::array_t<float> out = qr.single ? py::array_t<float>({static_cast<py::ssize_t>(od)})
-                                       : py::array_t<float>({static_cast<py::ssize_t>(qr.n), static_cast<py::ssize_t>(od)});
+    py::array_t<float> out = batch_out<float>(qr, od);
     float* dst = out.mutable_data();
     {
       py::gil_scoped_release nogil;
@@ -316,20 +313,26 @@ kvq::ProtectionPolicy policy_of(int sinks, int window, int boundary_layers) {
   return kvq::ProtectionPolicy{sinks, window, boundary_layers};
 }
 
+// Format, protection policy and calibration of a PagedCache (the other options keep their defaults).
+kvq::CacheOptions cache_options(const py::object& fmt, int sinks, int window, int boundary_layers, const py::object& calibration) {
+  kvq::CacheOptions o;
+  o.format = spec_of(fmt).name;
+  o.protect = policy_of(sinks, window, boundary_layers);
+  o.outliers = calibration_of(calibration);
+  return o;
+}
+
 Cache make_paged(const kvq::CacheGeometry& g, const py::object& fmt, int sinks, int window, int boundary_layers,
                  int page_tokens, std::size_t pool_bytes, int max_seqs, bool preempt, const std::string& path,
                  const py::object& calibration) {
   if (max_seqs <= 0) bad_arg("max_seqs must be positive");
   if (path != "fast" && path != "reference") bad_arg("path must be 'fast' or 'reference'");
-  kvq::CacheOptions o;
-  o.format = spec_of(fmt).name;
-  o.protect = policy_of(sinks, window, boundary_layers);
+  kvq::CacheOptions o = cache_options(fmt, sinks, window, boundary_layers, calibration);
   o.page_tokens = page_tokens;
   o.pool_bytes = pool_bytes;
   o.preempt = preempt;
   Cache c;
-  if (!calibration.is_none()) c.calib = calibration.cast<const Calibration&>().c;
-  o.outliers = c.calib;
+  c.calib = o.outliers;
   auto p = std::make_unique<kvq::PagedCache>(g, o, max_seqs);
   p->set_attention_path(path == "fast" ? kvq::AttentionPath::kFast : kvq::AttentionPath::kReference);
   c.paged = p.get();
@@ -645,12 +648,8 @@ void bind_runtime(py::module_& m) {
              o.windows = windows;
              o.bos_id = cfg.bos_token_id >= 0 ? cfg.bos_token_id : tok.token_id("<|bos|>");
              if (!fmt.is_none()) {  // the paged cache in that format, as `kvq ppl --cache`
-               kvq::CacheOptions co;
-               const kvq::FormatSpec& f = spec_of(fmt);
-               kvq::check_format_fits(f, pm.m->cache_geometry());
-               co.format = f.name;
-               co.protect = policy_of(sinks, window, boundary_layers);
-               if (!calibration.is_none()) co.outliers = calibration.cast<const Calibration&>().c;
+               kvq::check_format_fits(spec_of(fmt), pm.m->cache_geometry());
+               const kvq::CacheOptions co = cache_options(fmt, sinks, window, boundary_layers, calibration);
                o.make_cache = [co](const kvq::CacheGeometry& g) {
                  return std::unique_ptr<kvq::KvCache>(std::make_unique<kvq::PagedCache>(g, co));
                };
@@ -733,7 +732,7 @@ struct CudaLayer {
     if (g.mla) bad_arg("kvq.cuda.Layer: a GQA geometry (the MLA kernels are not bound yet)");
     kvq::check_format_fits(f, g);
     if (layer < 0 || layer >= g.n_layers) bad_arg("layer " + std::to_string(layer) + " outside 0.." + std::to_string(g.n_layers - 1));
-    if (!calibration.is_none()) calib = calibration.cast<const Calibration&>().c;
+    calib = calibration_of(calibration);
     check_cuda(cudaGetDevice(&device), "cudaGetDevice");
     tables = std::make_unique<kvq::cuda::LayerTables>(f, g, layer, calib.get());
     check_cuda(cudaMalloc(&rejected, sizeof(std::uint32_t)), "cudaMalloc");

@@ -274,8 +274,7 @@ def test_memory_accounting_and_pool_exhaustion():
     bf = kvq.account(g, "bf16", 200)
     assert bf["total"] > 4 * c.memory()["packed_bytes"]
     # A pool of two blocks: the third block's append fails with kvq.Error and nothing is lost.
-    block = kvq.PagedCache(g, "tq-3bit-nc").memory()  # empty cache: no blocks yet
-    assert block["blocks"] == 0
+    assert kvq.PagedCache(g, "tq-3bit-nc").memory()["blocks"] == 0  # an empty cache holds no block
     small = kvq.PagedCache(g, "tq-3bit-nc", page_tokens=16, pool_bytes=2 * 16 * 2 * 2 * 102)
     for layer in range(2):
         small.append(layer, x[:32], x[:32])
