@@ -1,5 +1,5 @@
 // python/kvq_py.cpp: the `kvq._kvq` extension module (pybind11): kvq's library from Python with
-// NumPy arrays, and its GQA CUDA kernels on torch tensors (kvq.cuda, at the end of this file).
+// NumPy arrays, and its CUDA kernels (GQA and MLA) on torch tensors (kvq.cuda, at the end of this file).
 //
 // What it exposes, one class or function per library concept, nothing computed here:
 //  - the format registry (Format, formats(), format(), token_bytes());
@@ -21,6 +21,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kvq/common.hpp"
@@ -37,6 +38,7 @@
 #include <cuda_runtime.h>
 
 #include "kvq_cuda.hpp"
+#include "kvq_cuda_mla.hpp"
 #endif
 
 namespace py = pybind11;
@@ -716,46 +718,288 @@ std::vector<T> to_host(const TensorArg& a, cudaStream_t s) {
   return h;
 }
 
-// One layer of a GQA cache on the GPU: the format's device tables (kvq::cuda::LayerTables), a
-// decode workspace and the store's refusal counter.
-struct CudaLayer {
-  std::unique_ptr<kvq::cuda::LayerTables> tables;
-  kvq::CacheGeometry geo;
-  std::shared_ptr<const kvq::FormatCalibration> calib;
+// Index checks of validate=True (host copies of the index tensors): a slot, page id or length
+// outside the pool is a ValueError here instead of an out-of-bounds access in a kernel.
+void check_slots(const TensorArg& sm, std::int64_t cap, cudaStream_t s) {
+  const std::vector<std::int64_t> h = to_host<std::int64_t>(sm, s);
+  for (std::size_t i = 0; i < h.size(); ++i)
+    if (h[i] >= cap)
+      bad_arg("slot_mapping[" + std::to_string(i) + "] = " + std::to_string(h[i]) + " is beyond the pool's " + std::to_string(cap) +
+              " slots");
+}
+// Returns the longest sequence.
+int check_block_tables(const TensorArg& bt, const TensorArg& sl, std::int64_t pages, int page_tokens, cudaStream_t s) {
+  const std::int64_t batch = bt.shape[0], max_pages = bt.shape[1];
+  const std::vector<std::int32_t> lens = to_host<std::int32_t>(sl, s), tab = to_host<std::int32_t>(bt, s);
+  int longest = 0;
+  for (std::int64_t b = 0; b < batch; ++b) {
+    const std::int32_t len = lens[static_cast<std::size_t>(b)];
+    if (len < 0 || static_cast<std::int64_t>(len) > max_pages * page_tokens)
+      bad_arg("seq_lens[" + std::to_string(b) + "] = " + std::to_string(len) + " outside 0.." + std::to_string(max_pages * page_tokens) +
+              " (max_pages x page tokens)");
+    const std::int64_t used = (len + page_tokens - 1) / page_tokens;
+    for (std::int64_t j = 0; j < used; ++j) {
+      const std::int32_t id = tab[static_cast<std::size_t>(b * max_pages + j)];
+      if (id < 0 || id >= pages)
+        bad_arg("block_tables[" + std::to_string(b) + ", " + std::to_string(j) + "] = " + std::to_string(id) +
+                " is not a page of the pool (" + std::to_string(pages) + " pages)");
+    }
+    longest = std::max(longest, static_cast<int>(len));
+  }
+  return longest;
+}
+
+// The protected bf16 rows of a layer (attention sinks and the recent window, kvq/cuda_protect.hpp):
+// the policy, the shape of the rows buffer, and the checks of the arguments that use it.
+struct Protection {
+  int sinks = 0, window = 0;
+  std::int64_t per_seq = 0;  // bf16 elements per sequence row of the buffer
+  std::string shape;         // the buffer's shape, for messages
+  bool enabled() const { return sinks + window > 0; }
+  std::int32_t slot(std::int64_t pos) const { return kvq::ProtectLayout{sinks, window, 1, 1}.slot(pos); }
+  // Sequences the rows buffer holds (its first dimension).
+  std::int64_t seqs(const TensorArg& r) const {
+    if (r.shape.empty() || r.shape[0] <= 0 || r.numel() != r.shape[0] * per_seq)
+      bad_arg("protect_rows: bfloat16 " + shape + " (seqs rows of " + std::to_string(per_seq) + " elements)");
+    if (r.ptr % 16 != 0) bad_arg("protect_rows: must be 16-byte aligned");
+    return r.shape[0];
+  }
+  void refuse_args(bool any) const {
+    if (any) bad_arg("protect_rows / positions / seq_ids: this layer keeps no protected rows (construct it with sinks or window)");
+  }
+};
+struct StoreProtect {
+  const std::int32_t* positions = nullptr;
+  const std::int32_t* seq_ids = nullptr;
+  std::uint16_t* rows = nullptr;
+  const std::int32_t* seq_lens = nullptr;
+};
+// A store call's protection arguments: positions and seq_ids (int32 (n,)), the rows buffer, and
+// optionally the sequences' lengths after the call (int32 (seqs,)); without them no two positions
+// of one sequence in the call may share a slot (validate checks it).
+StoreProtect store_protect(const Protection& pr, std::int64_t n, const py::object& positions, const py::object& seq_ids,
+                           const py::object& rows, const py::object& seq_lens, bool validate, cudaStream_t s) {
+  if (!pr.enabled()) {
+    pr.refuse_args(!positions.is_none() || !seq_ids.is_none() || !rows.is_none() || !seq_lens.is_none());
+    return {};
+  }
+  if (positions.is_none() || seq_ids.is_none() || rows.is_none())
+    bad_arg("store: a layer with protected rows needs positions, seq_ids and protect_rows");
+  const TensorArg pos = tensor_arg(positions, "positions", "int32"), ids = tensor_arg(seq_ids, "seq_ids", "int32");
+  if (pos.shape != std::vector<std::int64_t>{n}) bad_arg("positions: int32 (n,), one per token");
+  if (ids.shape != std::vector<std::int64_t>{n}) bad_arg("seq_ids: int32 (n,), one per token (the row of protect_rows)");
+  const TensorArg r = tensor_arg(rows, "protect_rows", "bfloat16");
+  const std::int64_t seqs = pr.seqs(r);
+  TensorArg lens;
+  if (!seq_lens.is_none()) {
+    lens = tensor_arg(seq_lens, "seq_lens", "int32");
+    if (lens.shape != std::vector<std::int64_t>{seqs}) bad_arg("seq_lens: int32 (seqs,), the lengths after this call");
+  }
+  if (validate) {
+    const std::vector<std::int32_t> hp = to_host<std::int32_t>(pos, s), hi = to_host<std::int32_t>(ids, s);
+    const std::vector<std::int32_t> hl = seq_lens.is_none() ? std::vector<std::int32_t>{} : to_host<std::int32_t>(lens, s);
+    std::vector<std::pair<std::int64_t, std::int32_t>> used;  // (seq x slots + slot, position)
+    for (std::size_t i = 0; i < hp.size(); ++i) {
+      const std::string at = "[" + std::to_string(i) + "]";
+      if (hp[i] < 0) bad_arg("positions" + at + " = " + std::to_string(hp[i]) + " is negative");
+      if (hi[i] < 0 || hi[i] >= seqs)
+        bad_arg("seq_ids" + at + " = " + std::to_string(hi[i]) + " is not a row of protect_rows (" + std::to_string(seqs) + ")");
+      if (!hl.empty() && hp[i] >= hl[static_cast<std::size_t>(hi[i])])
+        bad_arg("positions" + at + " = " + std::to_string(hp[i]) + " is not below seq_lens[" + std::to_string(hi[i]) + "] = " +
+                std::to_string(hl[static_cast<std::size_t>(hi[i])]));
+      const std::int32_t sl = pr.slot(hp[i]);
+      if (hl.empty() && sl >= 0) used.emplace_back(static_cast<std::int64_t>(hi[i]) * (pr.sinks + pr.window) + sl, hp[i]);
+    }
+    std::sort(used.begin(), used.end());
+    for (std::size_t i = 1; i < used.size(); ++i)
+      if (used[i].first == used[i - 1].first && used[i].second != used[i - 1].second)
+        bad_arg("positions " + std::to_string(used[i - 1].second) + " and " + std::to_string(used[i].second) +
+                " of one sequence share a protection slot: pass seq_lens (the lengths after this call) so that only the "
+                "last window positions are kept");
+  }
+  StoreProtect p;
+  p.positions = reinterpret_cast<const std::int32_t*>(pos.ptr);
+  p.seq_ids = reinterpret_cast<const std::int32_t*>(ids.ptr);
+  p.rows = reinterpret_cast<std::uint16_t*>(r.ptr);
+  if (!seq_lens.is_none()) p.seq_lens = reinterpret_cast<const std::int32_t*>(lens.ptr);
+  return p;
+}
+// A decode call's rows buffer: one row per batch entry at least.
+const std::uint16_t* decode_protect(const Protection& pr, std::int64_t batch, const py::object& rows) {
+  if (!pr.enabled()) {
+    pr.refuse_args(!rows.is_none());
+    return nullptr;
+  }
+  if (rows.is_none()) bad_arg("decode: a layer with protected rows needs protect_rows");
+  const TensorArg r = tensor_arg(rows, "protect_rows", "bfloat16");
+  if (pr.seqs(r) < batch) bad_arg("protect_rows: fewer rows than the batch (row b serves sequence b of block_tables)");
+  return reinterpret_cast<const std::uint16_t*>(r.ptr);
+}
+
+// The index tensors of a decode call and the pool they point into (for validate=True).
+struct DecodeIndex {
+  TensorArg bt, sl;
+  std::int64_t pages = 0;
+  int page_tokens = 0;
+};
+
+// What the GQA and MLA layers share: the device they were built on, the decode workspace (grown on
+// demand; one launch at a time), the store's refusal counter and the protection policy.
+struct LayerBase {
   void* workspace = nullptr;
   std::size_t workspace_bytes = 0;
   std::uint32_t* rejected = nullptr;
   int device = -1;
+  Protection prot;
 
-  CudaLayer(const py::object& fmt, const kvq::CacheGeometry& g, int layer, const py::object& calibration) : geo(g) {
-    const kvq::FormatSpec& f = spec_of(fmt);
-    if (g.mla) bad_arg("kvq.cuda.Layer: a GQA geometry (the MLA kernels are not bound yet)");
-    kvq::check_format_fits(f, g);
-    if (layer < 0 || layer >= g.n_layers) bad_arg("layer " + std::to_string(layer) + " outside 0.." + std::to_string(g.n_layers - 1));
-    calib = calibration_of(calibration);
+  LayerBase(int sinks, int window) {
+    if (sinks < 0 || window < 0) bad_arg("sinks and window must be >= 0");
+    prot.sinks = sinks;
+    prot.window = window;
     check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-    tables = std::make_unique<kvq::cuda::LayerTables>(f, g, layer, calib.get());
     check_cuda(cudaMalloc(&rejected, sizeof(std::uint32_t)), "cudaMalloc");
   }
-  ~CudaLayer() {
+  ~LayerBase() {
     cudaFree(workspace);
     cudaFree(rejected);
   }
-  const kvq::cuda::FormatDesc& desc() const { return tables->desc(); }
-  const kvq::PageLayout& page() const { return desc().page; }
+  LayerBase(const LayerBase&) = delete;
+  LayerBase& operator=(const LayerBase&) = delete;
   void on_device() const {
     int d = -1;
     check_cuda(cudaGetDevice(&d), "cudaGetDevice");
     if (d != device) bad_arg("this Layer's tables live on device " + std::to_string(device) + ", the current device is " + std::to_string(d));
   }
-  std::int64_t pool_pages(const TensorArg& pool) const {
+  static std::int64_t pool_pages(const TensorArg& pool, std::uint64_t page_bytes) {
     if (pool.shape.size() != 1) bad_arg("pool: a 1-D uint8 tensor of n_pages * page_bytes bytes");
-    if (pool.numel() % static_cast<std::int64_t>(page().page_bytes) != 0)
-      bad_arg("pool: " + std::to_string(pool.numel()) + " bytes is not a whole number of " + std::to_string(page().page_bytes) +
-              "-byte pages");
+    if (pool.numel() % static_cast<std::int64_t>(page_bytes) != 0)
+      bad_arg("pool: " + std::to_string(pool.numel()) + " bytes is not a whole number of " + std::to_string(page_bytes) + "-byte pages");
     if (pool.ptr % 16 != 0) bad_arg("pool: must be 16-byte aligned");
-    return pool.numel() / static_cast<std::int64_t>(page().page_bytes);
+    return pool.numel() / static_cast<std::int64_t>(page_bytes);
   }
+  // Runs a store launcher with the refusal counter and returns the count (synchronizes the stream).
+  template <class Launch>
+  std::uint32_t counted_store(cudaStream_t s, Launch&& launch) {
+    std::uint32_t count = 0;
+    py::gil_scoped_release nogil;
+    check_cuda(cudaMemsetAsync(rejected, 0, sizeof(std::uint32_t), s), "kvq.cuda store");
+    check_cuda(launch(rejected), "kvq.cuda store");
+    check_cuda(cudaMemcpyAsync(&count, rejected, sizeof(count), cudaMemcpyDeviceToHost, s), "kvq.cuda store");
+    check_cuda(cudaStreamSynchronize(s), "kvq.cuda store");
+    return count;
+  }
+  // A workspace of at least `need` bytes (call without the GIL).
+  void ensure_workspace(std::size_t need, cudaStream_t s) {
+    if (need <= workspace_bytes) return;
+    check_cuda(cudaStreamSynchronize(s), "kvq.cuda decode");  // the old workspace may still be in use
+    cudaFree(workspace);
+    workspace = nullptr;
+    workspace_bytes = 0;
+    check_cuda(cudaMalloc(&workspace, need), "kvq.cuda decode workspace");
+    check_cuda(cudaMemsetAsync(workspace, 0, need, s), "kvq.cuda decode workspace");
+    workspace_bytes = need;
+  }
+  // The shape checks of a decode call; `ix` keeps what the index checks need.
+  static void decode_shapes(const TensorArg& bt, const TensorArg& sl, float scale, int num_splits) {
+    if (bt.shape.size() != 2) bad_arg("block_tables: int32 (batch, max_pages)");
+    if (sl.shape != std::vector<std::int64_t>{bt.shape[0]}) bad_arg("seq_lens: int32 (batch,)");
+    if (!std::isfinite(scale)) bad_arg("scale must be finite");
+    if (num_splits < 0) bad_arg("num_splits must be >= 0 (0: chosen by the launcher)");
+  }
+  // max_seq_len of a launch: checked against (validate) or read from seq_lens.
+  static int resolve_max_seq_len(const DecodeIndex& ix, int max_seq_len, bool validate, cudaStream_t s) {
+    if (validate) {
+      const int longest = check_block_tables(ix.bt, ix.sl, ix.pages, ix.page_tokens, s);
+      if (max_seq_len <= 0) max_seq_len = longest;
+      if (max_seq_len < longest) bad_arg("max_seq_len is below the longest sequence");
+    }
+    if (max_seq_len <= 0) bad_arg("max_seq_len: the longest seq_lens entry (or validate=True to read it)");
+    return max_seq_len;
+  }
+  // The tensors of a decode call (shapes checked but q's and out's, which depend on the family) and
+  // the parameters GQA and MLA decode share (P: kvq::cuda::DecodeParams or MlaDecodeParams).
+  template <class P>
+  void decode_inputs(P& p, const py::object& pool_t, const py::object& tables_t, const py::object& lens_t, const py::object& q_t,
+                     const py::object& out_t, float scale, int num_splits, const kvq::PageLayout& page, DecodeIndex& ix,
+                     TensorArg& q, TensorArg& out) const {
+    on_device();
+    const TensorArg pool = tensor_arg(pool_t, "pool", "uint8");
+    ix.pages = pool_pages(pool, page.page_bytes);
+    ix.page_tokens = page.tokens;
+    ix.bt = tensor_arg(tables_t, "block_tables", "int32");
+    ix.sl = tensor_arg(lens_t, "seq_lens", "int32");
+    q = tensor_arg(q_t, "q", "float32");
+    out = tensor_arg(out_t, "out", "float32");
+    decode_shapes(ix.bt, ix.sl, scale, num_splits);
+    p.pool = reinterpret_cast<const std::uint8_t*>(pool.ptr);
+    p.block_tables = reinterpret_cast<const std::int32_t*>(ix.bt.ptr);
+    p.max_pages = static_cast<std::int32_t>(ix.bt.shape[1]);
+    p.seq_lens = reinterpret_cast<const std::int32_t*>(ix.sl.ptr);
+    p.batch = static_cast<std::int32_t>(ix.bt.shape[0]);
+    p.q = reinterpret_cast<const float*>(q.ptr);
+    p.out = reinterpret_cast<float*>(out.ptr);
+    p.scale = scale;
+    p.num_splits = num_splits;
+  }
+  // One decode launch with a workspace of the size `bytes(p)` asks for.
+  template <class P, class Bytes, class Launch>
+  void launch_with_workspace(P p, int max_seq_len, cudaStream_t s, Bytes bytes, Launch launch, const char* what) {
+    p.max_seq_len = max_seq_len;
+    py::gil_scoped_release nogil;
+    ensure_workspace(bytes(p), s);
+    p.workspace = workspace;
+    p.workspace_bytes = workspace_bytes;
+    check_cuda(launch(p, s), what);
+  }
+  // The slot mapping, pool and protection arguments of a store call, into the parameters both
+  // families share (P: kvq::cuda::StoreParams or MlaStoreParams, L: its protection layout); returns n.
+  template <class P, class L>
+  std::int64_t store_inputs(P& p, const py::object& slots, const py::object& pool_t, const kvq::PageLayout& page, L layout,
+                            bool validate, cudaStream_t s, const py::object& positions, const py::object& seq_ids,
+                            const py::object& protect_rows, const py::object& seq_lens) const {
+    on_device();
+    const TensorArg sm = tensor_arg(slots, "slot_mapping", "int64");
+    if (sm.shape.size() != 1) bad_arg("slot_mapping: a 1-D int64 tensor, one slot per token (< 0 skips it)");
+    const std::int64_t n = sm.shape[0];
+    if (n > INT32_MAX) bad_arg("slot_mapping: too many tokens for one call");
+    const TensorArg pool = tensor_arg(pool_t, "pool", "uint8");
+    const std::int64_t pages = pool_pages(pool, page.page_bytes);
+    const StoreProtect sp = store_protect(prot, n, positions, seq_ids, protect_rows, seq_lens, validate, s);
+    if (validate) check_slots(sm, pages * page.tokens, s);
+    p.slot_mapping = reinterpret_cast<const std::int64_t*>(sm.ptr);
+    p.n_tokens = static_cast<std::int32_t>(n);
+    p.pool = reinterpret_cast<std::uint8_t*>(pool.ptr);
+    if (sp.rows) {
+      p.protect = layout;
+      p.protect_rows = sp.rows;
+      p.positions = sp.positions;
+      p.seq_ids = sp.seq_ids;
+      p.protect_seq_lens = sp.seq_lens;
+    }
+    return n;
+  }
+};
+
+// One layer of a GQA cache on the GPU: the format's device tables (kvq::cuda::LayerTables).
+struct CudaLayer : LayerBase {
+  std::unique_ptr<kvq::cuda::LayerTables> tables;
+  kvq::CacheGeometry geo;
+  std::shared_ptr<const kvq::FormatCalibration> calib;
+
+  CudaLayer(const py::object& fmt, const kvq::CacheGeometry& g, int layer, const py::object& calibration, int sinks, int window)
+      : LayerBase(sinks, window), geo(g) {
+    const kvq::FormatSpec& f = spec_of(fmt);
+    if (g.mla) bad_arg("kvq.cuda.Layer: a GQA geometry (kvq.cuda.MlaLayer runs the MLA caches)");
+    kvq::check_format_fits(f, g);
+    if (layer < 0 || layer >= g.n_layers) bad_arg("layer " + std::to_string(layer) + " outside 0.." + std::to_string(g.n_layers - 1));
+    calib = calibration_of(calibration);
+    tables = std::make_unique<kvq::cuda::LayerTables>(f, g, layer, calib.get());
+    prot.per_seq = static_cast<std::int64_t>(g.n_kv_heads) * (sinks + window) * 2 * g.head_dim;
+    prot.shape = "(seqs, n_kv_heads, sinks + window, 2, head_dim)";
+  }
+  const kvq::cuda::FormatDesc& desc() const { return tables->desc(); }
+  const kvq::PageLayout& page() const { return desc().page; }
+  kvq::ProtectLayout protect_layout() const { return kvq::ProtectLayout{prot.sinks, prot.window, geo.n_kv_heads, geo.head_dim}; }
   std::size_t row_elems() const { return static_cast<std::size_t>(geo.n_kv_heads) * static_cast<std::size_t>(geo.head_dim); }
   void check_rows(const TensorArg& a, const char* name, std::int64_t n) const {
     if (a.shape.empty() || a.shape[0] != n || a.numel() != n * static_cast<std::int64_t>(row_elems()))
@@ -765,110 +1009,159 @@ struct CudaLayer {
 
   // Returns the number of (token, head) records refused (non-finite rows, norms beyond fp16).
   std::uint32_t store(const py::object& key, const py::object& value, const py::object& slots, const py::object& pool_t,
-                      std::uintptr_t stream_handle, bool validate) {
-    on_device();
-    const TensorArg sm = tensor_arg(slots, "slot_mapping", "int64");
-    if (sm.shape.size() != 1) bad_arg("slot_mapping: a 1-D int64 tensor, one slot per token (< 0 skips it)");
-    const std::int64_t n = sm.shape[0];
+                      std::uintptr_t stream_handle, bool validate, const py::object& positions, const py::object& seq_ids,
+                      const py::object& protect_rows, const py::object& seq_lens) {
+    auto s = reinterpret_cast<cudaStream_t>(stream_handle);
+    kvq::cuda::StoreParams p;
+    p.fmt = desc();
+    const std::int64_t n =
+        store_inputs(p, slots, pool_t, page(), protect_layout(), validate, s, positions, seq_ids, protect_rows, seq_lens);
     const TensorArg k = tensor_arg(key, "key", "bfloat16"), v = tensor_arg(value, "value", "bfloat16");
     check_rows(k, "key", n);
     check_rows(v, "value", n);
-    const TensorArg pool = tensor_arg(pool_t, "pool", "uint8");
-    const std::int64_t pages = pool_pages(pool);
-    if (n > INT32_MAX) bad_arg("slot_mapping: too many tokens for one call");
-    auto s = reinterpret_cast<cudaStream_t>(stream_handle);
-    if (validate) {
-      const std::vector<std::int64_t> h = to_host<std::int64_t>(sm, s);
-      const std::int64_t cap = pages * page().tokens;
-      for (std::size_t i = 0; i < h.size(); ++i)
-        if (h[i] >= cap)
-          bad_arg("slot_mapping[" + std::to_string(i) + "] = " + std::to_string(h[i]) + " is beyond the pool's " +
-                  std::to_string(cap) + " slots");
-    }
-    kvq::cuda::StoreParams p;
-    p.fmt = desc();
     p.key = reinterpret_cast<const std::uint16_t*>(k.ptr);
     p.value = reinterpret_cast<const std::uint16_t*>(v.ptr);
-    p.slot_mapping = reinterpret_cast<const std::int64_t*>(sm.ptr);
-    p.n_tokens = static_cast<std::int32_t>(n);
-    p.pool = reinterpret_cast<std::uint8_t*>(pool.ptr);
-    p.rejected = rejected;
-    std::uint32_t count = 0;
-    py::gil_scoped_release nogil;
-    check_cuda(cudaMemsetAsync(rejected, 0, sizeof(std::uint32_t), s), "kvq.cuda store");
-    check_cuda(kvq::cuda::store(p, s), "kvq.cuda store");
-    check_cuda(cudaMemcpyAsync(&count, rejected, sizeof(count), cudaMemcpyDeviceToHost, s), "kvq.cuda store");
-    check_cuda(cudaStreamSynchronize(s), "kvq.cuda store");
-    return count;
+    return counted_store(s, [&](std::uint32_t* counter) {
+      p.rejected = counter;
+      return kvq::cuda::store(p, s);
+    });
   }
 
-  void decode(const py::object& pool_t, const py::object& tables_t, const py::object& lens_t, const py::object& q_t,
-              const py::object& out_t, float scale, int max_seq_len, int num_splits, std::uintptr_t stream_handle, bool validate) {
-    on_device();
+  // Checks a decode call's tensors and builds its parameters (all but max_seq_len).
+  kvq::cuda::DecodeParams prepare_decode(const py::object& pool_t, const py::object& tables_t, const py::object& lens_t,
+                                         const py::object& q_t, const py::object& out_t, float scale, int num_splits,
+                                         const py::object& protect_rows, DecodeIndex& ix) const {
     if (!kvq::cuda::decode_supported(desc())) bad_arg("kvq.cuda decode: no kernel for this format and head_dim");
-    const TensorArg pool = tensor_arg(pool_t, "pool", "uint8");
-    const std::int64_t pages = pool_pages(pool);
-    const TensorArg bt = tensor_arg(tables_t, "block_tables", "int32"), sl = tensor_arg(lens_t, "seq_lens", "int32");
-    const TensorArg q = tensor_arg(q_t, "q", "float32"), out = tensor_arg(out_t, "out", "float32");
-    if (bt.shape.size() != 2) bad_arg("block_tables: int32 (batch, max_pages)");
-    const std::int64_t batch = bt.shape[0], max_pages = bt.shape[1];
-    if (sl.shape != std::vector<std::int64_t>{batch}) bad_arg("seq_lens: int32 (batch,)");
-    if (q.shape.size() != 3 || q.shape[0] != batch || q.shape[2] != geo.head_dim || q.shape[1] % geo.n_kv_heads != 0)
-      bad_arg("q: float32 (batch, q_heads, head_dim) with q_heads a multiple of n_kv_heads = " + std::to_string(geo.n_kv_heads));
-    if (out.shape != q.shape) bad_arg("out: float32 of q's shape");
-    if (!std::isfinite(scale)) bad_arg("scale must be finite");
-    if (num_splits < 0) bad_arg("num_splits must be >= 0 (0: chosen by the launcher)");
-    auto s = reinterpret_cast<cudaStream_t>(stream_handle);
-    if (validate) {
-      const std::vector<std::int32_t> lens = to_host<std::int32_t>(sl, s), tab = to_host<std::int32_t>(bt, s);
-      int longest = 0;
-      for (std::int64_t b = 0; b < batch; ++b) {
-        const std::int32_t len = lens[static_cast<std::size_t>(b)];
-        if (len < 0 || static_cast<std::int64_t>(len) > max_pages * page().tokens)
-          bad_arg("seq_lens[" + std::to_string(b) + "] = " + std::to_string(len) + " outside 0.." +
-                  std::to_string(max_pages * page().tokens) + " (max_pages x page tokens)");
-        const std::int64_t used = (len + page().tokens - 1) / page().tokens;
-        for (std::int64_t j = 0; j < used; ++j) {
-          const std::int32_t id = tab[static_cast<std::size_t>(b * max_pages + j)];
-          if (id < 0 || id >= pages)
-            bad_arg("block_tables[" + std::to_string(b) + ", " + std::to_string(j) + "] = " + std::to_string(id) +
-                    " is not a page of the pool (" + std::to_string(pages) + " pages)");
-        }
-        longest = std::max(longest, static_cast<int>(len));
-      }
-      if (max_seq_len <= 0) max_seq_len = longest;
-      if (max_seq_len < longest) bad_arg("max_seq_len is below the longest sequence");
-    }
-    if (max_seq_len <= 0) bad_arg("max_seq_len: the longest seq_lens entry (or validate=True to read it)");
     kvq::cuda::DecodeParams p;
     p.fmt = desc();
-    p.pool = reinterpret_cast<const std::uint8_t*>(pool.ptr);
-    p.block_tables = reinterpret_cast<const std::int32_t*>(bt.ptr);
-    p.max_pages = static_cast<std::int32_t>(max_pages);
-    p.seq_lens = reinterpret_cast<const std::int32_t*>(sl.ptr);
-    p.batch = static_cast<std::int32_t>(batch);
+    TensorArg q, out;
+    decode_inputs(p, pool_t, tables_t, lens_t, q_t, out_t, scale, num_splits, page(), ix, q, out);
+    if (q.shape.size() != 3 || q.shape[0] != p.batch || q.shape[2] != geo.head_dim || q.shape[1] % geo.n_kv_heads != 0)
+      bad_arg("q: float32 (batch, q_heads, head_dim) with q_heads a multiple of n_kv_heads = " + std::to_string(geo.n_kv_heads));
+    if (out.shape != q.shape) bad_arg("out: float32 of q's shape");
     p.q_heads = static_cast<std::int32_t>(q.shape[1]);
-    p.max_seq_len = max_seq_len;
-    p.q = reinterpret_cast<const float*>(q.ptr);
-    p.out = reinterpret_cast<float*>(out.ptr);
-    p.scale = scale;
-    p.num_splits = num_splits;
-    py::gil_scoped_release nogil;
-    const std::size_t need = kvq::cuda::decode_workspace_bytes(p);
-    if (need > workspace_bytes) {
-      check_cuda(cudaStreamSynchronize(s), "kvq.cuda decode");  // the old workspace may still be in use
-      cudaFree(workspace);
-      workspace = nullptr;
-      workspace_bytes = 0;
-      check_cuda(cudaMalloc(&workspace, need), "kvq.cuda decode workspace");
-      check_cuda(cudaMemsetAsync(workspace, 0, need, s), "kvq.cuda decode workspace");
-      workspace_bytes = need;
-    }
-    p.workspace = workspace;
-    p.workspace_bytes = workspace_bytes;
-    check_cuda(kvq::cuda::decode(p, s), "kvq.cuda decode");
+    if ((p.protect_rows = decode_protect(prot, p.batch, protect_rows)) != nullptr) p.protect = protect_layout();
+    return p;
+  }
+  void launch_decode(const kvq::cuda::DecodeParams& p, int max_seq_len, cudaStream_t s) {
+    launch_with_workspace(p, max_seq_len, s, [](const kvq::cuda::DecodeParams& d) { return kvq::cuda::decode_workspace_bytes(d); },
+                          [](const kvq::cuda::DecodeParams& d, cudaStream_t st) { return kvq::cuda::decode(d, st); }, "kvq.cuda decode");
   }
 };
+
+// One layer of an MLA cache on the GPU (kvq_cuda_mla.hpp): bf16, the QuantMLA affine formats
+// (c8r8, c4r8, c4r4, c3r4, c2r4) and mla-tq4 / mla-tq3, absorbed decode in latent space.
+struct CudaMlaLayer : LayerBase {
+  kvq::cuda::MlaFormat fmt;
+  kvq::CacheGeometry geo;
+
+  CudaMlaLayer(const py::object& format, const kvq::CacheGeometry& g, int layer, int sinks, int window) : LayerBase(sinks, window), geo(g) {
+    const kvq::FormatSpec& f = spec_of(format);
+    if (!g.mla) bad_arg("kvq.cuda.MlaLayer: an MLA geometry (d_latent, d_rope)");
+    kvq::check_format_fits(f, g);
+    if (layer < 0 || layer >= g.n_layers) bad_arg("layer " + std::to_string(layer) + " outside 0.." + std::to_string(g.n_layers - 1));
+    fmt = kvq::cuda::mla_format(f, g.d_latent, g.d_rope, layer);
+    if (!kvq::cuda::mla_supported(fmt))
+      bad_arg("kvq.cuda.MlaLayer: no kernel for " + f.name + " at d_latent " + std::to_string(g.d_latent) + ", d_rope " +
+              std::to_string(g.d_rope) + " (d_latent 512 / d_rope 64, or multiples of 64 up to 1024 / 256)");
+    prot.per_seq = static_cast<std::int64_t>(sinks + window) * (g.d_latent + g.d_rope);
+    prot.shape = "(seqs, sinks + window, d_latent + d_rope)";
+  }
+  kvq::MlaProtectLayout protect_layout() const { return kvq::MlaProtectLayout{prot.sinks, prot.window, geo.d_latent, geo.d_rope}; }
+  void check_rows(const TensorArg& a, const char* name, std::int64_t n, int d) const {
+    if (a.shape.size() != 2 || a.shape[0] != n || a.shape[1] != d)
+      bad_arg(std::string(name) + ": expected bf16 (n, " + std::to_string(d) + ") with n = " + std::to_string(n));
+  }
+
+  std::uint32_t store(const py::object& latent, const py::object& rope, const py::object& slots, const py::object& pool_t,
+                      std::uintptr_t stream_handle, bool validate, const py::object& positions, const py::object& seq_ids,
+                      const py::object& protect_rows, const py::object& seq_lens) {
+    auto s = reinterpret_cast<cudaStream_t>(stream_handle);
+    kvq::cuda::MlaStoreParams p;
+    p.fmt = fmt;
+    const std::int64_t n =
+        store_inputs(p, slots, pool_t, fmt.page, protect_layout(), validate, s, positions, seq_ids, protect_rows, seq_lens);
+    const TensorArg c = tensor_arg(latent, "latent", "bfloat16"), r = tensor_arg(rope, "rope", "bfloat16");
+    check_rows(c, "latent", n, geo.d_latent);
+    check_rows(r, "rope", n, geo.d_rope);
+    p.latent = reinterpret_cast<const std::uint16_t*>(c.ptr);
+    p.rope = reinterpret_cast<const std::uint16_t*>(r.ptr);
+    return counted_store(s, [&](std::uint32_t* counter) {
+      p.rejected = counter;
+      return kvq::cuda::mla_store(p, s);
+    });
+  }
+
+  kvq::cuda::MlaDecodeParams prepare_decode(const py::object& pool_t, const py::object& tables_t, const py::object& lens_t,
+                                            const py::object& q_t, const py::object& out_t, float scale, int num_splits,
+                                            const py::object& protect_rows, DecodeIndex& ix) const {
+    kvq::cuda::MlaDecodeParams p;
+    p.fmt = fmt;
+    TensorArg q, out;
+    decode_inputs(p, pool_t, tables_t, lens_t, q_t, out_t, scale, num_splits, fmt.page, ix, q, out);
+    if (q.shape.size() != 3 || q.shape[0] != p.batch || q.shape[2] != geo.d_latent + geo.d_rope || q.shape[1] < 1 || q.shape[1] > 128)
+      bad_arg("q: float32 (batch, heads, d_latent + d_rope) with 1..128 heads (absorbed: the latent part is q W_UK)");
+    if (out.shape != std::vector<std::int64_t>{p.batch, q.shape[1], geo.d_latent}) bad_arg("out: float32 (batch, heads, d_latent)");
+    p.heads = static_cast<std::int32_t>(q.shape[1]);
+    if ((p.protect_rows = decode_protect(prot, p.batch, protect_rows)) != nullptr) p.protect = protect_layout();
+    return p;
+  }
+  void launch_decode(const kvq::cuda::MlaDecodeParams& p, int max_seq_len, cudaStream_t s) {
+    launch_with_workspace(p, max_seq_len, s,
+                          [](const kvq::cuda::MlaDecodeParams& d) { return kvq::cuda::mla_decode_workspace_bytes(d); },
+                          [](const kvq::cuda::MlaDecodeParams& d, cudaStream_t st) { return kvq::cuda::mla_decode(d, st); },
+                          "kvq.cuda MLA decode");
+  }
+};
+
+// Layer.decode: checks, then one launch.
+template <class L>
+void layer_decode(L& l, const py::object& pool, const py::object& tables, const py::object& lens, const py::object& q,
+                  const py::object& out, float scale, int max_seq_len, int num_splits, std::uintptr_t stream, bool validate,
+                  const py::object& protect_rows) {
+  DecodeIndex ix;
+  const auto p = l.prepare_decode(pool, tables, lens, q, out, scale, num_splits, protect_rows, ix);
+  const auto s = reinterpret_cast<cudaStream_t>(stream);
+  l.launch_decode(p, LayerBase::resolve_max_seq_len(ix, max_seq_len, validate, s), s);
+}
+
+// Layer.plan_decode: a decode call whose tensors are checked once and bound (kept alive by the plan),
+// so that run() only launches; a decode loop over persistent buffers (block tables, lengths, query,
+// output) skips reading the tensors' attributes through Python on every step.
+template <class L, class P>
+struct DecodePlan {
+  py::object layer_ref;  // keeps the layer alive
+  py::tuple tensors;     // keeps the bound tensors alive
+  L* layer = nullptr;
+  P params;
+  DecodeIndex ix;
+  void run(int max_seq_len, std::uintptr_t stream, bool validate) {
+    layer->on_device();
+    const auto s = reinterpret_cast<cudaStream_t>(stream);
+    layer->launch_decode(params, LayerBase::resolve_max_seq_len(ix, max_seq_len, validate, s), s);
+  }
+};
+template <class L, class P>
+DecodePlan<L, P> plan_decode(const py::object& self, const py::object& pool, const py::object& tables, const py::object& lens,
+                             const py::object& q, const py::object& out, float scale, int num_splits, const py::object& protect_rows) {
+  DecodePlan<L, P> plan;
+  plan.layer_ref = self;
+  plan.layer = &self.cast<L&>();
+  plan.params = plan.layer->prepare_decode(pool, tables, lens, q, out, scale, num_splits, protect_rows, plan.ix);
+  plan.tensors = py::make_tuple(pool, tables, lens, q, out, protect_rows);
+  return plan;
+}
+
+// (byte offset in the page, length) of a record's code and metadata regions.
+py::dict record_offsets(const kvq::PageLayout& pg, int head, int tok, int heads) {
+  if (head < 0 || head >= heads || tok < 0 || tok >= pg.tokens) bad_arg("head or token outside the page");
+  py::dict d;
+  d["key_code"] = py::make_tuple(pg.key_code(head, tok), pg.key_code_bytes);
+  d["value_code"] = py::make_tuple(pg.value_code(head, tok), pg.value_code_bytes);
+  d["key_meta"] = py::make_tuple(pg.key_meta(head, tok), pg.key_meta_bytes);
+  d["value_meta"] = py::make_tuple(pg.value_meta(head, tok), pg.value_meta_bytes);
+  return d;
+}
 
 void bind_cuda(py::module_& m) {
   py::module_ c = m.def_submodule("cuda", "kvq's CUDA kernels (sm_90a) on torch tensors: fused store and paged split-KV decode.");
@@ -876,32 +1169,80 @@ void bind_cuda(py::module_& m) {
     int n = 0;
     return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
   });
+  const char* store_doc_tail =
+      " Protected layers (sinks / window) also take positions and seq_ids (int32 (n,): each token's position and its row "
+      "of protect_rows), protect_rows (bf16, protect_rows_shape(seqs)) and optionally seq_lens (int32 (seqs,), the lengths "
+      "after this call: only the sinks and the last window positions are kept). Returns the count of records refused "
+      "(written nowhere: non-finite rows, values beyond fp16). Synchronizes the stream.";
+  const char* run_doc =
+      "Launches the planned decode on the bound tensors' current contents. max_seq_len: a bound of seq_lens (0 with "
+      "validate=True: read from them); validate=True copies seq_lens and block_tables to the host and checks them "
+      "(a sync), as decode() does.";
+  py::class_<DecodePlan<CudaLayer, kvq::cuda::DecodeParams>>(c, "DecodePlan", "A GQA decode call with its tensors bound (Layer.plan_decode).")
+      .def("run", &DecodePlan<CudaLayer, kvq::cuda::DecodeParams>::run, py::arg("max_seq_len") = 0, py::arg("stream") = 0,
+           py::arg("validate") = true, run_doc);
+  py::class_<DecodePlan<CudaMlaLayer, kvq::cuda::MlaDecodeParams>>(c, "MlaDecodePlan",
+                                                                   "An MLA decode call with its tensors bound (MlaLayer.plan_decode).")
+      .def("run", &DecodePlan<CudaMlaLayer, kvq::cuda::MlaDecodeParams>::run, py::arg("max_seq_len") = 0, py::arg("stream") = 0,
+           py::arg("validate") = true, run_doc);
   py::class_<CudaLayer>(c, "Layer", "One layer of a paged GQA cache on the current GPU (its format's device tables).")
-      .def(py::init<const py::object&, const kvq::CacheGeometry&, int, const py::object&>(), py::arg("format"),
-           py::arg("geometry"), py::arg("layer") = 0, py::arg("calibration") = py::none())
+      .def(py::init<const py::object&, const kvq::CacheGeometry&, int, const py::object&, int, int>(), py::arg("format"),
+           py::arg("geometry"), py::arg("layer") = 0, py::arg("calibration") = py::none(), py::arg("sinks") = 0, py::arg("window") = 0)
       .def_property_readonly("page_bytes", [](const CudaLayer& l) { return l.page().page_bytes; })
       .def_property_readonly("page_tokens", [](const CudaLayer& l) { return l.page().tokens; })
       .def_property_readonly("decode_supported", [](const CudaLayer& l) { return kvq::cuda::decode_supported(l.desc()); })
-      .def("offsets", [](const CudaLayer& l, int head, int tok) {
-             if (head < 0 || head >= l.geo.n_kv_heads || tok < 0 || tok >= l.page().tokens) bad_arg("head or token outside the page");
-             const kvq::PageLayout& pg = l.page();
-             py::dict d;
-             d["key_code"] = py::make_tuple(pg.key_code(head, tok), pg.key_code_bytes);
-             d["value_code"] = py::make_tuple(pg.value_code(head, tok), pg.value_code_bytes);
-             d["key_meta"] = py::make_tuple(pg.key_meta(head, tok), pg.key_meta_bytes);
-             d["value_meta"] = py::make_tuple(pg.value_meta(head, tok), pg.value_meta_bytes);
-             return d;
-           }, py::arg("head"), py::arg("token"),
+      .def_property_readonly("sinks", [](const CudaLayer& l) { return l.prot.sinks; })
+      .def_property_readonly("window", [](const CudaLayer& l) { return l.prot.window; })
+      .def("protect_rows_shape", [](const CudaLayer& l, int seqs) {
+             return py::make_tuple(seqs, l.geo.n_kv_heads, l.prot.sinks + l.prot.window, 2, l.geo.head_dim);
+           }, py::arg("seqs"), "Shape of the bf16 buffer of protected rows: [seq][kv_head][slot][key, value][head_dim].")
+      .def("offsets", [](const CudaLayer& l, int head, int tok) { return record_offsets(l.page(), head, tok, l.geo.n_kv_heads); },
+           py::arg("head"), py::arg("token"),
            "(byte offset in the page, length) of a record's key codes, value codes and metadata (docs/formats.md).")
       .def("store", &CudaLayer::store, py::arg("key"), py::arg("value"), py::arg("slot_mapping"), py::arg("pool"),
-           py::arg("stream") = 0, py::arg("validate") = true,
-           "Quantizes bf16 rows (n, n_kv_heads, head_dim) into their slots (int64, page * page_tokens + offset; < 0 "
-           "skips) of a uint8 pool; returns the count of records refused (written nowhere). Synchronizes the stream.")
-      .def("decode", &CudaLayer::decode, py::arg("pool"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("q"),
+           py::arg("stream") = 0, py::arg("validate") = true, py::kw_only(), py::arg("positions") = py::none(),
+           py::arg("seq_ids") = py::none(), py::arg("protect_rows") = py::none(), py::arg("seq_lens") = py::none(),
+           (std::string("Quantizes bf16 rows (n, n_kv_heads, head_dim) into their slots (int64, page * page_tokens + offset; "
+                        "< 0 skips) of a uint8 pool.") + store_doc_tail).c_str())
+      .def("decode", &layer_decode<CudaLayer>, py::arg("pool"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("q"),
            py::arg("out"), py::arg("scale"), py::arg("max_seq_len") = 0, py::arg("num_splits") = 0, py::arg("stream") = 0,
-           py::arg("validate") = true,
+           py::arg("validate") = true, py::kw_only(), py::arg("protect_rows") = py::none(),
            "One query token per sequence: out (batch, q_heads, head_dim) float32 = softmax(scale q K^T) V over the "
-           "first seq_lens[b] positions of sequence b's pages (block_tables int32 (batch, max_pages)).");
+           "first seq_lens[b] positions of sequence b's pages (block_tables int32 (batch, max_pages)); protected positions "
+           "from row b of protect_rows.")
+      .def("plan_decode", &plan_decode<CudaLayer, kvq::cuda::DecodeParams>, py::arg("pool"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("q"),
+           py::arg("out"), py::arg("scale"), py::arg("num_splits") = 0, py::kw_only(), py::arg("protect_rows") = py::none(),
+           "decode() with these tensors bound: checked once here; DecodePlan.run(max_seq_len, stream, validate) launches over "
+           "their contents at the time of the call (host cost without validate: docs/python.md).");
+  py::class_<CudaMlaLayer>(c, "MlaLayer",
+                           "One layer of a paged MLA cache on the current GPU: bf16, c8r8, c4r8, c4r4, c3r4, c2r4, mla-tq4, mla-tq3.")
+      .def(py::init<const py::object&, const kvq::CacheGeometry&, int, int, int>(), py::arg("format"), py::arg("geometry"),
+           py::arg("layer") = 0, py::arg("sinks") = 0, py::arg("window") = 0)
+      .def_property_readonly("page_bytes", [](const CudaMlaLayer& l) { return l.fmt.page.page_bytes; })
+      .def_property_readonly("page_tokens", [](const CudaMlaLayer& l) { return l.fmt.page.tokens; })
+      .def_property_readonly("sinks", [](const CudaMlaLayer& l) { return l.prot.sinks; })
+      .def_property_readonly("window", [](const CudaMlaLayer& l) { return l.prot.window; })
+      .def("protect_rows_shape", [](const CudaMlaLayer& l, int seqs) {
+             return py::make_tuple(seqs, l.prot.sinks + l.prot.window, l.geo.d_latent + l.geo.d_rope);
+           }, py::arg("seqs"), "Shape of the bf16 buffer of protected rows: [seq][slot][latent, RoPE key].")
+      .def("offsets", [](const CudaMlaLayer& l, int tok) { return record_offsets(l.fmt.page, 0, tok, 1); }, py::arg("token"),
+           "(byte offset in the page, length) of a token's latent codes (key_code), RoPE-key codes (value_code) and "
+           "their metadata (key_meta, value_meta).")
+      .def("store", &CudaMlaLayer::store, py::arg("latent"), py::arg("rope"), py::arg("slot_mapping"), py::arg("pool"),
+           py::arg("stream") = 0, py::arg("validate") = true, py::kw_only(), py::arg("positions") = py::none(),
+           py::arg("seq_ids") = py::none(), py::arg("protect_rows") = py::none(), py::arg("seq_lens") = py::none(),
+           (std::string("Quantizes bf16 latent (n, d_latent) and RoPE-key (n, d_rope, after RoPE) rows into their slots "
+                        "(int64, page * page_tokens + offset; < 0 skips) of a uint8 pool.") + store_doc_tail).c_str())
+      .def("decode", &layer_decode<CudaMlaLayer>, py::arg("pool"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("q"),
+           py::arg("out"), py::arg("scale"), py::arg("max_seq_len") = 0, py::arg("num_splits") = 0, py::arg("stream") = 0,
+           py::arg("validate") = true, py::kw_only(), py::arg("protect_rows") = py::none(),
+           "Absorbed MLA decode, one query token per sequence: q float32 (batch, heads, d_latent + d_rope) (the latent part "
+           "already times W_UK), out float32 (batch, heads, d_latent) = softmax(scale (q_c . c_j + q_r . r_j)) c_j over the "
+           "first seq_lens[b] positions; protected positions from row b of protect_rows.")
+      .def("plan_decode", &plan_decode<CudaMlaLayer, kvq::cuda::MlaDecodeParams>, py::arg("pool"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("q"),
+           py::arg("out"), py::arg("scale"), py::arg("num_splits") = 0, py::kw_only(), py::arg("protect_rows") = py::none(),
+           "decode() with these tensors bound: checked once here; MlaDecodePlan.run(max_seq_len, stream, validate) launches over "
+           "their contents at the time of the call (host cost without validate: docs/python.md).");
 }
 #endif
 }  // namespace

@@ -7,7 +7,10 @@ Each case stores random bf16 rows through kvq.cuda into shuffled slots of a page
 the records against the CPU quantizers of the same (layer, head) (kvq.quantizers: codes then
 metadata at the page offsets Layer.offsets gives), decodes one query per sequence with mixed
 lengths, and compares with NumPy attention over the CPU-decoded rows of the same pool: output
-NMSE <= 1e-5 per sequence (issue 7's bound).
+NMSE <= 1e-5 per sequence (issue 7's bound). Protected layers (sinks and a recent window) also
+check the bf16 rows buffer and read those positions from it, before and after one decode step
+moves the window; MLA layers (kvq.cuda.MlaLayer) check latent and RoPE-key records and the
+absorbed attention the same way.
 """
 
 import numpy as np
@@ -53,15 +56,13 @@ def calibration_for(name, n_kv, d):
     return kvq.Calibration(key_channels=key, value_channels=value)
 
 
-def run_case(name, n_kv, d, q_heads, seed=0):
-    torch.manual_seed(seed)
-    rng = np.random.default_rng(seed)
-    g = kvq.Geometry(n_layers=1, n_kv_heads=n_kv, head_dim=d)
-    calib = calibration_for(name, n_kv, d)
-    layer = kvq.cuda.Layer(name, g, 0, calibration=calib)
-    P = layer.page_tokens
-    lens = [70, 333, 1, 197]
-    n_pages = sum((n + P - 1) // P for n in lens) + 3
+LENS = [70, 333, 1, 197]
+
+
+def paged_layout(lens, P, rng, spare=3):
+    """Shuffled pages for sequences of these lengths: (block tables, slot of every token in
+    sequence order, page count)."""
+    n_pages = sum((n + P - 1) // P for n in lens) + spare
     perm = rng.permutation(n_pages).tolist()
     max_pages = max((n + P - 1) // P for n in lens)
     tables = np.zeros((len(lens), max_pages), np.int32)
@@ -70,13 +71,64 @@ def run_case(name, n_kv, d, q_heads, seed=0):
         for j in range((n + P - 1) // P):
             tables[b, j] = perm.pop()
         slots += [int(tables[b, t // P]) * P + t % P for t in range(n)]
+    return tables, slots, n_pages
+
+
+def page_record(pool_h, layer, page_bytes, P, slot, head, side):
+    """The record of (slot, head) read back from the pool as the CPU quantizer lays it out:
+    codes then metadata ('key' or 'value' side; MLA: latent or RoPE key)."""
+    base = (slot // P) * page_bytes
+    o = layer.offsets(head, slot % P) if head is not None else layer.offsets(slot % P)
+    c, m = o[side + "_code"], o[side + "_meta"]
+    return np.concatenate([pool_h[base + c[0]: base + c[0] + c[1]], pool_h[base + m[0]: base + m[0] + m[1]]])
+
+
+def check_records(pool_h, layer, quant, rows, slots, head, side):
+    """Compares every stored record with the CPU quantizer's; returns (decoded rows, records that differ)."""
+    P, pb = layer.page_tokens, layer.page_bytes
+    recs = np.stack([page_record(pool_h, layer, pb, P, s, head, side) for s in slots])
+    differ = np.any(recs != quant.encode(rows), axis=1)
+    return quant.decode(recs), differ
+
+
+def protected(t, n, sinks, window):
+    """Whether position t of a sequence of length n is read from its bf16 row."""
+    return t < sinks or t >= max(sinks, n - window)
+
+
+def protection_args(layer, lens, order):
+    """The protection arguments of one store call of whole sequences (tokens in `order`), with a
+    fresh rows buffer; {} for a layer without protection."""
+    if not (layer.sinks or layer.window):
+        return {}
+    pos = np.concatenate([np.arange(n) for n in lens]).astype(np.int32)
+    seq = np.concatenate([np.full(n, b) for b, n in enumerate(lens)]).astype(np.int32)
+    return dict(positions=torch.tensor(pos[order], device="cuda"), seq_ids=torch.tensor(seq[order], device="cuda"),
+                protect_rows=torch.zeros(layer.protect_rows_shape(len(lens)), dtype=torch.bfloat16, device="cuda"),
+                seq_lens=torch.tensor(lens, dtype=torch.int32, device="cuda"))
+
+
+def nmse(got, want):
+    return np.sum((got - want) ** 2) / np.sum(want ** 2)
+
+
+def run_case(name, n_kv, d, q_heads, seed=0, sinks=0, window=0):
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    g = kvq.Geometry(n_layers=1, n_kv_heads=n_kv, head_dim=d)
+    calib = calibration_for(name, n_kv, d)
+    layer = kvq.cuda.Layer(name, g, 0, calibration=calib, sinks=sinks, window=window)
+    P = layer.page_tokens
+    lens = list(LENS)
+    tables, slots, n_pages = paged_layout(lens, P, rng)
     N = len(slots)
     key = torch.randn(N, n_kv, d, dtype=torch.bfloat16, device="cuda")
     val = torch.randn(N, n_kv, d, dtype=torch.bfloat16, device="cuda")
     order = rng.permutation(N)  # tokens stored in shuffled order
     slot_t = torch.tensor(np.array(slots)[order], dtype=torch.int64, device="cuda")
     pool = torch.zeros(n_pages * layer.page_bytes, dtype=torch.uint8, device="cuda")
-    rejected = layer.store(key[order].contiguous(), val[order].contiguous(), slot_t, pool)
+    prot = protection_args(layer, lens, order)
+    rejected = layer.store(key[order].contiguous(), val[order].contiguous(), slot_t, pool, **prot)
     assert rejected == 0
     pool_h = pool.cpu().numpy()
     kf = key.float().cpu().numpy()
@@ -88,51 +140,169 @@ def run_case(name, n_kv, d, q_heads, seed=0):
     differ = 0
     for h in range(n_kv):
         kq, vq = kvq.quantizers(name, g, 0, h, calibration=calib)
-        recs_k = np.zeros((N, kq.bytes), np.uint8)
-        recs_v = np.zeros((N, vq.bytes), np.uint8)
-        for i, s in enumerate(slots):
-            base = (s // P) * layer.page_bytes
-            o = layer.offsets(h, s % P)
-            kc, km = o["key_code"], o["key_meta"]
-            vc, vm = o["value_code"], o["value_meta"]
-            recs_k[i] = np.concatenate([pool_h[base + kc[0]: base + kc[0] + kc[1]], pool_h[base + km[0]: base + km[0] + km[1]]])
-            recs_v[i] = np.concatenate([pool_h[base + vc[0]: base + vc[0] + vc[1]], pool_h[base + vm[0]: base + vm[0] + vm[1]]])
-        cpu_k, cpu_v = kq.encode(kf[:, h]), vq.encode(vf[:, h])
-        differ += int(np.sum(np.any(recs_k != cpu_k, axis=1) | np.any(recs_v != cpu_v, axis=1)))
-        K[:, h] = kq.decode(recs_k)
-        V[:, h] = vq.decode(recs_v)
+        K[:, h], dk = check_records(pool_h, layer, kq, kf[:, h], slots, h, "key")
+        V[:, h], dv = check_records(pool_h, layer, vq, vf[:, h], slots, h, "value")
+        differ += int(np.sum(dk | dv))
     # The GPU store's double sums of squares may round differently (tests/cuda/test_decode.cpp).
     assert differ * 1000 <= N * n_kv, f"{name}: {differ} of {N * n_kv} records differ from the CPU encoders"
 
-    q = torch.randn(len(lens), q_heads, d, dtype=torch.float32, device="cuda")
-    out = torch.empty_like(q)
-    scale = 1.0 / np.sqrt(d)
-    tables_t = torch.tensor(tables, device="cuda")
-    lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    layer.decode(pool, tables_t, lens_t, q, out, scale)
+    def check_protect_rows(lens_now, first_token):
+        """The rows buffer holds exactly the bf16 rows of the positions protected at lens_now."""
+        got = prot["protect_rows"].float().cpu().numpy()
+        for b, n in enumerate(lens_now):
+            for t in range(n):
+                if protected(t, n, sinks, window):
+                    s = t if t < sinks else sinks + (t - sinks) % window
+                    i = first_token(b, t)
+                    assert np.array_equal(got[b, :, s, 0], kf[i]) and np.array_equal(got[b, :, s, 1], vf[i]), \
+                        f"{name}: protected row of sequence {b} position {t}"
+
+    starts = np.cumsum([0] + lens[:-1])
+    if prot:
+        check_protect_rows(lens, lambda b, t: starts[b] + t)
+
+    def decode_and_compare(lens_now, index):
+        q = torch.randn(len(lens_now), q_heads, d, dtype=torch.float32, device="cuda")
+        out = torch.empty_like(q)
+        scale = 1.0 / np.sqrt(d)
+        layer.decode(pool, torch.tensor(tables, device="cuda"), torch.tensor(lens_now, dtype=torch.int32, device="cuda"), q, out,
+                     scale, **({"protect_rows": prot["protect_rows"]} if prot else {}))
+        torch.cuda.synchronize()
+        got = out.cpu().numpy().astype(np.float64)
+        qh = q.cpu().numpy().astype(np.float64)
+        group = q_heads // n_kv
+        for b, n in enumerate(lens_now):
+            ids = [index(b, t) for t in range(n)]
+            # Protected positions are read from their bf16 rows, the others from the packed copy.
+            exact = np.array([protected(t, n, sinks, window) for t in range(n)]) if prot else np.zeros(n, bool)
+            want = np.zeros((q_heads, d))
+            for hq in range(q_heads):
+                h = hq // group
+                kk = np.where(exact[:, None], kf[ids, h], K[ids, h]).astype(np.float64)
+                vv = np.where(exact[:, None], vf[ids, h], V[ids, h]).astype(np.float64)
+                s = kk @ qh[b, hq] * scale
+                p = np.exp(s - s.max())
+                want[hq] = (p / p.sum()) @ vv
+            err = nmse(got[b], want)
+            assert np.isfinite(err) and err <= 1e-5, f"{name} seq {b}: NMSE {err:.3g}"
+
+    decode_and_compare(lens, lambda b, t: starts[b] + t)
+    if not prot:
+        return differ
+    # One decode step: a new token per sequence at position lens[b] (the window's ring moves on by one;
+    # the position that leaves it is read from its packed copy from now on).
+    new_k = torch.randn(len(lens), n_kv, d, dtype=torch.bfloat16, device="cuda")
+    new_v = torch.randn(len(lens), n_kv, d, dtype=torch.bfloat16, device="cuda")
+    new_slots = [int(tables[b, n // P]) * P + n % P for b, n in enumerate(lens)]
+    lens1 = [n + 1 for n in lens]
+    assert layer.store(new_k, new_v, torch.tensor(new_slots, dtype=torch.int64, device="cuda"), pool,
+                       positions=torch.tensor(lens, dtype=torch.int32, device="cuda"),
+                       seq_ids=torch.arange(len(lens), dtype=torch.int32, device="cuda"), protect_rows=prot["protect_rows"],
+                       seq_lens=torch.tensor(lens1, dtype=torch.int32, device="cuda")) == 0
+    pool_h = pool.cpu().numpy()
+    kf = np.concatenate([kf, new_k.float().cpu().numpy()])
+    vf = np.concatenate([vf, new_v.float().cpu().numpy()])
+    K = np.concatenate([K, np.zeros((len(lens), n_kv, d), np.float32)])
+    V = np.concatenate([V, np.zeros((len(lens), n_kv, d), np.float32)])
+    for h in range(n_kv):
+        kq, vq = kvq.quantizers(name, g, 0, h, calibration=calib)
+        K[N:, h], _ = check_records(pool_h, layer, kq, kf[N:, h], new_slots, h, "key")
+        V[N:, h], _ = check_records(pool_h, layer, vq, vf[N:, h], new_slots, h, "value")
+    index1 = lambda b, t: N + b if t == lens[b] else starts[b] + t  # noqa: E731
+    check_protect_rows(lens1, index1)
+    decode_and_compare(lens1, index1)
+    return differ
+
+
+PROTECTED_CASES = [
+    # format, n_kv_heads, head_dim, q_heads, sinks, window
+    ("tq-4bit-nc", 8, 128, 32, 4, 16),
+    ("tq-3bit", 8, 128, 64, 4, 16),
+    ("tq-3.5bit", 4, 128, 16, 2, 40),
+    ("tq-4bit", 2, 64, 4, 0, 24),
+    ("bf16", 2, 128, 8, 4, 8),
+]
+
+
+# MLA: format, heads, d_latent, d_rope, sinks, window
+MLA_CASES = [
+    ("c4r4", 16, 512, 64, 0, 0),
+    ("c2r4", 16, 512, 64, 0, 0),
+    ("c8r8", 128, 512, 64, 0, 0),
+    ("mla-tq4", 16, 512, 64, 0, 0),
+    ("bf16", 16, 512, 64, 0, 0),
+    ("c4r4", 16, 512, 64, 4, 32),
+    ("c3r4", 8, 256, 64, 2, 16),
+]
+
+
+def run_mla_case(name, heads, dc, dr, sinks, window, seed=0):
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    g = kvq.Geometry(n_layers=1, d_latent=dc, d_rope=dr)
+    layer = kvq.cuda.MlaLayer(name, g, 0, sinks=sinks, window=window)
+    P = layer.page_tokens
+    lens = list(LENS)
+    tables, slots, n_pages = paged_layout(lens, P, rng)
+    N = len(slots)
+    lat = torch.randn(N, dc, dtype=torch.bfloat16, device="cuda")
+    rope = torch.randn(N, dr, dtype=torch.bfloat16, device="cuda")
+    order = rng.permutation(N)
+    pool = torch.zeros(n_pages * layer.page_bytes, dtype=torch.uint8, device="cuda")
+    prot = protection_args(layer, lens, order)
+    assert layer.store(lat[order].contiguous(), rope[order].contiguous(),
+                       torch.tensor(np.array(slots)[order], dtype=torch.int64, device="cuda"), pool, **prot) == 0
+    pool_h = pool.cpu().numpy()
+    cf, rf = lat.float().cpu().numpy(), rope.float().cpu().numpy()
+    cq, rq = kvq.quantizers(name, g, 0, 0)
+    C, dc_ = check_records(pool_h, layer, cq, cf, slots, None, "key")
+    R, dr_ = check_records(pool_h, layer, rq, rf, slots, None, "value")
+    differ = int(np.sum(dc_ | dr_))
+    assert differ * 1000 <= N, f"{name}: {differ} of {N} records differ from the CPU encoders"
+    q = torch.randn(len(lens), heads, dc + dr, dtype=torch.float32, device="cuda")
+    out = torch.empty(len(lens), heads, dc, dtype=torch.float32, device="cuda")
+    scale = 1.0 / np.sqrt(dc + dr)
+    layer.decode(pool, torch.tensor(tables, device="cuda"), torch.tensor(lens, dtype=torch.int32, device="cuda"), q, out, scale,
+                 **({"protect_rows": prot["protect_rows"]} if prot else {}))
     torch.cuda.synchronize()
     got = out.cpu().numpy().astype(np.float64)
     qh = q.cpu().numpy().astype(np.float64)
-    group = q_heads // n_kv
     start = 0
     for b, n in enumerate(lens):
-        want = np.zeros((q_heads, d))
-        for hq in range(q_heads):
-            h = hq // group
-            kk = K[start:start + n, h].astype(np.float64)
-            vv = V[start:start + n, h].astype(np.float64)
-            s = kk @ qh[b, hq] * scale
-            p = np.exp(s - s.max())
-            want[hq] = (p / p.sum()) @ vv
-        err = np.sum((got[b] - want) ** 2) / np.sum(want ** 2)
+        exact = np.array([bool(prot) and protected(t, n, sinks, window) for t in range(n)])
+        cc = np.where(exact[:, None], cf[start:start + n], C[start:start + n]).astype(np.float64)
+        rr = np.where(exact[:, None], rf[start:start + n], R[start:start + n]).astype(np.float64)
+        s = (qh[b, :, :dc] @ cc.T + qh[b, :, dc:] @ rr.T) * scale  # (heads, n)
+        p = np.exp(s - s.max(axis=1, keepdims=True))
+        want = (p / p.sum(axis=1, keepdims=True)) @ cc
+        err = nmse(got[b], want)
         assert np.isfinite(err) and err <= 1e-5, f"{name} seq {b}: NMSE {err:.3g}"
         start += n
+    if prot:
+        rows = prot["protect_rows"].float().cpu().numpy()
+        start = 0
+        for b, n in enumerate(lens):
+            for t in range(n):
+                if protected(t, n, sinks, window):
+                    s = t if t < sinks else sinks + (t - sinks) % window
+                    assert np.array_equal(rows[b, s], np.concatenate([cf[start + t], rf[start + t]])), f"{name}: row {b} {t}"
+            start += n
     return differ
 
 
 def test_store_and_decode_match_the_cpu():
     for case in CASES:
         run_case(*case)
+
+
+def test_protected_rows():
+    for name, n_kv, d, q_heads, sinks, window in PROTECTED_CASES:
+        run_case(name, n_kv, d, q_heads, sinks=sinks, window=window)
+
+
+def test_mla_store_and_decode_match_the_cpu():
+    for case in MLA_CASES:
+        run_mla_case(*case)
 
 
 def test_errors_and_refused_rows():
@@ -174,6 +344,124 @@ def test_errors_and_refused_rows():
     assert bool(torch.isfinite(out).all())
 
 
+
+
+def test_protection_and_mla_errors():
+    def raises(exc, fn, *args, **kw):
+        try:
+            fn(*args, **kw)
+        except exc:
+            return
+        raise AssertionError(f"{fn} did not raise {exc}")
+
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32, device="cuda")  # noqa: E731
+    g = kvq.Geometry(n_layers=1, n_kv_heads=2, head_dim=128)
+    plain = kvq.cuda.Layer("tq-4bit-nc", g)
+    layer = kvq.cuda.Layer("tq-4bit-nc", g, sinks=2, window=4)
+    pool = torch.zeros(2 * layer.page_bytes, dtype=torch.uint8, device="cuda")
+    key = torch.randn(3, 2, 128, dtype=torch.bfloat16, device="cuda")
+    slots = torch.tensor([0, 1, 2], dtype=torch.int64, device="cuda")
+    rows = torch.zeros(layer.protect_rows_shape(2), dtype=torch.bfloat16, device="cuda")
+    assert rows.shape == (2, 2, 6, 2, 128)
+    raises(ValueError, plain.store, key, key, slots, pool, positions=i32([0, 1, 2]), seq_ids=i32([0, 0, 0]), protect_rows=rows)
+    raises(ValueError, layer.store, key, key, slots, pool)  # protected layer without positions / rows
+    raises(ValueError, layer.store, key, key, slots, pool, positions=i32([0, 1, 2]), seq_ids=i32([0, 0, 2]), protect_rows=rows)
+    raises(ValueError, layer.store, key, key, slots, pool, positions=i32([0, -1, 2]), seq_ids=i32([0, 0, 0]), protect_rows=rows)
+    raises(ValueError, layer.store, key, key, slots, pool, positions=i32([0, 1]), seq_ids=i32([0, 0, 0]), protect_rows=rows)
+    raises(ValueError, layer.store, key, key, slots, pool, positions=i32([0, 1, 2]), seq_ids=i32([0, 0, 0]), protect_rows=rows[:, :1])
+    # Positions 2 and 6 of one sequence share ring slot 2 + 0: refused without seq_lens, kept right with them.
+    raises(ValueError, layer.store, key, key, slots, pool, positions=i32([2, 6, 3]), seq_ids=i32([0, 0, 0]), protect_rows=rows)
+    raises(ValueError, layer.store, key, key, slots, pool, positions=i32([2, 6, 3]), seq_ids=i32([0, 0, 0]), protect_rows=rows,
+           seq_lens=i32([6, 0]))  # position 6 is not below the length
+    assert layer.store(key, key, slots, pool, positions=i32([2, 6, 3]), seq_ids=i32([0, 0, 0]), protect_rows=rows,
+                       seq_lens=i32([7, 0])) == 0
+    torch.cuda.synchronize()
+    assert torch.equal(rows[0, :, 2, 0], key[1])  # position 6 (the later one) holds the slot
+    q = torch.randn(1, 4, 128, device="cuda")
+    out = torch.empty_like(q)
+    raises(ValueError, layer.decode, pool, i32([[0]]), i32([7]), q, out, 0.1)  # no protect_rows
+    raises(ValueError, plain.decode, pool, i32([[0]]), i32([7]), q, out, 0.1, protect_rows=rows)
+    layer.decode(pool, i32([[0]]), i32([7]), q, out, 0.1, protect_rows=rows)
+    torch.cuda.synchronize()
+    assert bool(torch.isfinite(out).all())
+
+    m = kvq.Geometry(n_layers=1, d_latent=512, d_rope=64)
+    raises(ValueError, kvq.cuda.Layer, "c4r4", m)  # an MLA geometry on the GQA layer
+    raises(ValueError, kvq.cuda.MlaLayer, "c4r4", g)  # a GQA geometry on the MLA layer
+    raises(kvq.Error, kvq.cuda.MlaLayer, "tq-4bit", m)  # no MLA kernel for a GQA format
+    raises((ValueError, kvq.Error), kvq.cuda.MlaLayer, "c4r4", kvq.Geometry(n_layers=1, d_latent=96, d_rope=64))  # no kernel shape
+    ml = kvq.cuda.MlaLayer("c4r4", m)
+    mpool = torch.zeros(2 * ml.page_bytes, dtype=torch.uint8, device="cuda")
+    lat = torch.randn(2, 512, dtype=torch.bfloat16, device="cuda")
+    rope = torch.randn(2, 64, dtype=torch.bfloat16, device="cuda")
+    ms = torch.tensor([0, 200], dtype=torch.int64, device="cuda")
+    raises(ValueError, ml.store, lat, rope, ms, mpool)  # slot 200 is beyond the pool's 128
+    raises(ValueError, ml.store, lat[:, :256], rope, ms, mpool)  # shape
+    bad = lat.clone()
+    bad[1, 7] = float("inf")
+    assert ml.store(bad, rope, torch.tensor([0, 1], dtype=torch.int64, device="cuda"), mpool) == 1
+    mq = torch.randn(1, 16, 576, device="cuda")
+    mo = torch.empty(1, 16, 512, device="cuda")
+    raises(ValueError, ml.decode, mpool, i32([[0, 9]]), i32([100]), mq, mo, 0.05)  # page 9 is not in the pool
+    raises(ValueError, ml.decode, mpool, i32([[0]]), i32([1]), mq, torch.empty(1, 16, 576, device="cuda"), 0.05)  # out shape
+    ml.decode(mpool, i32([[0]]), i32([1]), mq, mo, 0.05)
+    torch.cuda.synchronize()
+    assert bool(torch.isfinite(mo).all())
+
+
+def test_decode_plan():
+    """A plan launches on the bound tensors' current contents and gives decode()'s bits."""
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32, device="cuda")  # noqa: E731
+    for kind in ["gqa", "mla"]:
+        torch.manual_seed(3)
+        if kind == "gqa":
+            layer = kvq.cuda.Layer("tq-4bit", kvq.Geometry(n_layers=1, n_kv_heads=4, head_dim=128), sinks=2, window=8)
+            rows = [torch.randn(300, 4, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+            q = torch.randn(2, 16, 128, device="cuda")
+            out, out2 = torch.empty_like(q), torch.empty_like(q)
+        else:
+            layer = kvq.cuda.MlaLayer("c4r4", kvq.Geometry(n_layers=1, d_latent=512, d_rope=64), sinks=2, window=8)
+            rows = [torch.randn(300, 512, dtype=torch.bfloat16, device="cuda"), torch.randn(300, 64, dtype=torch.bfloat16, device="cuda")]
+            q = torch.randn(2, 16, 576, device="cuda")
+            out, out2 = torch.empty(2, 16, 512, device="cuda"), torch.empty(2, 16, 512, device="cuda")
+        pool = torch.zeros(6 * layer.page_bytes, dtype=torch.uint8, device="cuda")
+        prot = torch.zeros(layer.protect_rows_shape(2), dtype=torch.bfloat16, device="cuda")
+        # Two sequences of 150 tokens on pages (5, 1, 3) and (0, 2, 4).
+        tables = i32([[5, 1, 3], [0, 2, 4]])
+        tab = tables.cpu().numpy()
+        slots = [int(tab[b, t // 64]) * 64 + t % 64 for b in range(2) for t in range(150)]
+        assert layer.store(rows[0], rows[1], torch.tensor(slots, dtype=torch.int64, device="cuda"), pool,
+                           positions=i32(list(range(150)) * 2), seq_ids=i32([0] * 150 + [1] * 150), protect_rows=prot,
+                           seq_lens=i32([150, 150])) == 0
+        # The lengths change between runs (the window rows were kept for length 150, so only the two calls'
+        # agreement is checked here; run_case checks protected decoding against NumPy).
+        lens = i32([150, 97])
+        plan = layer.plan_decode(pool, tables, lens, q, out2, 0.1, protect_rows=prot)
+        for n0, n1 in [(150, 97), (3, 150), (128, 64)]:
+            lens.copy_(i32([n0, n1]))
+            layer.decode(pool, tables, lens, q, out, 0.1, protect_rows=prot)  # max_seq_len: the longest length
+            plan.run(max(n0, n1), 0, False)  # the same bound, so the same split count and bits
+            torch.cuda.synchronize()
+            assert torch.equal(out, out2), f"{kind}: the plan's output differs from decode() at lengths {n0}, {n1}"
+            plan.run()  # validate=True reads max_seq_len from seq_lens
+            torch.cuda.synchronize()
+            assert torch.equal(out, out2)
+        tables[0, 1] = 9  # not a page of the pool (sequence 0's second page): the plan's validate refuses it
+        try:
+            plan.run()
+        except ValueError:
+            pass
+        else:
+            raise AssertionError("plan.run(validate=True) accepted page 9 of a 6-page pool")
+        tables[0, 1] = 1
+        try:
+            plan.run(100, 0, True)
+        except ValueError:
+            pass
+        else:
+            raise AssertionError("plan.run accepted max_seq_len below the longest sequence")
+
+
 if __name__ == "__main__":
     if not HAVE_GPU:
         print("kvq.cuda tests skipped: needs torch, a CUDA device and kvq.cuda")
@@ -181,5 +469,15 @@ if __name__ == "__main__":
         for case in CASES:
             d = run_case(*case)
             print(f"ok   {case[0]:<11} kv_heads {case[1]} head_dim {case[2]} q_heads {case[3]}: {d} records differ")
+        for name, n_kv, d, q_heads, sinks, window in PROTECTED_CASES:
+            d_ = run_case(name, n_kv, d, q_heads, sinks=sinks, window=window)
+            print(f"ok   {name:<11} kv_heads {n_kv} head_dim {d} q_heads {q_heads} sinks {sinks} window {window}: {d_} records differ")
+        for case in MLA_CASES:
+            d_ = run_mla_case(*case)
+            print(f"ok   {case[0]:<11} MLA heads {case[1]} d_latent {case[2]} d_rope {case[3]} sinks {case[4]} window {case[5]}: "
+                  f"{d_} records differ")
         test_errors_and_refused_rows()
+        test_protection_and_mla_errors()
         print("ok   errors and refused rows")
+        test_decode_plan()
+        print("ok   decode plans")
