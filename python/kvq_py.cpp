@@ -878,15 +878,29 @@ struct LayerBase {
     return pool.numel() / static_cast<std::int64_t>(page_bytes);
   }
   // Runs a store launcher with the refusal counter and returns the count (synchronizes the stream).
+  // Runs a store launcher. Without `counter`: with the layer's refusal counter, returning the count
+  // (synchronizes the stream). With an int32 (1,) CUDA tensor: the kernel adds the refused records to
+  // it and the call returns None at once (no synchronization: decode loops, CUDA graph capture).
   template <class Launch>
-  std::uint32_t counted_store(cudaStream_t s, Launch&& launch) {
+  py::object counted_store(cudaStream_t s, const py::object& counter, Launch&& launch) {
+    if (!counter.is_none()) {
+      const TensorArg c = tensor_arg(counter, "counter", "int32");
+      if (c.shape != std::vector<std::int64_t>{1}) bad_arg("counter: an int32 CUDA tensor of shape (1,)");
+      {
+        py::gil_scoped_release nogil;
+        check_cuda(launch(reinterpret_cast<std::uint32_t*>(c.ptr)), "kvq.cuda store");
+      }
+      return py::none();
+    }
     std::uint32_t count = 0;
-    py::gil_scoped_release nogil;
-    check_cuda(cudaMemsetAsync(rejected, 0, sizeof(std::uint32_t), s), "kvq.cuda store");
-    check_cuda(launch(rejected), "kvq.cuda store");
-    check_cuda(cudaMemcpyAsync(&count, rejected, sizeof(count), cudaMemcpyDeviceToHost, s), "kvq.cuda store");
-    check_cuda(cudaStreamSynchronize(s), "kvq.cuda store");
-    return count;
+    {
+      py::gil_scoped_release nogil;
+      check_cuda(cudaMemsetAsync(rejected, 0, sizeof(std::uint32_t), s), "kvq.cuda store");
+      check_cuda(launch(rejected), "kvq.cuda store");
+      check_cuda(cudaMemcpyAsync(&count, rejected, sizeof(count), cudaMemcpyDeviceToHost, s), "kvq.cuda store");
+      check_cuda(cudaStreamSynchronize(s), "kvq.cuda store");
+    }
+    return py::int_(count);
   }
   // A workspace of at least `need` bytes (call without the GIL).
   void ensure_workspace(std::size_t need, cudaStream_t s) {
@@ -1008,9 +1022,9 @@ struct CudaLayer : LayerBase {
   }
 
   // Returns the number of (token, head) records refused (non-finite rows, norms beyond fp16).
-  std::uint32_t store(const py::object& key, const py::object& value, const py::object& slots, const py::object& pool_t,
-                      std::uintptr_t stream_handle, bool validate, const py::object& positions, const py::object& seq_ids,
-                      const py::object& protect_rows, const py::object& seq_lens) {
+  py::object store(const py::object& key, const py::object& value, const py::object& slots, const py::object& pool_t,
+                   std::uintptr_t stream_handle, bool validate, const py::object& positions, const py::object& seq_ids,
+                   const py::object& protect_rows, const py::object& seq_lens, const py::object& counter) {
     auto s = reinterpret_cast<cudaStream_t>(stream_handle);
     kvq::cuda::StoreParams p;
     p.fmt = desc();
@@ -1021,8 +1035,8 @@ struct CudaLayer : LayerBase {
     check_rows(v, "value", n);
     p.key = reinterpret_cast<const std::uint16_t*>(k.ptr);
     p.value = reinterpret_cast<const std::uint16_t*>(v.ptr);
-    return counted_store(s, [&](std::uint32_t* counter) {
-      p.rejected = counter;
+    return counted_store(s, counter, [&](std::uint32_t* c) {
+      p.rejected = c;
       return kvq::cuda::store(p, s);
     });
   }
@@ -1073,9 +1087,9 @@ struct CudaMlaLayer : LayerBase {
       bad_arg(std::string(name) + ": expected bf16 (n, " + std::to_string(d) + ") with n = " + std::to_string(n));
   }
 
-  std::uint32_t store(const py::object& latent, const py::object& rope, const py::object& slots, const py::object& pool_t,
-                      std::uintptr_t stream_handle, bool validate, const py::object& positions, const py::object& seq_ids,
-                      const py::object& protect_rows, const py::object& seq_lens) {
+  py::object store(const py::object& latent, const py::object& rope, const py::object& slots, const py::object& pool_t,
+                   std::uintptr_t stream_handle, bool validate, const py::object& positions, const py::object& seq_ids,
+                   const py::object& protect_rows, const py::object& seq_lens, const py::object& counter) {
     auto s = reinterpret_cast<cudaStream_t>(stream_handle);
     kvq::cuda::MlaStoreParams p;
     p.fmt = fmt;
@@ -1086,8 +1100,8 @@ struct CudaMlaLayer : LayerBase {
     check_rows(r, "rope", n, geo.d_rope);
     p.latent = reinterpret_cast<const std::uint16_t*>(c.ptr);
     p.rope = reinterpret_cast<const std::uint16_t*>(r.ptr);
-    return counted_store(s, [&](std::uint32_t* counter) {
-      p.rejected = counter;
+    return counted_store(s, counter, [&](std::uint32_t* c) {
+      p.rejected = c;
       return kvq::cuda::mla_store(p, s);
     });
   }
@@ -1173,7 +1187,8 @@ void bind_cuda(py::module_& m) {
       " Protected layers (sinks / window) also take positions and seq_ids (int32 (n,): each token's position and its row "
       "of protect_rows), protect_rows (bf16, protect_rows_shape(seqs)) and optionally seq_lens (int32 (seqs,), the lengths "
       "after this call: only the sinks and the last window positions are kept). Returns the count of records refused "
-      "(written nowhere: non-finite rows, values beyond fp16). Synchronizes the stream.";
+      "(written nowhere: non-finite rows, values beyond fp16) and synchronizes the stream; with counter (an int32 (1,) "
+      "CUDA tensor) adds that count to it on the device and returns None without synchronizing.";
   const char* run_doc =
       "Launches the planned decode on the bound tensors' current contents. max_seq_len: a bound of seq_lens (0 with "
       "validate=True: read from them); validate=True copies seq_lens and block_tables to the host and checks them "
@@ -1202,6 +1217,7 @@ void bind_cuda(py::module_& m) {
       .def("store", &CudaLayer::store, py::arg("key"), py::arg("value"), py::arg("slot_mapping"), py::arg("pool"),
            py::arg("stream") = 0, py::arg("validate") = true, py::kw_only(), py::arg("positions") = py::none(),
            py::arg("seq_ids") = py::none(), py::arg("protect_rows") = py::none(), py::arg("seq_lens") = py::none(),
+           py::arg("counter") = py::none(),
            (std::string("Quantizes bf16 rows (n, n_kv_heads, head_dim) into their slots (int64, page * page_tokens + offset; "
                         "< 0 skips) of a uint8 pool.") + store_doc_tail).c_str())
       .def("decode", &layer_decode<CudaLayer>, py::arg("pool"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("q"),
@@ -1231,6 +1247,7 @@ void bind_cuda(py::module_& m) {
       .def("store", &CudaMlaLayer::store, py::arg("latent"), py::arg("rope"), py::arg("slot_mapping"), py::arg("pool"),
            py::arg("stream") = 0, py::arg("validate") = true, py::kw_only(), py::arg("positions") = py::none(),
            py::arg("seq_ids") = py::none(), py::arg("protect_rows") = py::none(), py::arg("seq_lens") = py::none(),
+           py::arg("counter") = py::none(),
            (std::string("Quantizes bf16 latent (n, d_latent) and RoPE-key (n, d_rope, after RoPE) rows into their slots "
                         "(int64, page * page_tokens + offset; < 0 skips) of a uint8 pool.") + store_doc_tail).c_str())
       .def("decode", &layer_decode<CudaMlaLayer>, py::arg("pool"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("q"),

@@ -462,6 +462,54 @@ def test_decode_plan():
             raise AssertionError("plan.run accepted max_seq_len below the longest sequence")
 
 
+def test_async_store_and_graph_capture():
+    """store(counter=) returns at once and counts refused records on the device; a plan's run()
+    captured in a CUDA graph gives decode()'s bits on every replay as the lengths and queries change."""
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32, device="cuda")  # noqa: E731
+    tables = i32([[3, 1, 6, 0], [2, 7, 5, 4]])  # two sequences of up to 256 tokens in 8 pages
+    tab = tables.cpu().numpy()
+    slots = torch.tensor([int(tab[b, t // 64]) * 64 + t % 64 for b in range(2) for t in range(256)], dtype=torch.int64,
+                         device="cuda")
+    for kind in ["gqa", "mla"]:
+        torch.manual_seed(5)
+        if kind == "gqa":
+            layer = kvq.cuda.Layer("tq-4bit-nc", kvq.Geometry(n_layers=1, n_kv_heads=8, head_dim=128))
+            a = torch.randn(512, 8, 128, dtype=torch.bfloat16, device="cuda")
+            b = torch.randn(512, 8, 128, dtype=torch.bfloat16, device="cuda")
+            q = torch.randn(2, 32, 128, device="cuda")
+            out, out2 = torch.empty_like(q), torch.empty_like(q)
+        else:
+            layer = kvq.cuda.MlaLayer("c4r4", kvq.Geometry(n_layers=1, d_latent=512, d_rope=64))
+            a = torch.randn(512, 512, dtype=torch.bfloat16, device="cuda")
+            b = torch.randn(512, 64, dtype=torch.bfloat16, device="cuda")
+            q = torch.randn(2, 16, 576, device="cuda")
+            out, out2 = torch.empty(2, 16, 512, device="cuda"), torch.empty(2, 16, 512, device="cuda")
+        a[5].view(-1)[0] = float("nan")  # one refused token
+        a[300].view(-1)[3] = float("inf")  # and another
+        pool = torch.zeros(8 * layer.page_bytes, dtype=torch.uint8, device="cuda")
+        counter = torch.full((1,), 7, dtype=torch.int32, device="cuda")
+        assert layer.store(a, b, slots, pool, counter=counter) is None
+        torch.cuda.synchronize()
+        # Two refused records added to the 7 already there (GQA: (token, KV head) records, here head 0 of tokens 5
+        # and 300; MLA: tokens 5 and 300).
+        assert int(counter.item()) == 9, f"{kind}: counter {int(counter.item())}"
+        lens = i32([200, 100])
+        plan = layer.plan_decode(pool, tables, lens, q, out2, 0.088)
+        plan.run(256, 0, False)  # the workspace exists before the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            plan.run(256, torch.cuda.current_stream().cuda_stream, False)
+        for n0, n1 in [(200, 100), (256, 7), (1, 256)]:
+            lens.copy_(i32([n0, n1]))
+            q.copy_(torch.randn_like(q))
+            graph.replay()
+            torch.cuda.synchronize()
+            layer.decode(pool, tables, lens, q, out, 0.088, max_seq_len=256)
+            torch.cuda.synchronize()
+            assert torch.equal(out, out2), f"{kind}: graph replay differs from decode() at lengths {n0}, {n1}"
+
+
 if __name__ == "__main__":
     if not HAVE_GPU:
         print("kvq.cuda tests skipped: needs torch, a CUDA device and kvq.cuda")
@@ -481,3 +529,5 @@ if __name__ == "__main__":
         print("ok   errors and refused rows")
         test_decode_plan()
         print("ok   decode plans")
+        test_async_store_and_graph_capture()
+        print("ok   asynchronous store, plans in a captured CUDA graph")
