@@ -7,7 +7,8 @@
 //    weighted_sum, the paths attention uses on packed codes);
 //  - the caches the model runtime writes to (PagedCache with its protection policy and memory
 //    accounting, DenseCache) and their attention;
-//  - the CPU model runtime, the tokenizer, the perplexity protocol and format calibration.
+//  - the CPU model runtime, the tokenizer, the perplexity protocol, format calibration and
+//    `kvq eval`'s measurements (evaluate).
 // Arrays are taken as C-contiguous float32 / int32 (other dtypes are converted, as NumPy would);
 // a wrong shape is a ValueError naming the argument, and every kvq::Error (bad format name, NaN
 // input, malformed model, exhausted page pool) is raised as kvq.Error with the library's message.
@@ -675,6 +676,91 @@ void bind_runtime(py::module_& m) {
            }, py::arg("tokenizer"), py::arg("text"), py::arg("format") = py::none(), py::arg("sinks") = 0, py::arg("window") = 0,
            py::arg("boundary_layers") = 0, py::arg("calibration") = py::none(), py::arg("ctx") = 2048, py::arg("windows") = 0,
            "Perplexity by the protocol of models/README.md with the dense bf16 cache (format None) or a PagedCache in `format`.");
+
+  // kvq eval as a library call: the same measurements and field names as `kvq eval --json`.
+  m.def("evaluate", [](const std::string& model_dir, const std::vector<std::string>& caches, const std::string& text, int ctx,
+                       int windows, int needle_samples, const std::vector<int>& needle_lengths, std::uint64_t seed, bool diagnostics,
+                       int diag_queries, int calib_tokens, const std::string& calib_text, const std::string& baseline_model,
+                       int sinks, int window, int boundary_layers, const py::object& progress) {
+    if (caches.empty()) bad_arg("caches: at least one FORMAT or FORMAT@policy");
+    if (ctx < 2) bad_arg("ctx must be >= 2");
+    if (windows < 0 || needle_samples < 0 || diag_queries < 1 || calib_tokens < 1)
+      bad_arg("windows and needle_samples must be >= 0, diag_queries and calib_tokens >= 1");
+    std::vector<kvq::CacheConfig> configs;
+    for (const auto& c : caches) configs.push_back(kvq::parse_cache_config(c, policy_of(sinks, window, boundary_layers)));
+    kvq::EvalOptions o;
+    o.ctx = ctx;
+    o.windows = windows;
+    o.needle_samples = needle_samples;
+    if (!needle_lengths.empty()) o.needle_lengths = needle_lengths;
+    o.seed = seed;
+    o.diagnostics = diagnostics;
+    o.diag_queries = diag_queries;
+    o.calib_tokens = calib_tokens;
+    o.calib_text = calib_text;
+    o.needle_words_text = calib_text;
+    o.baseline_model = baseline_model;
+    if (!progress.is_none())  // called from the evaluation thread: take the GIL for the callback
+      o.progress = [progress](const std::string& stage, double frac) {
+        py::gil_scoped_acquire gil;
+        progress(stage, frac);
+      };
+    kvq::ModelEvalResult r;
+    {
+      py::gil_scoped_release nogil;
+      r = kvq::evaluate_model(model_dir, configs, text, o);
+    }
+    py::list rows;
+    for (const auto& c : r.rows) {
+      py::list layers;
+      for (const auto& l : c.layers) {
+        py::dict d;
+        d["logit_rmse"] = l.logit_rmse;
+        d["tv"] = l.tv;
+        d["top8_overlap"] = l.top8;
+        d["output_nmse"] = l.out_nmse;
+        layers.append(d);
+      }
+      py::dict d;
+      d["cache"] = c.config.label;
+      d["format"] = c.config.format;
+      d["sinks"] = c.config.protect.sinks;
+      d["window"] = c.config.protect.window;
+      d["boundary_layers"] = c.config.protect.boundary_layers;
+      d["bits_per_value"] = c.bits_per_value;
+      d["bytes_per_token"] = c.bytes_per_token;
+      d["compression"] = c.compression;
+      d["ppl"] = c.ppl;
+      d["delta_ppl_pct"] = c.delta_ppl_pct;
+      d["kl"] = c.kl;
+      d["top1"] = c.top1;
+      d["needle_accuracy"] = c.needle_acc;
+      d["needle_disagreements_vs_bf16"] = c.needle_disagree;
+      d["layers"] = layers;
+      d["seconds"] = c.seconds;
+      rows.append(d);
+    }
+    py::dict out;
+    out["model"] = r.model_dir;
+    out["architecture"] = r.architecture;
+    out["windows"] = r.windows;
+    out["predictions"] = r.predictions;
+    out["bf16_ppl"] = r.bf16_ppl;
+    out["bf16_needle_accuracy"] = r.bf16_needle;
+    out["needle_samples"] = r.needle_samples;
+    out["baseline_model"] = r.baseline_model;
+    out["rows"] = rows;
+    return out;
+  }, py::arg("model"), py::arg("caches"), py::arg("text"), py::arg("ctx") = 2048, py::arg("windows") = 8,
+     py::arg("needle_samples") = 0, py::arg("needle_lengths") = std::vector<int>{}, py::arg("seed") = 20261129ull,
+     py::arg("diagnostics") = true, py::arg("diag_queries") = 64, py::arg("calib_tokens") = 16384, py::arg("calib_text") = "",
+     py::arg("baseline_model") = "", py::arg("sinks") = 0, py::arg("window") = 0, py::arg("boundary_layers") = 0,
+     py::arg("progress") = py::none(),
+     "kvq eval on one model directory: perplexity, delta-ppl, KL and top-1 against the bf16 cache, needle retrieval "
+     "(needle_samples per length; needle words from calib_text) and per-layer attention diagnostics for each cache "
+     "('FORMAT' or 'FORMAT@paper' / '@s4,w128,n1'; sinks / window / boundary_layers are the default policy). "
+     "calib_text: the calibration text of calibrated formats (never the evaluation text). Returns the fields of "
+     "`kvq eval --json`; progress(stage, fraction) is called as it goes.");
 }
 #endif
 

@@ -376,3 +376,64 @@ def test_model_with_a_quantized_cache_and_perplexity():
         model.forward(np.array([5000], np.int32), c)  # a token id beyond the vocabulary
     with pytest.raises(kvq.Error):
         kvq.Model(os.path.join(ROOT, "data"))  # no config.json
+
+
+def test_evaluate_is_kvq_eval():
+    """kvq.evaluate: kvq eval's rows, with the bf16 row as the reference of KL / top-1 and the
+    perplexity equal to Model.perplexity with the same paged cache."""
+    text = os.path.join(ROOT, "data", "validation.txt")
+    calib = os.path.join(ROOT, "data", "validation-tech.txt")
+    stages = []
+    r = kvq.evaluate(models_dir("tiny-gqa"), ["bf16", "tq-4bit-nc", "tq-3bit-nc@s4,w32", "tq-3bit-nc"], text, ctx=256, windows=2,
+                     needle_samples=3, needle_lengths=[256], diag_queries=8, calib_text=calib,
+                     progress=lambda stage, frac: stages.append((stage, frac)))
+    assert r["architecture"] == "LlamaForCausalLM" and r["windows"] == 2 and r["predictions"] == 2 * 255
+    bf, q4, q3, q3plain = r["rows"]
+    assert [x["cache"] for x in r["rows"]] == ["bf16", "tq-4bit-nc", "tq-3bit-nc@s4,w32", "tq-3bit-nc"]
+    assert (q3["sinks"], q3["window"], q4["sinks"]) == (4, 32, 0)
+    assert bf["kl"] == 0 and bf["top1"] == 1 and bf["delta_ppl_pct"] == 0
+    assert bf["ppl"] == pytest.approx(r["bf16_ppl"], rel=1e-12)
+    model, tok = kvq.Model(models_dir("tiny-gqa")), kvq.Tokenizer(models_dir("tiny-gqa"))
+    raw = open(text, encoding="utf-8").read()
+    assert q4["ppl"] == pytest.approx(model.perplexity(tok, raw, format="tq-4bit-nc", ctx=256, windows=2)["ppl"], rel=1e-9)
+    for row in (q4, q3, q3plain):
+        assert 0 < row["kl"] < 0.5 and 0.5 < row["top1"] < 1
+        tb = kvq.token_bytes(row["format"], model.geometry)
+        assert row["compression"] == pytest.approx(tb["bf16_per_layer"] / tb["per_layer"], rel=1e-9)
+        assert row["bits_per_value"] == pytest.approx(tb["bits_per_value"], rel=1e-9)
+        assert len(row["layers"]) == 4 and all(0 < l["output_nmse"] < 1 for l in row["layers"])
+        assert set(row["needle_accuracy"]) == {256} and 0 <= row["needle_accuracy"][256] <= 1
+    # KL and top-1 of tq-4bit-nc recomputed here: the protocol's first two windows (documents split at
+    # blank lines, each followed by <|eos|>; a window is <|bos|> + 255 stream tokens), the logits of a
+    # bf16 and a tq-4bit-nc paged cache, KL(P_bf16 || P_q) in float64 averaged over predictions.
+    docs, cur = [], []
+    for line in raw.split("\n"):
+        if line.strip(" \t\r\f\v"):
+            cur.append(line)
+        elif cur:
+            docs.append("\n".join(cur))
+            cur = []
+    stream = []
+    for d in docs + (["\n".join(cur)] if cur else []):
+        stream += list(tok.encode(d)) + [1]
+        if len(stream) >= 2 * 256:
+            break
+    kl = top1 = 0.0
+    for w in range(2):
+        win = np.array([model.config["bos_token_id"]] + stream[w * 256: w * 256 + 255], np.int32)
+        ref = model.forward(win, model.cache("bf16")).astype(np.float64)[:-1]
+        got = model.forward(win, model.cache("tq-4bit-nc")).astype(np.float64)[:-1]
+        lp = ref - np.log(np.exp(ref - ref.max(1, keepdims=True)).sum(1, keepdims=True)) - ref.max(1, keepdims=True)
+        lq = got - np.log(np.exp(got - got.max(1, keepdims=True)).sum(1, keepdims=True)) - got.max(1, keepdims=True)
+        kl += np.mean(np.sum(np.exp(lp) * (lp - lq), axis=1)) / 2
+        top1 += np.mean(ref.argmax(1) == got.argmax(1)) / 2
+    assert q4["kl"] == pytest.approx(kl, rel=1e-6) and q4["top1"] == pytest.approx(top1, abs=1e-12)
+    # bf16 sinks and a 32-token window (an eighth of each 256-token window) take error out of the 3-bit cache.
+    assert q3["kl"] < q3plain["kl"] and q3["top1"] >= q3plain["top1"]
+    assert stages and stages[-1][1] == pytest.approx(1.0)
+    with pytest.raises(ValueError):
+        kvq.evaluate(models_dir("tiny-gqa"), [], text)
+    with pytest.raises(kvq.Error, match="calibration text"):
+        kvq.evaluate(models_dir("tiny-gqa"), ["tq-4bit"], text, ctx=256, windows=1, diagnostics=False)
+    with pytest.raises(kvq.Error):
+        kvq.evaluate(models_dir("tiny-gqa"), ["no-such-format"], text, ctx=256, windows=1)
