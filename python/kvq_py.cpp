@@ -7,8 +7,8 @@
 //    weighted_sum, the paths attention uses on packed codes);
 //  - the caches the model runtime writes to (PagedCache with its protection policy and memory
 //    accounting, DenseCache) and their attention;
-//  - the CPU model runtime, the tokenizer, the perplexity protocol, format calibration and
-//    `kvq eval`'s measurements (evaluate).
+//  - the CPU model runtime, the tokenizer, the perplexity protocol, format calibration,
+//    `kvq eval`'s measurements (evaluate) and QuantMLA calibration (calibrate_mla).
 // Arrays are taken as C-contiguous float32 / int32 (other dtypes are converted, as NumPy would);
 // a wrong shape is a ValueError naming the argument, and every kvq::Error (bad format name, NaN
 // input, malformed model, exhausted page pool) is raised as kvq.Error with the library's message.
@@ -28,6 +28,7 @@
 #include "kvq/common.hpp"
 #include "kvq/formats.hpp"
 #if KVQ_PY_RUNTIME
+#include "kvq/calibrate.hpp"
 #include "kvq/dense_cache.hpp"
 #include "kvq/eval.hpp"
 #include "kvq/model.hpp"
@@ -761,6 +762,87 @@ void bind_runtime(py::module_& m) {
      "('FORMAT' or 'FORMAT@paper' / '@s4,w128,n1'; sinks / window / boundary_layers are the default policy). "
      "calib_text: the calibration text of calibrated formats (never the evaluation text). Returns the fields of "
      "`kvq eval --json`; progress(stage, fraction) is called as it goes.");
+
+  // kvq calibrate as a library call (kvq/calibrate.hpp): QuantMLA or a baseline, fused into a new
+  // model directory.
+  m.def("calibrate_mla", [](const std::string& model_dir, const std::string& out_dir, const std::string& text,
+                            const std::string& method, const std::string& cache, const std::string& paths, int steps,
+                            int train_seqs, int heldout_seqs, int seq_len, int rope_seq_len, int batch, int eval_every,
+                            int check_seqs, std::uint64_t seed, double lr_rotation, double lr_scale, double lr_angle,
+                            const std::string& dtype, const py::object& log) {
+    kvq::CalibOptions o;
+    o.model_dir = model_dir;
+    o.text_file = text;
+    o.out_dir = out_dir;
+    o.method = kvq::parse_calib_method(method);
+    o.cache = cache;
+    if (paths != "both" && paths != "content" && paths != "rope") bad_arg("paths must be 'both', 'content' or 'rope'");
+    o.content_path = paths != "rope";
+    o.rope_path = paths != "content";
+    if (steps < 0 || train_seqs < 1 || heldout_seqs < 1 || seq_len < 2 || rope_seq_len < 0 || batch < 1 || eval_every < 1 ||
+        check_seqs < 1)
+      bad_arg("steps >= 0; train_seqs, heldout_seqs, batch, eval_every, check_seqs >= 1; seq_len >= 2; rope_seq_len >= 0");
+    o.steps = steps;
+    o.train_seqs = train_seqs;
+    o.heldout_seqs = heldout_seqs;
+    o.seq_len = seq_len;
+    o.rope_seq_len = rope_seq_len;
+    o.batch = batch;
+    o.eval_every = eval_every;
+    o.check_seqs = check_seqs;
+    o.seed = seed;
+    o.lr_rotation = lr_rotation;
+    o.lr_scale = lr_scale;
+    o.lr_angle = lr_angle;
+    if (dtype == "f32") o.dtype = kvq::FuseDtype::kF32;
+    else if (dtype != "source") bad_arg("dtype must be 'source' or 'f32'");
+    if (!log.is_none())
+      o.log = [log](const std::string& line) {
+        py::gil_scoped_acquire gil;
+        log(line);
+      };
+    kvq::CalibResult r;
+    {
+      py::gil_scoped_release nogil;
+      r = kvq::calibrate(o);
+    }
+    auto path = [](const kvq::PathResult& p) {
+      py::dict d;
+      d["rtn"] = p.rtn;
+      d["init"] = p.init;
+      d["best"] = p.best;
+      d["alpha"] = p.alpha;
+      d["best_step"] = p.best_step;
+      return d;
+    };
+    py::list layers;
+    for (const auto& l : r.layers) {
+      py::dict d;
+      d["content"] = path(l.content);
+      d["rope"] = path(l.rope);
+      d["rope_output_rtn"] = l.rope_output_rtn;
+      d["rope_output_best"] = l.rope_output_best;
+      layers.append(d);
+    }
+    py::dict out;
+    out["layers"] = layers;
+    out["fusion_max_rel_err"] = r.fusion_max_rel_err;
+    out["nll_original"] = r.nll_original;
+    out["nll_fused_f32"] = r.nll_fused_f32;
+    out["nll_saved"] = r.nll_saved;
+    out["checksum"] = r.checksum;
+    out["seconds"] = r.seconds;
+    out["json"] = r.json;
+    return out;
+  }, py::arg("model"), py::arg("out"), py::arg("text"), py::arg("method") = "quantmla", py::arg("cache") = "c4r4",
+     py::arg("paths") = "both", py::arg("steps") = 300, py::arg("train_seqs") = 128, py::arg("heldout_seqs") = 32,
+     py::arg("seq_len") = 256, py::arg("rope_seq_len") = 0, py::arg("batch") = 4, py::arg("eval_every") = 25,
+     py::arg("check_seqs") = 4, py::arg("seed") = 0ull, py::arg("lr_rotation") = 2e-3, py::arg("lr_scale") = 1e-2,
+     py::arg("lr_angle") = 1e-2, py::arg("dtype") = "source", py::arg("log") = py::none(),
+     "kvq calibrate: QuantMLA ('quantmla') or a baseline ('smoothquant', 'quarot') calibration of an MLA model's cXrY "
+     "cache on `text` (calibration text, never the evaluation text), fused into a new Hugging Face model directory "
+     "`out` (written to out.tmp, then renamed). Returns the per-layer held-out objectives (RTN, initial, best), the "
+     "fusion check (quantization off) and the kvq_calibration.json written; log(line) receives progress lines.");
 }
 #endif
 
