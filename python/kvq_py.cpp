@@ -8,7 +8,8 @@
 //  - the caches the model runtime writes to (PagedCache with its protection policy and memory
 //    accounting, DenseCache) and their attention;
 //  - the CPU model runtime, the tokenizer, the perplexity protocol, format calibration,
-//    `kvq eval`'s measurements (evaluate) and QuantMLA calibration (calibrate_mla).
+//    `kvq eval`'s measurements (evaluate), QuantMLA calibration (calibrate_mla) and the
+//    sensitivity analysis of the MLA cache paths (analyze).
 // Arrays are taken as C-contiguous float32 / int32 (other dtypes are converted, as NumPy would);
 // a wrong shape is a ValueError naming the argument, and every kvq::Error (bad format name, NaN
 // input, malformed model, exhausted page pool) is raised as kvq.Error with the library's message.
@@ -28,6 +29,7 @@
 #include "kvq/common.hpp"
 #include "kvq/formats.hpp"
 #if KVQ_PY_RUNTIME
+#include "kvq/analysis.hpp"
 #include "kvq/calibrate.hpp"
 #include "kvq/dense_cache.hpp"
 #include "kvq/eval.hpp"
@@ -843,6 +845,43 @@ void bind_runtime(py::module_& m) {
      "cache on `text` (calibration text, never the evaluation text), fused into a new Hugging Face model directory "
      "`out` (written to out.tmp, then renamed). Returns the per-layer held-out objectives (RTN, initial, best), the "
      "fusion check (quantization off) and the kvq_calibration.json written; log(line) receives progress lines.");
+
+  // kvq analyze as a library call (kvq/analysis.hpp); the result is the JSON report, parsed.
+  m.def("analyze", [](const std::string& kind, const std::string& model_dir, const std::vector<std::string>& texts,
+                      const std::vector<std::uint64_t>& seeds, const std::string& cache, int seqs, int seq_len, double nmse,
+                      int probes, int permutations, const py::object& log) {
+    const bool jac = kind == "jacobian";
+    if (!jac && kind != "response") bad_arg("kind must be 'response' or 'jacobian'");
+    if (texts.empty() || seeds.empty()) bad_arg("texts and seeds: at least one each");
+    if (seqs < 0 || seq_len < 0 || nmse < 0 || probes < 1 || permutations < 1)
+      bad_arg("seqs, seq_len, nmse >= 0 (0: the defaults), probes and permutations >= 1");
+    kvq::AnalysisOptions o;
+    o.model_dir = model_dir;
+    o.texts = texts;
+    o.seeds = seeds;
+    o.cache = cache;
+    // The CLI's defaults (docs/analysis.md): response 8 x 512 tokens at NMSE 1e-2; Jacobian 1 x 256 at 1e-3.
+    o.seqs = seqs > 0 ? seqs : (jac ? 1 : 8);
+    o.seq_len = seq_len > 0 ? seq_len : (jac ? 256 : 512);
+    o.nmse = nmse > 0 ? nmse : (jac ? 1e-3 : 1e-2);
+    o.probes = probes;
+    o.permutations = permutations;
+    if (!log.is_none())
+      o.log = [log](const std::string& line) {
+        py::gil_scoped_acquire gil;
+        log(line);
+      };
+    std::string json;
+    {
+      py::gil_scoped_release nogil;
+      json = jac ? kvq::analyze_jacobian(o).json : kvq::analyze_response(o).json;
+    }
+    return py::module_::import("json").attr("loads")(json);
+  }, py::arg("kind"), py::arg("model"), py::arg("texts"), py::arg("seeds") = std::vector<std::uint64_t>{0, 1, 2},
+     py::arg("cache") = "c4r4", py::arg("seqs") = 0, py::arg("seq_len") = 0, py::arg("nmse") = 0.0, py::arg("probes") = 256,
+     py::arg("permutations") = 16, py::arg("log") = py::none(),
+     "kvq analyze response | jacobian on an MLA model (docs/analysis.md): the sensitivity of the content-latent and RoPE-key "
+     "cache paths, one cell per (text, seed); returns the JSON report as a dict.");
 }
 #endif
 

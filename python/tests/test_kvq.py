@@ -477,3 +477,37 @@ def test_calibrate_mla_writes_a_fused_model(tmp_path):
         kvq.calibrate_mla(models_dir("tiny-mla"), str(tmp_path / "y"), text, method="magic")
     with pytest.raises(ValueError):
         kvq.calibrate_mla(models_dir("tiny-mla"), str(tmp_path / "z"), text, paths="neither")
+
+
+def test_analyze_response_and_jacobian():
+    """kvq.analyze on tiny-mla with one short sequence per cell: the report's per-layer ratios and
+    model ratio follow from its own r_C / r_P, the capture check holds, and the Jacobian's gain
+    decomposition G = T A (1 + O) holds per path (one sequence: the means are the values)."""
+    text = os.path.join(ROOT, "data", "validation.txt")
+    lines = []
+    r = kvq.analyze("response", models_dir("tiny-mla"), [text], seeds=[0], seqs=1, seq_len=64, log=lines.append)
+    assert r["analysis"] == "response" and r["options"]["layers"] == 4 and len(r["cells"]) == 1 and lines
+    o = r["options"]  # the arguments arrive (and the CLI's response defaults: NMSE 1e-2, cache c4r4)
+    assert (o["seq_len"], o["seqs_per_cell"], o["seeds"], o["cache_nmse"], o["cache"]) == (64, 1, [0], 0.01, "c4r4")
+    assert [os.path.basename(t) for t in o["texts"]] == ["validation.txt"]
+    cell = r["cells"][0]
+    rc = np.array([x["r_c"] for x in cell["layers"]])
+    rp = np.array([x["r_p"] for x in cell["layers"]])
+    assert np.all(rc > 0) and np.all(rp > 0)
+    assert [x["ratio"] for x in cell["layers"]] == pytest.approx(list(rp / rc), rel=1e-9)
+    assert cell["model_ratio"] == pytest.approx(rp.mean() / rc.mean(), rel=1e-9)
+    assert r["summary"]["model_ratio_mean"] == pytest.approx(cell["model_ratio"], rel=1e-12)
+    assert all(x["block_rel_err"] < 1e-3 for x in cell["layers"])  # the block reproduces the runtime's output
+    j = kvq.analyze("jacobian", models_dir("tiny-mla"), [text], seeds=[0], seq_len=64, probes=8, permutations=2)
+    assert len(j["cells"]) == 1 and len(j["cells"][0]["layers"]) == 4
+    assert (j["options"]["seqs_per_cell"], j["options"]["cache_nmse"]) == (1, 1e-3)  # the Jacobian defaults
+    for layer in j["cells"][0]["layers"]:
+        for p in ("content", "rope"):
+            x = layer[p]
+            assert x["G"] > 0 and x["G"] == pytest.approx(x["T"] * x["A"] * (1 + x["O"]), rel=1e-9)
+            assert x["finite_gain"] > 0
+    assert j["jvp_vs_finite"]["n"] > 0 and -1 <= j["jvp_vs_finite"]["spearman"] <= 1
+    with pytest.raises(ValueError):
+        kvq.analyze("histogram", models_dir("tiny-mla"), [text])
+    with pytest.raises(kvq.Error):
+        kvq.analyze("response", models_dir("tiny-gqa"), [text], seeds=[0], seqs=1, seq_len=64)
