@@ -1242,8 +1242,8 @@ struct CudaLayer : LayerBase {
     check_rows(v, "value", n);
     p.key = reinterpret_cast<const std::uint16_t*>(k.ptr);
     p.value = reinterpret_cast<const std::uint16_t*>(v.ptr);
-    return counted_store(s, counter, [&](std::uint32_t* c) {
-      p.rejected = c;
+    return counted_store(s, counter, [&](std::uint32_t* rej) {
+      p.rejected = rej;
       return kvq::cuda::store(p, s);
     });
   }
@@ -1307,8 +1307,8 @@ struct CudaMlaLayer : LayerBase {
     check_rows(r, "rope", n, geo.d_rope);
     p.latent = reinterpret_cast<const std::uint16_t*>(c.ptr);
     p.rope = reinterpret_cast<const std::uint16_t*>(r.ptr);
-    return counted_store(s, counter, [&](std::uint32_t* c) {
-      p.rejected = c;
+    return counted_store(s, counter, [&](std::uint32_t* rej) {
+      p.rejected = rej;
       return kvq::cuda::mla_store(p, s);
     });
   }

@@ -26,6 +26,9 @@ struct StoreTables {
   double csq[4][16];               // squared centroids (norm correction); 16 doubles: any 16 lanes, no bank conflict
   float ba[4], bb[4], bn[4];       // bin(y) = floor(sat(y * ba + bb) * bn)
   int ok[4];
+  // The GQA store's (midpoint, base) pair tables: shared address - 8 kMagicBits (bin_pair_lookup_sh).
+  // Read from shared memory, the compiler cannot split the constant back out of the address.
+  std::uint32_t pair_base[4];
 };
 
 __device__ __forceinline__ float fma_sat(float a, float b, float c) {
@@ -111,6 +114,15 @@ __device__ inline void build_bin_pairs(const StoreTables& T, int t, uint2* pairs
 __device__ __forceinline__ int bin_pair_lookup(const uint2* pairs, float a, float b, float n, float y) {
   const uint2 e = pairs[bin_of(y, a, b, n)];
   return static_cast<int>(e.y) + (__uint_as_float(e.x) < y ? 1 : 0);
+}
+// bin_pair_lookup with the entry's shared-memory address taken from the bits of the round-down FMA
+// (magic + bin) by one multiply-add: `pbase` = the table's shared address - 8 kMagicBits (mod 2^32),
+// which the caller computes once (the GQA store's inner loop).
+__device__ __forceinline__ int bin_pair_lookup_sh(std::uint32_t pbase, float a, float b, float n, float y) {
+  const std::uint32_t addr = __float_as_uint(__fmaf_rd(fma_sat(y, a, b), n, kFloorMagic)) * 8u + pbase;
+  std::uint32_t mid, base;
+  asm("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(mid), "=r"(base) : "r"(addr));
+  return static_cast<int>(base) + (__uint_as_float(mid) < y ? 1 : 0);
 }
 // The bucket of y with table t (the count of its midpoints strictly below y).
 __device__ __forceinline__ int bin_bucket(const StoreTables& T, int t, int ne, float y) {

@@ -506,7 +506,7 @@ struct FastFmt {
 // lane's codes into pw (the caller stores them once the record is accepted); returns the segment's
 // norm and the norm-correction sum of squared centroids (the same in every lane of the segment).
 template <int PS, int B0, int B1, bool kPairs>
-__device__ __forceinline__ void tq_encode32(const StoreTables& T, const uint2 (&BP)[4][kMaxBins], int t, int sg, float (&v)[kLaneElems], std::uint32_t (&pw)[4],
+__device__ __forceinline__ void tq_encode32(const StoreTables& T, int t, int sg, float (&v)[kLaneElems], std::uint32_t (&pw)[4],
                                             int ls, float& norm_out, double& c2_out) {
   double s4[4] = {0, 0, 0, 0};
 #pragma unroll
@@ -540,9 +540,9 @@ __device__ __forceinline__ void tq_encode32(const StoreTables& T, const uint2 (&
   if (T.ok[t]) {
     const float ba = T.ba[t], bb = T.bb[t], bn = T.bn[t];
     if constexpr (kPairs) {  // (midpoint, base) pairs (build_bin_pairs): one load per code
-      const uint2* pairs = BP[t];
+      const std::uint32_t pbase = T.pair_base[t];
 #pragma unroll
-      for (int k = 0; k < kLaneElems; ++k) c[k] = static_cast<std::uint32_t>(bin_pair_lookup(pairs, ba, bb, bn, v[k]));
+      for (int k = 0; k < kLaneElems; ++k) c[k] = static_cast<std::uint32_t>(bin_pair_lookup_sh(pbase, ba, bb, bn, v[k]));
     } else {
       const std::uint8_t* bins = T.base[t];
       const float* mids = T.edges[t];
@@ -604,7 +604,10 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
       build_store_table(T, w, (side ? f.value_thresholds : f.key_thresholds) + seg * kMaxCodebook,
                         (side ? f.value_centroids : f.key_centroids) + seg * kMaxCodebook,
                         side ? (seg ? F::VB1 : F::VB0) : (seg ? F::KB1 : F::KB0), lane);
-      if constexpr (kPairs) build_bin_pairs(T, w, BP[w], lane);
+      if constexpr (kPairs) {
+        build_bin_pairs(T, w, BP[w], lane);
+        if (lane == 0) T.pair_base[w] = static_cast<std::uint32_t>(__cvta_generic_to_shared(BP[w])) - (kMagicBits << 3);
+      }
     }
   }
   const int H = f.kv_heads;
@@ -650,20 +653,19 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
   const std::uint32_t vdst_off = (sg ? vseg1 : 0u) + 4u * static_cast<std::uint32_t>(sg ? F::VB1 : F::VB0) * ls;
 
   // Staging: this warp's two stages; the lane's own chunks at own ^ 16 i; the row base of its
-  // vector for the gather; the chunks it copies (lane + 32 j: vector cg[j], element offset ce[j]).
+  // vector for the gather; the chunks it copies: chunk q = lane + 32 j of a side is vector cg0 + j RJ
+  // of the item, elements ce0 .. ce0 + 7 (a row's D / 8 chunks divide 32, so the element offset is the
+  // same for every j and the source advances by RJ token strides).
   const std::uint32_t wstage = static_cast<std::uint32_t>(w) * 2u * kStageBytes;
   const std::uint32_t own = S::pos(4u * static_cast<std::uint32_t>(lane)) << 4;
   const std::uint32_t rowb = static_cast<std::uint32_t>(g) * (2u * D) + ((static_cast<std::uint32_t>(g) & 7u) << 4);
   const std::uint32_t sbase = static_cast<std::uint32_t>(__cvta_generic_to_shared(sb));
-  int cg[4], ce[4];
+  constexpr int CPR = D / 8, RJ = 32 / CPR;
+  static_assert(32 % CPR == 0 && 3 * RJ + 32 / CPR - 1 < V, "a lane's four chunks are rows of one item");
+  const int cg0 = lane / CPR, ce0 = 8 * (lane % CPR);
   std::uint32_t cdst[4];
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const std::uint32_t q = static_cast<std::uint32_t>(lane + 32 * j);
-    cg[j] = static_cast<int>(q / (D / 8));
-    ce[j] = static_cast<int>(8 * (q % (D / 8)));
-    cdst[j] = S::pos(q) << 4;
-  }
+  for (int j = 0; j < 4; ++j) cdst[j] = S::pos(static_cast<std::uint32_t>(lane + 32 * j)) << 4;
 
   const int n = p.n_tokens;
   const long nblk = (static_cast<long>(n) + V - 1) / V;
@@ -672,16 +674,30 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
   const int dtb = static_cast<int>(stride / H), dh = static_cast<int>(stride % H);
   long it = static_cast<long>(blockIdx.x) * kFastWarps + w;
   int tb = static_cast<int>(it / H), head = static_cast<int>(it % H);
-  // Copies the rows of item (tb_, h_) into stage st and returns this lane's slot (-1: none).
+  // Copies the rows of item (tb_, h_) into stage st and returns this lane's slot (-1: none). A whole
+  // item (every row a token: all but the last block) takes one source pointer per side and fixed
+  // steps; the last block zero-fills the rows past n (nothing read there).
   auto issue = [&](int st, int tb_, int h_) -> std::int64_t {
     const std::uint32_t kdst = sbase + wstage + static_cast<std::uint32_t>(st) * kStageBytes;
+    const std::int64_t hoff = static_cast<std::int64_t>(h_) * D + ce0;
+    const int t0 = tb_ * V + cg0;
+    if (tb_ * V + V <= n) {  // warp-uniform
+      const std::uint16_t* ksrc = p.key + t0 * ks + hoff;
+      const std::uint16_t* vsrc = p.value + t0 * vs + hoff;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int t = tb_ * V + cg[j];
-      const bool ok = t < n;
-      const std::int64_t tt = ok ? t : 0;
-      cp_async16_zfill(kdst + cdst[j], p.key + tt * ks + static_cast<std::int64_t>(h_) * D + ce[j], ok);
-      cp_async16_zfill(kdst + kSideBytes + cdst[j], p.value + tt * vs + static_cast<std::int64_t>(h_) * D + ce[j], ok);
+      for (int j = 0; j < 4; ++j) {
+        cp_async16(kdst + cdst[j], ksrc + j * RJ * ks);
+        cp_async16(kdst + kSideBytes + cdst[j], vsrc + j * RJ * vs);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int t = t0 + j * RJ;
+        const bool ok = t < n;
+        const std::int64_t tt = ok ? t : 0;
+        cp_async16_zfill(kdst + cdst[j], p.key + tt * ks + hoff, ok);
+        cp_async16_zfill(kdst + kSideBytes + cdst[j], p.value + tt * vs + hoff, ok);
+      }
     }
     const int t = tb_ * V + g;
     return t < n ? p.slot_mapping[t] : -1;
@@ -736,7 +752,7 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
         gather32_global<D>(sb, kside + rowb, f.key_perm + hd, f.key_signs + hd, x);
       }
       if (f.key_mean_seg) center32<D>(smean, f.key_mean_seg, 0, vh, H, l, x);
-      tq_encode32<PS, F::KB0, F::KB1, kPairs>(T, BP, sg, sg, x, kw, ls, knorm, kc2);
+      tq_encode32<PS, F::KB0, F::KB1, kPairs>(T, sg, sg, x, kw, ls, knorm, kc2);
     } else {  // fp8 e4m3 (converted when stored): the CPU refuses non-finite rows
       const Raw32 kr = lds_raw32(sb, kside + own);
 #pragma unroll
@@ -755,7 +771,7 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
         gather32_global<D>(sb, vside + rowb, f.value_perm + hd, f.value_signs + hd, x);
       }
       if (f.value_mean_seg) center32<D>(smean, f.value_mean_seg, 1, vh, H, l, x);
-      tq_encode32<PS, F::VB0, F::VB1, kPairs>(T, BP, 2 + sg, sg, x, vw, ls, vnorm, vc2);
+      tq_encode32<PS, F::VB0, F::VB1, kPairs>(T, 2 + sg, sg, x, vw, ls, vnorm, vc2);
     } else {  // uniform
       const Raw32 vr = lds_raw32(sb, vside + own);
       constexpr int B = F::VB0, m = (1 << B) - 1;
