@@ -1275,8 +1275,13 @@ struct CudaLayer : LayerBase {
 struct CudaMlaLayer : LayerBase {
   kvq::cuda::MlaFormat fmt;
   kvq::CacheGeometry geo;
+  kvq::cuda::MlaKernel kernel = kvq::cuda::MlaKernel::kAuto;  // which decode kernel where the warpgroup one applies
 
-  CudaMlaLayer(const py::object& format, const kvq::CacheGeometry& g, int layer, int sinks, int window) : LayerBase(sinks, window), geo(g) {
+  CudaMlaLayer(const py::object& format, const kvq::CacheGeometry& g, int layer, int sinks, int window, const std::string& kern)
+      : LayerBase(sinks, window), geo(g) {
+    if (kern == "fragment") kernel = kvq::cuda::MlaKernel::kFragment;
+    else if (kern == "wgmma") kernel = kvq::cuda::MlaKernel::kWarpgroup;
+    else if (kern != "auto") bad_arg("kernel must be 'auto', 'fragment' or 'wgmma'");
     const kvq::FormatSpec& f = spec_of(format);
     if (!g.mla) bad_arg("kvq.cuda.MlaLayer: an MLA geometry (d_latent, d_rope)");
     kvq::check_format_fits(f, g);
@@ -1324,6 +1329,7 @@ struct CudaMlaLayer : LayerBase {
       bad_arg("q: float32 (batch, heads, d_latent + d_rope) with 1..128 heads (absorbed: the latent part is q W_UK)");
     if (out.shape != std::vector<std::int64_t>{p.batch, q.shape[1], geo.d_latent}) bad_arg("out: float32 (batch, heads, d_latent)");
     p.heads = static_cast<std::int32_t>(q.shape[1]);
+    p.kernel = kernel;
     if ((p.protect_rows = decode_protect(prot, p.batch, protect_rows)) != nullptr) p.protect = protect_layout();
     return p;
   }
@@ -1439,8 +1445,12 @@ void bind_cuda(py::module_& m) {
            "their contents at the time of the call (host cost without validate: docs/python.md).");
   py::class_<CudaMlaLayer>(c, "MlaLayer",
                            "One layer of a paged MLA cache on the current GPU: bf16, c8r8, c4r8, c4r4, c3r4, c2r4, mla-tq4, mla-tq3.")
-      .def(py::init<const py::object&, const kvq::CacheGeometry&, int, int, int>(), py::arg("format"), py::arg("geometry"),
-           py::arg("layer") = 0, py::arg("sinks") = 0, py::arg("window") = 0)
+      .def(py::init<const py::object&, const kvq::CacheGeometry&, int, int, int, const std::string&>(), py::arg("format"),
+           py::arg("geometry"), py::arg("layer") = 0, py::arg("sinks") = 0, py::arg("window") = 0, py::arg("kernel") = "auto")
+      .def_property_readonly("kernel", [](const CudaMlaLayer& l) {
+             return l.kernel == kvq::cuda::MlaKernel::kFragment ? "fragment" : l.kernel == kvq::cuda::MlaKernel::kWarpgroup ? "wgmma" : "auto";
+           }, "The decode kernel where the warpgroup (wgmma) one applies (c4r4 / c4r8 / c2r4 at 512 / 64, no protection): "
+              "'auto' (the launcher's choice), 'fragment' or 'wgmma'.")
       .def_property_readonly("page_bytes", [](const CudaMlaLayer& l) { return l.fmt.page.page_bytes; })
       .def_property_readonly("page_tokens", [](const CudaMlaLayer& l) { return l.fmt.page.tokens; })
       .def_property_readonly("sinks", [](const CudaMlaLayer& l) { return l.prot.sinks; })

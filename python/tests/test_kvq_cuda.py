@@ -233,14 +233,19 @@ MLA_CASES = [
     ("bf16", 16, 512, 64, 0, 0),
     ("c4r4", 16, 512, 64, 4, 32),
     ("c3r4", 8, 256, 64, 2, 16),
+    # the two decode kernels of c4r4 / c2r4 chosen explicitly (the warpgroup one: no protection)
+    ("c4r4", 16, 512, 64, 0, 0, 0, "fragment"),
+    ("c4r4", 16, 512, 64, 0, 0, 0, "wgmma"),
+    ("c2r4", 64, 512, 64, 0, 0, 0, "wgmma"),
 ]
 
 
-def run_mla_case(name, heads, dc, dr, sinks, window, seed=0):
+def run_mla_case(name, heads, dc, dr, sinks, window, seed=0, kernel="auto"):
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     g = kvq.Geometry(n_layers=1, d_latent=dc, d_rope=dr)
-    layer = kvq.cuda.MlaLayer(name, g, 0, sinks=sinks, window=window)
+    layer = kvq.cuda.MlaLayer(name, g, 0, sinks=sinks, window=window, kernel=kernel)
+    assert layer.kernel == kernel
     P = layer.page_tokens
     lens = list(LENS)
     tables, slots, n_pages = paged_layout(lens, P, rng)
@@ -390,6 +395,7 @@ def test_protection_and_mla_errors():
     raises(ValueError, kvq.cuda.MlaLayer, "c4r4", g)  # a GQA geometry on the MLA layer
     raises(kvq.Error, kvq.cuda.MlaLayer, "tq-4bit", m)  # no MLA kernel for a GQA format
     raises((ValueError, kvq.Error), kvq.cuda.MlaLayer, "c4r4", kvq.Geometry(n_layers=1, d_latent=96, d_rope=64))  # no kernel shape
+    raises(ValueError, kvq.cuda.MlaLayer, "c4r4", m, kernel="tensor")  # no such kernel
     ml = kvq.cuda.MlaLayer("c4r4", m)
     mpool = torch.zeros(2 * ml.page_bytes, dtype=torch.uint8, device="cuda")
     lat = torch.randn(2, 512, dtype=torch.bfloat16, device="cuda")
@@ -522,8 +528,8 @@ if __name__ == "__main__":
             print(f"ok   {name:<11} kv_heads {n_kv} head_dim {d} q_heads {q_heads} sinks {sinks} window {window}: {d_} records differ")
         for case in MLA_CASES:
             d_ = run_mla_case(*case)
-            print(f"ok   {case[0]:<11} MLA heads {case[1]} d_latent {case[2]} d_rope {case[3]} sinks {case[4]} window {case[5]}: "
-                  f"{d_} records differ")
+            print(f"ok   {case[0]:<11} MLA heads {case[1]} d_latent {case[2]} d_rope {case[3]} sinks {case[4]} window {case[5]} "
+                  f"kernel {case[7] if len(case) > 7 else 'auto'}: {d_} records differ")
         test_errors_and_refused_rows()
         test_protection_and_mla_errors()
         print("ok   errors and refused rows")
