@@ -507,6 +507,19 @@ PYBIND11_MODULE(_kvq, m) {
 
 namespace {
 #if KVQ_PY_RUNTIME
+// A Python callback (progress, log lines) called from a long library call that runs without the
+// GIL: takes the GIL, and an exception the callback raises is reported as unraisable (printed) instead
+// of unwinding through the library's threads.
+template <class... Args>
+void call_back(const py::object& fn, const Args&... args) {
+  py::gil_scoped_acquire gil;
+  try {
+    fn(args...);
+  } catch (py::error_already_set& e) {
+    e.discard_as_unraisable("kvq callback");
+  }
+}
+
 void bind_runtime(py::module_& m) {
   py::class_<Cache>(m, "Cache", "A KV cache the model runtime writes to (kvq.PagedCache() or kvq.DenseCache()).")
       .def_property_readonly("geometry", [](const Cache& c) { return c.geo(); })
@@ -703,11 +716,7 @@ void bind_runtime(py::module_& m) {
     o.calib_text = calib_text;
     o.needle_words_text = calib_text;
     o.baseline_model = baseline_model;
-    if (!progress.is_none())  // called from the evaluation thread: take the GIL for the callback
-      o.progress = [progress](const std::string& stage, double frac) {
-        py::gil_scoped_acquire gil;
-        progress(stage, frac);
-      };
+    if (!progress.is_none()) o.progress = [progress](const std::string& stage, double frac) { call_back(progress, stage, frac); };
     kvq::ModelEvalResult r;
     {
       py::gil_scoped_release nogil;
@@ -798,11 +807,7 @@ void bind_runtime(py::module_& m) {
     o.lr_angle = lr_angle;
     if (dtype == "f32") o.dtype = kvq::FuseDtype::kF32;
     else if (dtype != "source") bad_arg("dtype must be 'source' or 'f32'");
-    if (!log.is_none())
-      o.log = [log](const std::string& line) {
-        py::gil_scoped_acquire gil;
-        log(line);
-      };
+    if (!log.is_none()) o.log = [log](const std::string& line) { call_back(log, line); };
     kvq::CalibResult r;
     {
       py::gil_scoped_release nogil;
@@ -866,11 +871,7 @@ void bind_runtime(py::module_& m) {
     o.nmse = nmse > 0 ? nmse : (jac ? 1e-3 : 1e-2);
     o.probes = probes;
     o.permutations = permutations;
-    if (!log.is_none())
-      o.log = [log](const std::string& line) {
-        py::gil_scoped_acquire gil;
-        log(line);
-      };
+    if (!log.is_none()) o.log = [log](const std::string& line) { call_back(log, line); };
     std::string json;
     {
       py::gil_scoped_release nogil;

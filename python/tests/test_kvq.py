@@ -11,6 +11,7 @@ logits of the fixtures.
 import json
 import os
 import struct
+import sys
 
 import numpy as np
 import pytest
@@ -511,3 +512,17 @@ def test_analyze_response_and_jacobian():
         kvq.analyze("histogram", models_dir("tiny-mla"), [text])
     with pytest.raises(kvq.Error):
         kvq.analyze("response", models_dir("tiny-gqa"), [text], seeds=[0], seqs=1, seq_len=64)
+
+
+def test_a_raising_callback_does_not_stop_the_call():
+    """An exception in a progress / log callback is reported, not propagated through the library."""
+    def boom(*args):
+        raise RuntimeError("callback failed")
+    seen, hook = [], sys.unraisablehook
+    sys.unraisablehook = lambda u: seen.append(str(u.exc_value))
+    try:
+        r = kvq.analyze("response", models_dir("tiny-mla"), [os.path.join(ROOT, "data", "validation.txt")], seeds=[0], seqs=1,
+                        seq_len=64, log=boom)
+    finally:
+        sys.unraisablehook = hook
+    assert len(r["cells"]) == 1 and seen and all("callback failed" in x for x in seen)
