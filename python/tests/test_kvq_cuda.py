@@ -514,6 +514,21 @@ def test_async_store_and_graph_capture():
             layer.decode(pool, tables, lens, q, out, 0.088, max_seq_len=256)
             torch.cuda.synchronize()
             assert torch.equal(out, out2), f"{kind}: graph replay differs from decode() at lengths {n0}, {n1}"
+        # The asynchronous store captured too: a replay over new rows writes the bytes a direct store writes.
+        a2, b2, s2 = a[:64].clone(), b[:64].clone(), slots[:64].clone()
+        pool_g, pool_d = pool.clone(), pool.clone()
+        c2 = torch.zeros(1, dtype=torch.int32, device="cuda")
+        layer.store(a2, b2, s2, pool_g, validate=False, counter=c2)
+        torch.cuda.synchronize()
+        sgraph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(sgraph):
+            layer.store(a2, b2, s2, pool_g, torch.cuda.current_stream().cuda_stream, False, counter=c2)
+        a2.copy_(torch.randn_like(a2))
+        b2.copy_(torch.randn_like(b2))
+        sgraph.replay()
+        layer.store(a2, b2, s2, pool_d, validate=False, counter=c2)
+        torch.cuda.synchronize()
+        assert torch.equal(pool_g, pool_d) and not torch.equal(pool_g, pool), f"{kind}: captured store"
 
 
 if __name__ == "__main__":
