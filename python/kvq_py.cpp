@@ -1294,6 +1294,7 @@ struct CudaMlaLayer : LayerBase {
     prot.per_seq = static_cast<std::int64_t>(sinks + window) * (g.d_latent + g.d_rope);
     prot.shape = "(seqs, sinks + window, d_latent + d_rope)";
   }
+  const kvq::PageLayout& page() const { return fmt.page; }
   kvq::MlaProtectLayout protect_layout() const { return kvq::MlaProtectLayout{prot.sinks, prot.window, geo.d_latent, geo.d_rope}; }
   void check_rows(const TensorArg& a, const char* name, std::int64_t n, int d) const {
     if (a.shape.size() != 2 || a.shape[0] != n || a.shape[1] != d)
@@ -1307,7 +1308,7 @@ struct CudaMlaLayer : LayerBase {
     kvq::cuda::MlaStoreParams p;
     p.fmt = fmt;
     const std::int64_t n =
-        store_inputs(p, slots, pool_t, fmt.page, protect_layout(), validate, s, positions, seq_ids, protect_rows, seq_lens);
+        store_inputs(p, slots, pool_t, page(), protect_layout(), validate, s, positions, seq_ids, protect_rows, seq_lens);
     const TensorArg c = tensor_arg(latent, "latent", "bfloat16"), r = tensor_arg(rope, "rope", "bfloat16");
     check_rows(c, "latent", n, geo.d_latent);
     check_rows(r, "rope", n, geo.d_rope);
@@ -1325,7 +1326,7 @@ struct CudaMlaLayer : LayerBase {
     kvq::cuda::MlaDecodeParams p;
     p.fmt = fmt;
     TensorArg q, out;
-    decode_inputs(p, pool_t, tables_t, lens_t, q_t, out_t, scale, num_splits, fmt.page, ix, q, out);
+    decode_inputs(p, pool_t, tables_t, lens_t, q_t, out_t, scale, num_splits, page(), ix, q, out);
     if (q.shape.size() != 3 || q.shape[0] != p.batch || q.shape[2] != geo.d_latent + geo.d_rope || q.shape[1] < 1 || q.shape[1] > 128)
       bad_arg("q: float32 (batch, heads, d_latent + d_rope) with 1..128 heads (absorbed: the latent part is q W_UK)");
     if (out.shape != std::vector<std::int64_t>{p.batch, q.shape[1], geo.d_latent}) bad_arg("out: float32 (batch, heads, d_latent)");
@@ -1391,93 +1392,86 @@ py::dict record_offsets(const kvq::PageLayout& pg, int head, int tok, int heads)
   return d;
 }
 
+// The members Layer and MlaLayer share (L: CudaLayer or CudaMlaLayer, P: its decode parameters):
+// page geometry, protection policy, store, decode, decode plans and the plan's run().
+template <class L, class P>
+void def_layer_common(py::module_& c, py::class_<L>& cls, const char* row_a, const char* row_b, const char* store_doc,
+                      const char* decode_doc, const char* plan_name, const char* plan_doc) {
+  py::class_<DecodePlan<L, P>>(c, plan_name, plan_doc)
+      .def("run", &DecodePlan<L, P>::run, py::arg("max_seq_len") = 0, py::arg("stream") = 0, py::arg("validate") = true,
+           "Launches the planned decode on the bound tensors' current contents. max_seq_len: a bound of seq_lens (0 with "
+           "validate=True: read from them); validate=True copies seq_lens and block_tables to the host and checks them "
+           "(a sync), as decode() does.");
+  const std::string store_help =
+      std::string(store_doc) +
+      " Protected layers (sinks / window) also take positions and seq_ids (int32 (n,): each token's position and its row "
+      "of protect_rows), protect_rows (bf16, protect_rows_shape(seqs)) and optionally seq_lens (int32 (seqs,), the lengths "
+      "after this call: only the sinks and the last window positions are kept). Returns the count of records refused "
+      "(written nowhere: non-finite rows, values beyond fp16) and synchronizes the stream; with counter (an int32 (1,) "
+      "CUDA tensor) adds that count to it on the device and returns None without synchronizing.";
+  const std::string plan_help = std::string("decode() with these tensors bound: checked once here; ") + plan_name +
+                                ".run(max_seq_len, stream, validate) launches over their contents at the time of the call "
+                                "(host cost without validate: docs/python.md).";
+  cls.def_property_readonly("page_bytes", [](const L& l) { return l.page().page_bytes; })
+      .def_property_readonly("page_tokens", [](const L& l) { return l.page().tokens; })
+      .def_property_readonly("sinks", [](const L& l) { return l.prot.sinks; })
+      .def_property_readonly("window", [](const L& l) { return l.prot.window; })
+      .def("store", &L::store, py::arg(row_a), py::arg(row_b), py::arg("slot_mapping"), py::arg("pool"), py::arg("stream") = 0,
+           py::arg("validate") = true, py::kw_only(), py::arg("positions") = py::none(), py::arg("seq_ids") = py::none(),
+           py::arg("protect_rows") = py::none(), py::arg("seq_lens") = py::none(), py::arg("counter") = py::none(),
+           store_help.c_str())
+      .def("decode", &layer_decode<L>, py::arg("pool"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("q"), py::arg("out"),
+           py::arg("scale"), py::arg("max_seq_len") = 0, py::arg("num_splits") = 0, py::arg("stream") = 0,
+           py::arg("validate") = true, py::kw_only(), py::arg("protect_rows") = py::none(), decode_doc)
+      .def("plan_decode", &plan_decode<L, P>, py::arg("pool"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("q"),
+           py::arg("out"), py::arg("scale"), py::arg("num_splits") = 0, py::kw_only(), py::arg("protect_rows") = py::none(),
+           plan_help.c_str());
+}
+
 void bind_cuda(py::module_& m) {
   py::module_ c = m.def_submodule("cuda", "kvq's CUDA kernels (sm_90a) on torch tensors: fused store and paged split-KV decode.");
   c.def("device_count", []() {
     int n = 0;
     return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
   });
-  const char* store_doc_tail =
-      " Protected layers (sinks / window) also take positions and seq_ids (int32 (n,): each token's position and its row "
-      "of protect_rows), protect_rows (bf16, protect_rows_shape(seqs)) and optionally seq_lens (int32 (seqs,), the lengths "
-      "after this call: only the sinks and the last window positions are kept). Returns the count of records refused "
-      "(written nowhere: non-finite rows, values beyond fp16) and synchronizes the stream; with counter (an int32 (1,) "
-      "CUDA tensor) adds that count to it on the device and returns None without synchronizing.";
-  const char* run_doc =
-      "Launches the planned decode on the bound tensors' current contents. max_seq_len: a bound of seq_lens (0 with "
-      "validate=True: read from them); validate=True copies seq_lens and block_tables to the host and checks them "
-      "(a sync), as decode() does.";
-  py::class_<DecodePlan<CudaLayer, kvq::cuda::DecodeParams>>(c, "DecodePlan", "A GQA decode call with its tensors bound (Layer.plan_decode).")
-      .def("run", &DecodePlan<CudaLayer, kvq::cuda::DecodeParams>::run, py::arg("max_seq_len") = 0, py::arg("stream") = 0,
-           py::arg("validate") = true, run_doc);
-  py::class_<DecodePlan<CudaMlaLayer, kvq::cuda::MlaDecodeParams>>(c, "MlaDecodePlan",
-                                                                   "An MLA decode call with its tensors bound (MlaLayer.plan_decode).")
-      .def("run", &DecodePlan<CudaMlaLayer, kvq::cuda::MlaDecodeParams>::run, py::arg("max_seq_len") = 0, py::arg("stream") = 0,
-           py::arg("validate") = true, run_doc);
-  py::class_<CudaLayer>(c, "Layer", "One layer of a paged GQA cache on the current GPU (its format's device tables).")
-      .def(py::init<const py::object&, const kvq::CacheGeometry&, int, const py::object&, int, int>(), py::arg("format"),
-           py::arg("geometry"), py::arg("layer") = 0, py::arg("calibration") = py::none(), py::arg("sinks") = 0, py::arg("window") = 0)
-      .def_property_readonly("page_bytes", [](const CudaLayer& l) { return l.page().page_bytes; })
-      .def_property_readonly("page_tokens", [](const CudaLayer& l) { return l.page().tokens; })
+  py::class_<CudaLayer> gqa(c, "Layer", "One layer of a paged GQA cache on the current GPU (its format's device tables).");
+  gqa.def(py::init<const py::object&, const kvq::CacheGeometry&, int, const py::object&, int, int>(), py::arg("format"),
+          py::arg("geometry"), py::arg("layer") = 0, py::arg("calibration") = py::none(), py::arg("sinks") = 0, py::arg("window") = 0)
       .def_property_readonly("decode_supported", [](const CudaLayer& l) { return kvq::cuda::decode_supported(l.desc()); })
-      .def_property_readonly("sinks", [](const CudaLayer& l) { return l.prot.sinks; })
-      .def_property_readonly("window", [](const CudaLayer& l) { return l.prot.window; })
       .def("protect_rows_shape", [](const CudaLayer& l, int seqs) {
              return py::make_tuple(seqs, l.geo.n_kv_heads, l.prot.sinks + l.prot.window, 2, l.geo.head_dim);
            }, py::arg("seqs"), "Shape of the bf16 buffer of protected rows: [seq][kv_head][slot][key, value][head_dim].")
       .def("offsets", [](const CudaLayer& l, int head, int tok) { return record_offsets(l.page(), head, tok, l.geo.n_kv_heads); },
            py::arg("head"), py::arg("token"),
-           "(byte offset in the page, length) of a record's key codes, value codes and metadata (docs/formats.md).")
-      .def("store", &CudaLayer::store, py::arg("key"), py::arg("value"), py::arg("slot_mapping"), py::arg("pool"),
-           py::arg("stream") = 0, py::arg("validate") = true, py::kw_only(), py::arg("positions") = py::none(),
-           py::arg("seq_ids") = py::none(), py::arg("protect_rows") = py::none(), py::arg("seq_lens") = py::none(),
-           py::arg("counter") = py::none(),
-           (std::string("Quantizes bf16 rows (n, n_kv_heads, head_dim) into their slots (int64, page * page_tokens + offset; "
-                        "< 0 skips) of a uint8 pool.") + store_doc_tail).c_str())
-      .def("decode", &layer_decode<CudaLayer>, py::arg("pool"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("q"),
-           py::arg("out"), py::arg("scale"), py::arg("max_seq_len") = 0, py::arg("num_splits") = 0, py::arg("stream") = 0,
-           py::arg("validate") = true, py::kw_only(), py::arg("protect_rows") = py::none(),
-           "One query token per sequence: out (batch, q_heads, head_dim) float32 = softmax(scale q K^T) V over the "
-           "first seq_lens[b] positions of sequence b's pages (block_tables int32 (batch, max_pages)); protected positions "
-           "from row b of protect_rows.")
-      .def("plan_decode", &plan_decode<CudaLayer, kvq::cuda::DecodeParams>, py::arg("pool"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("q"),
-           py::arg("out"), py::arg("scale"), py::arg("num_splits") = 0, py::kw_only(), py::arg("protect_rows") = py::none(),
-           "decode() with these tensors bound: checked once here; DecodePlan.run(max_seq_len, stream, validate) launches over "
-           "their contents at the time of the call (host cost without validate: docs/python.md).");
-  py::class_<CudaMlaLayer>(c, "MlaLayer",
-                           "One layer of a paged MLA cache on the current GPU: bf16, c8r8, c4r8, c4r4, c3r4, c2r4, mla-tq4, mla-tq3.")
-      .def(py::init<const py::object&, const kvq::CacheGeometry&, int, int, int, const std::string&>(), py::arg("format"),
-           py::arg("geometry"), py::arg("layer") = 0, py::arg("sinks") = 0, py::arg("window") = 0, py::arg("kernel") = "auto")
+           "(byte offset in the page, length) of a record's key codes, value codes and metadata (docs/formats.md).");
+  def_layer_common<CudaLayer, kvq::cuda::DecodeParams>(
+      c, gqa, "key", "value", "Quantizes bf16 rows (n, n_kv_heads, head_dim) into their slots (int64, page * page_tokens + offset; "
+                           "< 0 skips) of a uint8 pool.",
+      "One query token per sequence: out (batch, q_heads, head_dim) float32 = softmax(scale q K^T) V over the "
+      "first seq_lens[b] positions of sequence b's pages (block_tables int32 (batch, max_pages)); protected positions "
+      "from row b of protect_rows.",
+      "DecodePlan", "A GQA decode call with its tensors bound (Layer.plan_decode).");
+  py::class_<CudaMlaLayer> mla(c, "MlaLayer",
+                               "One layer of a paged MLA cache on the current GPU: bf16, c8r8, c4r8, c4r4, c3r4, c2r4, mla-tq4, mla-tq3.");
+  mla.def(py::init<const py::object&, const kvq::CacheGeometry&, int, int, int, const std::string&>(), py::arg("format"),
+          py::arg("geometry"), py::arg("layer") = 0, py::arg("sinks") = 0, py::arg("window") = 0, py::arg("kernel") = "auto")
       .def_property_readonly("kernel", [](const CudaMlaLayer& l) {
              return l.kernel == kvq::cuda::MlaKernel::kFragment ? "fragment" : l.kernel == kvq::cuda::MlaKernel::kWarpgroup ? "wgmma" : "auto";
            }, "The decode kernel where the warpgroup (wgmma) one applies (c4r4 / c4r8 / c2r4 at 512 / 64, no protection): "
               "'auto' (the launcher's choice), 'fragment' or 'wgmma'.")
-      .def_property_readonly("page_bytes", [](const CudaMlaLayer& l) { return l.fmt.page.page_bytes; })
-      .def_property_readonly("page_tokens", [](const CudaMlaLayer& l) { return l.fmt.page.tokens; })
-      .def_property_readonly("sinks", [](const CudaMlaLayer& l) { return l.prot.sinks; })
-      .def_property_readonly("window", [](const CudaMlaLayer& l) { return l.prot.window; })
       .def("protect_rows_shape", [](const CudaMlaLayer& l, int seqs) {
              return py::make_tuple(seqs, l.prot.sinks + l.prot.window, l.geo.d_latent + l.geo.d_rope);
            }, py::arg("seqs"), "Shape of the bf16 buffer of protected rows: [seq][slot][latent, RoPE key].")
-      .def("offsets", [](const CudaMlaLayer& l, int tok) { return record_offsets(l.fmt.page, 0, tok, 1); }, py::arg("token"),
+      .def("offsets", [](const CudaMlaLayer& l, int tok) { return record_offsets(l.page(), 0, tok, 1); }, py::arg("token"),
            "(byte offset in the page, length) of a token's latent codes (key_code), RoPE-key codes (value_code) and "
-           "their metadata (key_meta, value_meta).")
-      .def("store", &CudaMlaLayer::store, py::arg("latent"), py::arg("rope"), py::arg("slot_mapping"), py::arg("pool"),
-           py::arg("stream") = 0, py::arg("validate") = true, py::kw_only(), py::arg("positions") = py::none(),
-           py::arg("seq_ids") = py::none(), py::arg("protect_rows") = py::none(), py::arg("seq_lens") = py::none(),
-           py::arg("counter") = py::none(),
-           (std::string("Quantizes bf16 latent (n, d_latent) and RoPE-key (n, d_rope, after RoPE) rows into their slots "
-                        "(int64, page * page_tokens + offset; < 0 skips) of a uint8 pool.") + store_doc_tail).c_str())
-      .def("decode", &layer_decode<CudaMlaLayer>, py::arg("pool"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("q"),
-           py::arg("out"), py::arg("scale"), py::arg("max_seq_len") = 0, py::arg("num_splits") = 0, py::arg("stream") = 0,
-           py::arg("validate") = true, py::kw_only(), py::arg("protect_rows") = py::none(),
-           "Absorbed MLA decode, one query token per sequence: q float32 (batch, heads, d_latent + d_rope) (the latent part "
-           "already times W_UK), out float32 (batch, heads, d_latent) = softmax(scale (q_c . c_j + q_r . r_j)) c_j over the "
-           "first seq_lens[b] positions; protected positions from row b of protect_rows.")
-      .def("plan_decode", &plan_decode<CudaMlaLayer, kvq::cuda::MlaDecodeParams>, py::arg("pool"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("q"),
-           py::arg("out"), py::arg("scale"), py::arg("num_splits") = 0, py::kw_only(), py::arg("protect_rows") = py::none(),
-           "decode() with these tensors bound: checked once here; MlaDecodePlan.run(max_seq_len, stream, validate) launches over "
-           "their contents at the time of the call (host cost without validate: docs/python.md).");
+           "their metadata (key_meta, value_meta).");
+  def_layer_common<CudaMlaLayer, kvq::cuda::MlaDecodeParams>(
+      c, mla, "latent", "rope", "Quantizes bf16 latent (n, d_latent) and RoPE-key (n, d_rope, after RoPE) rows into their slots "
+                             "(int64, page * page_tokens + offset; < 0 skips) of a uint8 pool.",
+      "Absorbed MLA decode, one query token per sequence: q float32 (batch, heads, d_latent + d_rope) (the latent part "
+      "already times W_UK), out float32 (batch, heads, d_latent) = softmax(scale (q_c . c_j + q_r . r_j)) c_j over the "
+      "first seq_lens[b] positions; protected positions from row b of protect_rows.",
+      "MlaDecodePlan", "An MLA decode call with its tensors bound (MlaLayer.plan_decode).");
 }
 #endif
 }  // namespace

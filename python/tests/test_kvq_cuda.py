@@ -108,6 +108,11 @@ def protection_args(layer, lens, order):
                 seq_lens=torch.tensor(lens, dtype=torch.int32, device="cuda"))
 
 
+def ring_slot(t, sinks, window):
+    """Slot of protected position t in the rows buffer (kvq/cuda_protect.hpp): sinks, then a ring."""
+    return t if t < sinks else sinks + (t - sinks) % window
+
+
 def nmse(got, want):
     return np.sum((got - want) ** 2) / np.sum(want ** 2)
 
@@ -152,8 +157,7 @@ def run_case(name, n_kv, d, q_heads, seed=0, sinks=0, window=0):
         for b, n in enumerate(lens_now):
             for t in range(n):
                 if protected(t, n, sinks, window):
-                    s = t if t < sinks else sinks + (t - sinks) % window
-                    i = first_token(b, t)
+                    s, i = ring_slot(t, sinks, window), first_token(b, t)
                     assert np.array_equal(got[b, :, s, 0], kf[i]) and np.array_equal(got[b, :, s, 1], vf[i]), \
                         f"{name}: protected row of sequence {b} position {t}"
 
@@ -289,7 +293,7 @@ def run_mla_case(name, heads, dc, dr, sinks, window, seed=0, kernel="auto"):
         for b, n in enumerate(lens):
             for t in range(n):
                 if protected(t, n, sinks, window):
-                    s = t if t < sinks else sinks + (t - sinks) % window
+                    s = ring_slot(t, sinks, window)
                     assert np.array_equal(rows[b, s], np.concatenate([cf[start + t], rf[start + t]])), f"{name}: row {b} {t}"
             start += n
     return differ

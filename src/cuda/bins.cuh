@@ -26,8 +26,9 @@ struct StoreTables {
   double csq[4][16];               // squared centroids (norm correction); 16 doubles: any 16 lanes, no bank conflict
   float ba[4], bb[4], bn[4];       // bin(y) = floor(sat(y * ba + bb) * bn)
   int ok[4];
-  // The GQA store's (midpoint, base) pair tables: shared address - 8 kMagicBits (bin_pair_lookup_sh).
-  // Read from shared memory, the compiler cannot split the constant back out of the address.
+  // The GQA store's (midpoint, base) pair tables: shared address - 8 kMagicBits (build_bin_pairs sets
+  // it, bin_pair_lookup takes it). Read from shared memory, the compiler cannot split the constant back
+  // out of the address (computed in the kernel, it added it per element).
   std::uint32_t pair_base[4];
 };
 
@@ -101,24 +102,21 @@ __device__ __forceinline__ int bin_lookup(const std::uint8_t* base, const float*
   return k + (mids[k] < y ? 1 : 0);
 }
 // The same lookup from one 8-byte entry per bin, (mids[base] as bits, base): one shared-memory load
-// and no second address (the GQA store's inner loop). Warp-wide: fills pairs[0 .. n] of table t once
-// build_store_table has returned (a table that works).
-__device__ inline void build_bin_pairs(const StoreTables& T, int t, uint2* pairs, int lane) {
+// and no second address (the GQA store's inner loop). Warp-wide: fills pairs[0 .. n] of table t (in
+// shared memory) once build_store_table has returned (a table that works), and T.pair_base[t].
+__device__ inline void build_bin_pairs(StoreTables& T, int t, uint2* pairs, int lane) {
   __syncwarp();
+  if (lane == 0) T.pair_base[t] = static_cast<std::uint32_t>(__cvta_generic_to_shared(pairs)) - (kMagicBits << 3);
   if (!T.ok[t]) return;
   for (int k = lane; k <= static_cast<int>(T.bn[t]); k += 32) {
     const int b = T.base[t][k];
     pairs[k] = make_uint2(__float_as_uint(T.edges[t][b]), static_cast<std::uint32_t>(b));
   }
 }
-__device__ __forceinline__ int bin_pair_lookup(const uint2* pairs, float a, float b, float n, float y) {
-  const uint2 e = pairs[bin_of(y, a, b, n)];
-  return static_cast<int>(e.y) + (__uint_as_float(e.x) < y ? 1 : 0);
-}
-// bin_pair_lookup with the entry's shared-memory address taken from the bits of the round-down FMA
-// (magic + bin) by one multiply-add: `pbase` = the table's shared address - 8 kMagicBits (mod 2^32),
-// which the caller computes once (the GQA store's inner loop).
-__device__ __forceinline__ int bin_pair_lookup_sh(std::uint32_t pbase, float a, float b, float n, float y) {
+// The bucket of y from the pairs: the entry's shared-memory address is taken from the bits of the
+// round-down FMA (magic + bin) by one multiply-add with `pbase` = T.pair_base[t] (the table's shared
+// address - 8 kMagicBits, mod 2^32), which the caller reads once.
+__device__ __forceinline__ int bin_pair_lookup(std::uint32_t pbase, float a, float b, float n, float y) {
   const std::uint32_t addr = __float_as_uint(__fmaf_rd(fma_sat(y, a, b), n, kFloorMagic)) * 8u + pbase;
   std::uint32_t mid, base;
   asm("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(mid), "=r"(base) : "r"(addr));

@@ -542,7 +542,7 @@ __device__ __forceinline__ void tq_encode32(const StoreTables& T, int t, int sg,
     if constexpr (kPairs) {  // (midpoint, base) pairs (build_bin_pairs): one load per code
       const std::uint32_t pbase = T.pair_base[t];
 #pragma unroll
-      for (int k = 0; k < kLaneElems; ++k) c[k] = static_cast<std::uint32_t>(bin_pair_lookup_sh(pbase, ba, bb, bn, v[k]));
+      for (int k = 0; k < kLaneElems; ++k) c[k] = static_cast<std::uint32_t>(bin_pair_lookup(pbase, ba, bb, bn, v[k]));
     } else {
       const std::uint8_t* bins = T.base[t];
       const float* mids = T.edges[t];
@@ -604,10 +604,7 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
       build_store_table(T, w, (side ? f.value_thresholds : f.key_thresholds) + seg * kMaxCodebook,
                         (side ? f.value_centroids : f.key_centroids) + seg * kMaxCodebook,
                         side ? (seg ? F::VB1 : F::VB0) : (seg ? F::KB1 : F::KB0), lane);
-      if constexpr (kPairs) {
-        build_bin_pairs(T, w, BP[w], lane);
-        if (lane == 0) T.pair_base[w] = static_cast<std::uint32_t>(__cvta_generic_to_shared(BP[w])) - (kMagicBits << 3);
-      }
+      if constexpr (kPairs) build_bin_pairs(T, w, BP[w], lane);
     }
   }
   const int H = f.kv_heads;
