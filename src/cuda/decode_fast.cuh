@@ -79,6 +79,7 @@ struct FCfg {
   static constexpr int KENT = KC == KeyCode::kTq ? 1 << (2 * KB) : 0;
   // 4-bit uniform values are decoded arithmetically (fp16 magic numbers), no table.
   static constexpr bool kMagicV = VC == ValueCode::kUniform && VB == 4;
+  static constexpr std::uint32_t kMagic = 0x64006400u;  // fp16 1024 in both halves
   static constexpr int VENT = kMagicV ? 0 : 1 << (2 * VB);
   // 64-byte rows of TurboQuant values (4 bits, one segment: tq-4bit) are stored swizzled in the stages:
   // 16-byte unit u of row r at u ^ (2 ((r >> 1) & 1)). A PV load phase (16 lanes: rows t4 = 0..3, 8 bytes at
@@ -898,9 +899,12 @@ __global__ void __launch_bounds__(C::THREADS, 1)
           }
         } else if constexpr (C::kMagicV) {
           // (c_a, c_b) as fp16 with an offset: low nibble | 0x6400 = 1024 + c (even dims, rows g),
-          // high nibble | 0x5400 = 64 + c (odd dims, rows g + 8). The offsets stay in the products; the
-          // merge takes them out once (1024 w_run / 64 w_run, w_run = sum of the B operand's P), instead of
-          // two half subtractions per pair here.
+          // high nibble | 0x6400 = 1024 + 16 c (odd dims, rows g + 8). The offsets stay in the products; the
+          // merge takes them out once (1024 w_run, w_run = sum of the B operand's P) and scales rows g + 8 by
+          // 1/16 (exact: the products, sums and offsets of those rows are 16 x those of 64 + c), instead of
+          // two half subtractions per pair here. One LOP3 per register (and_or: the magic in a register;
+          // written in C, each took two LOP3s, 66 more instructions per chunk). Both nibbles use the
+          // same magic, so one register holds it.
           const uint2 va = *reinterpret_cast<const uint2*>(sv + p0 * C::VCB + vofs);
           const uint2 vb = *reinterpret_cast<const uint2*>(sv + p1 * C::VCB + vofs);
           const std::uint32_t wa[2] = {va.x, va.y}, wb[2] = {vb.x, vb.y};
@@ -910,8 +914,8 @@ __global__ void __launch_bounds__(C::THREADS, 1)
             for (int k = 0; k < 4; ++k) {
               const unsigned sel = static_cast<unsigned>(k | (k << 4) | ((4 + k) << 8) | ((4 + k) << 12));
               const std::uint32_t t = __byte_perm(wa[h], wb[h], sel);
-              areg[tp][8 * h + 2 * k] = (t & 0x000f000fu) | 0x64006400u;
-              areg[tp][8 * h + 2 * k + 1] = (t & 0x00f000f0u) | 0x54005400u;
+              areg[tp][8 * h + 2 * k] = and_or<0x000f000fu>(t, C::kMagic);
+              areg[tp][8 * h + 2 * k + 1] = and_or<0x00f000f0u>(t, C::kMagic);
             }
           }
         } else if constexpr (C::VB == 4) {
@@ -970,9 +974,10 @@ __global__ void __launch_bounds__(C::THREADS, 1)
       if constexpr (C::kMagicV) w_run1 += __shfl_xor_sync(0xffffffffu, w_run1, s);
     }
   }
-  // 4-bit uniform values: the magic numbers' offsets out of the rows (1024 for row g, 64 for g + 8).
-  const float off_e = C::kMagicV ? 1024.0f * w_run : 0.0f, off_o = C::kMagicV ? 64.0f * w_run : 0.0f;
-  const float off_e1 = C::kMagicV ? 1024.0f * w_run1 : 0.0f, off_o1 = C::kMagicV ? 64.0f * w_run1 : 0.0f;
+  // 4-bit uniform values: the magic numbers' offset (1024) out of the rows, and rows g + 8 (1024 + 16 c)
+  // scaled by 1/16. Both exact: the result is what 64 + c in rows g + 8 gave.
+  const float off = C::kMagicV ? 1024.0f * w_run : 0.0f, off1 = C::kMagicV ? 1024.0f * w_run1 : 0.0f;
+  constexpr float kOdd = C::kMagicV ? 0.0625f : 1.0f;
   __syncthreads();
   constexpr int RS = C::RS;
   float* red = reinterpret_cast<float*>(smem_raw);  // every warp's copies have landed (cp_async_wait above)
@@ -985,8 +990,8 @@ __global__ void __launch_bounds__(C::THREADS, 1)
 #pragma unroll
         for (int mt = 0; mt < 8; ++mt) {
           const int d = NSEG == 2 ? 64 * (mt >> 2) + 8 * g + 2 * (mt & 3) : 16 * g + 2 * mt;
-          rr[d] = o[mt][hh] - (hh ? off_e1 : off_e);
-          rr[d + 1] = o[mt][2 + hh] - (hh ? off_o1 : off_o);
+          rr[d] = o[mt][hh] - (hh ? off1 : off);
+          rr[d + 1] = (o[mt][2 + hh] - (hh ? off1 : off)) * kOdd;
         }
         if (g == 0) {
           rr[D] = nloc > 0 ? (hh ? m_run1 : m_run) : -INFINITY;
@@ -1001,8 +1006,8 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     for (int mt = 0; mt < 8; ++mt) {
       // dim of row g: 16 g + 2 mt (split: 64 (mt / 4) + 8 g + 2 (mt % 4)); row g + 8: the next one
       const int d = NSEG == 2 ? 64 * (mt >> 2) + 8 * g + 2 * (mt & 3) : 16 * g + 2 * mt;
-      rr[d] = (o[mt][0] + o[mt][1]) - off_e;
-      rr[d + 1] = (o[mt][2] + o[mt][3]) - off_o;
+      rr[d] = (o[mt][0] + o[mt][1]) - off;
+      rr[d + 1] = ((o[mt][2] + o[mt][3]) - off) * kOdd;
     }
     if (g == 0) {
       rr[D] = nloc > 0 ? m_run : -INFINITY;

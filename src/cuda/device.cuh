@@ -261,6 +261,14 @@ __device__ __forceinline__ std::uint32_t code_pair(std::uint32_t v, int k) {
   const std::uint32_t x = v >> (2 * B * k);
   return (x & lo) | ((x << (16 - B)) & hi) | 0x64006400u;
 }
+// (x & M) | c in one LOP3. Written in C with a constant c, ptxas folds both constants into
+// immediates and splits the operation into two LOP3s (an instruction takes one immediate).
+template <std::uint32_t M>
+__device__ __forceinline__ std::uint32_t and_or(std::uint32_t x, std::uint32_t c) {
+  std::uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(x), "n"(M), "r"(c));
+  return d;
+}
 __device__ __forceinline__ std::uint32_t bf2_to_h2(std::uint32_t x) { return pack2<false>(bf16_lo(x), bf16_hi(x)); }
 
 // x = hi + lo with hi, lo in the 16-bit type: about twice its precision.
