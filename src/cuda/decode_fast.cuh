@@ -77,9 +77,13 @@ struct FCfg {
   static constexpr int VMB = VC == ValueCode::kTq ? 2 * NSEG : 4;
   static constexpr int MB = KMB + VMB;
   static constexpr int KENT = KC == KeyCode::kTq ? 1 << (2 * KB) : 0;
-  // 4-bit uniform values are decoded arithmetically (fp16 magic numbers), no table.
-  static constexpr bool kMagicV = VC == ValueCode::kUniform && VB == 4;
+  // 3- and 4-bit uniform values are decoded arithmetically (fp16 magic numbers), no table.
+  static constexpr bool kMagicV = VC == ValueCode::kUniform && (VB == 4 || VB == 3);
   static constexpr std::uint32_t kMagic = 0x64006400u;  // fp16 1024 in both halves
+  // Magic values: register j of a lane's 16 value dims holds 1024 + c 2^p(j) (p: the field's bit position
+  // in its 16-bit window), so the merge scales row j by 2^-p(j) after taking 1024 w_run out. 4 bits:
+  // even dims at p = 0, odd dims at p = 4. 3 bits: six byte windows of the lane's 48 bits, p = 3 j mod 8.
+  static constexpr int magic_p(int j) { return VB == 4 ? 4 * (j & 1) : (3 * j) % 8; }
   static constexpr int VENT = kMagicV ? 0 : 1 << (2 * VB);
   // 64-byte rows of TurboQuant values (4 bits, one segment: tq-4bit) are stored swizzled in the stages:
   // 16-byte unit u of row r at u ^ (2 ((r >> 1) & 1)). A PV load phase (16 lanes: rows t4 = 0..3, 8 bytes at
@@ -897,6 +901,35 @@ __global__ void __launch_bounds__(C::THREADS, 1)
               }
             }
           }
+        } else if constexpr (C::kMagicV && C::VB == 3) {
+          // 3-bit uniform values as fp16 magic numbers, 1024 + c 2^p (see magic_p; the merge takes the
+          // offset and scale out). The lane's 48 bits (dims 16 g .. 16 g + 15) of each token, realigned:
+          // r0 = bytes 0-3, r1 = bytes 2-5. A PRMT puts a two-byte window of token a in the low half and
+          // the same window of token b in the high half; every field then lies in bits p .. p + 2 <= 9 of its
+          // window, one LOP3 (mask | magic) per register.
+          const int bo = 6 * g, ba = bo & ~3, sh = (bo & 3) * 8;
+          const std::uint32_t* pa = reinterpret_cast<const std::uint32_t*>(sv + p0 * C::VCB + ba);
+          const std::uint32_t* pb = reinterpret_cast<const std::uint32_t*>(sv + p1 * C::VCB + ba);
+          const std::uint32_t a0 = __funnelshift_rc(pa[0], pa[1], sh), a1 = __funnelshift_rc(pa[0], pa[1], sh + 16);
+          const std::uint32_t b0 = __funnelshift_rc(pb[0], pb[1], sh), b1 = __funnelshift_rc(pb[0], pb[1], sh + 16);
+          // windows at bytes 0, 1, 2 (from r0) and 3, 4, 5 (bytes 1, 2, 3 of r1; only byte 5 is needed)
+          const std::uint32_t win[6] = {__byte_perm(a0, b0, 0x5410u), __byte_perm(a0, b0, 0x6521u), __byte_perm(a0, b0, 0x7632u),
+                                        __byte_perm(a1, b1, 0x6521u), __byte_perm(a1, b1, 0x7632u), __byte_perm(a1, b1, 0x7733u)};
+#pragma unroll
+          for (int j = 0; j < 16; ++j) {
+            constexpr std::uint32_t m7 = 0x00070007u;
+            const std::uint32_t x = win[(3 * j) / 8];
+            switch (C::magic_p(j)) {  // the field of dim j at bit 3 j of the run: window 3 j / 8, bit 3 j mod 8
+              case 0: areg[tp][j] = and_or<m7 << 0>(x, C::kMagic); break;
+              case 1: areg[tp][j] = and_or<m7 << 1>(x, C::kMagic); break;
+              case 2: areg[tp][j] = and_or<m7 << 2>(x, C::kMagic); break;
+              case 3: areg[tp][j] = and_or<m7 << 3>(x, C::kMagic); break;
+              case 4: areg[tp][j] = and_or<m7 << 4>(x, C::kMagic); break;
+              case 5: areg[tp][j] = and_or<m7 << 5>(x, C::kMagic); break;
+              case 6: areg[tp][j] = and_or<m7 << 6>(x, C::kMagic); break;
+              default: areg[tp][j] = and_or<m7 << 7>(x, C::kMagic); break;
+            }
+          }
         } else if constexpr (C::kMagicV) {
           // (c_a, c_b) as fp16 with an offset: low nibble | 0x6400 = 1024 + c (even dims, rows g),
           // high nibble | 0x6400 = 1024 + 16 c (odd dims, rows g + 8). The offsets stay in the products; the
@@ -974,10 +1007,10 @@ __global__ void __launch_bounds__(C::THREADS, 1)
       if constexpr (C::kMagicV) w_run1 += __shfl_xor_sync(0xffffffffu, w_run1, s);
     }
   }
-  // 4-bit uniform values: the magic numbers' offset (1024) out of the rows, and rows g + 8 (1024 + 16 c)
-  // scaled by 1/16. Both exact: the result is what 64 + c in rows g + 8 gave.
+  // Magic values: the offset (1024) out of the rows, and row j (1024 + c 2^p(j)) scaled by 2^-p(j). Both exact:
+  // the products and sums of row j are 2^p(j) x those of 1024 2^-p(j) + c.
   const float off = C::kMagicV ? 1024.0f * w_run : 0.0f, off1 = C::kMagicV ? 1024.0f * w_run1 : 0.0f;
-  constexpr float kOdd = C::kMagicV ? 0.0625f : 1.0f;
+  auto unmagic = [](int j) { return C::kMagicV ? 1.0f / static_cast<float>(1 << C::magic_p(j)) : 1.0f; };
   __syncthreads();
   constexpr int RS = C::RS;
   float* red = reinterpret_cast<float*>(smem_raw);  // every warp's copies have landed (cp_async_wait above)
@@ -990,8 +1023,8 @@ __global__ void __launch_bounds__(C::THREADS, 1)
 #pragma unroll
         for (int mt = 0; mt < 8; ++mt) {
           const int d = NSEG == 2 ? 64 * (mt >> 2) + 8 * g + 2 * (mt & 3) : 16 * g + 2 * mt;
-          rr[d] = o[mt][hh] - (hh ? off1 : off);
-          rr[d + 1] = (o[mt][2 + hh] - (hh ? off1 : off)) * kOdd;
+          rr[d] = (o[mt][hh] - (hh ? off1 : off)) * unmagic(2 * mt);
+          rr[d + 1] = (o[mt][2 + hh] - (hh ? off1 : off)) * unmagic(2 * mt + 1);
         }
         if (g == 0) {
           rr[D] = nloc > 0 ? (hh ? m_run1 : m_run) : -INFINITY;
@@ -1006,8 +1039,8 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     for (int mt = 0; mt < 8; ++mt) {
       // dim of row g: 16 g + 2 mt (split: 64 (mt / 4) + 8 g + 2 (mt % 4)); row g + 8: the next one
       const int d = NSEG == 2 ? 64 * (mt >> 2) + 8 * g + 2 * (mt & 3) : 16 * g + 2 * mt;
-      rr[d] = (o[mt][0] + o[mt][1]) - off;
-      rr[d + 1] = ((o[mt][2] + o[mt][3]) - off) * kOdd;
+      rr[d] = ((o[mt][0] + o[mt][1]) - off) * unmagic(2 * mt);
+      rr[d + 1] = ((o[mt][2] + o[mt][3]) - off) * unmagic(2 * mt + 1);
     }
     if (g == 0) {
       rr[D] = nloc > 0 ? m_run : -INFINITY;

@@ -750,13 +750,14 @@ int main(int argc, char** argv) {
   };
   if (small) {
     // A centered single-segment and a centered split format among them.
-    for (const char* fm : {"tq-4bit", "tq-4bit-nc", "tq-3.5bit", "tq-2.5bit", "tq-3bit"}) {
+    for (const char* fm : {"tq-4bit", "tq-4bit-nc", "tq-3bit-nc", "tq-3.5bit", "tq-2.5bit", "tq-3bit"}) {
       const std::string name = fm;
       add(name, name == "tq-3bit" || name == "tq-2.5bit", 128, 8, 2, {70, 33}, false, 4, 8, 0);
     }
-    // Eight heads per CTA: G = 8 with protection (fp8 keys, an outlier split), G = 6 unprotected (4-bit magic values).
+    // Eight heads per CTA: G = 8 with protection (fp8 keys, an outlier split), G = 6 unprotected (4- and 3-bit
+    // magic values).
     for (const char* fm : {"tq-k8v4", "tq-3.5bit"}) add(fm, false, 128, 16, 2, {70, 33}, false, 4, 8, 0);
-    add("tq-4bit-nc", false, 128, 12, 2, {95, 40}, false, 0, 0, 0);
+    for (const char* fm : {"tq-4bit-nc", "tq-3bit-nc"}) add(fm, false, 128, 12, 2, {95, 40}, false, 0, 0, 0);
   } else {
     for (const auto& fm : formats) {
       add(fm, false, 128, 32, 8, {1, 100, 257}, false, 0, 0, 0);
