@@ -46,7 +46,7 @@ __device__ inline void build_store_table(StoreTables& T, int t, const float* __r
                                   const float* __restrict__ cent_g, int bits, int lane) {
   const int ne = (1 << bits) - 1, nc = 1 << bits;
   for (int i = lane; i < 16; i += 32) {
-    T.edges[t][i] = i < ne ? edges_g[i] : INFINITY;
+    T.edges[t][i] = i < ne ? edges_g[i] + 0.0f : INFINITY;  // -0 as +0 (equal in every comparison; plus_below needs it)
     const double c = i < nc ? cent_g[i] : 0.0;
     T.csq[t][i] = c * c;
   }
@@ -95,11 +95,21 @@ __device__ inline void build_store_table(StoreTables& T, int t, const float* __r
   }
 }
 
+// k + (mid < y) from the sign bit of mid - y: 2 instructions (FADD, LEA.HI) where the compare, an add and
+// a predicated move took 3. mid - y < 0 exactly when mid < y for finite floats: their IEEE difference
+// is 0 only when they are equal (gradual underflow; under flush-to-zero a tiny difference keeps its
+// sign as -0 / +0) and has the sign of the order. A tie gives +0 (no increment: ties go down): x - x
+// is +0, and so is +0 - (-0); -0 - (+0) would be -0, so the tables hold no -0 midpoint
+// (build_store_table adds +0). mid = +inf gives +inf. A NaN y gives either code; such a row is refused
+// through its norm.
+__device__ __forceinline__ int plus_below(int k, float mid, float y) {
+  return k + static_cast<int>(__float_as_uint(__fsub_rn(mid, y)) >> 31);
+}
 // The bucket of y from a table that works (ok): its bin's base plus one if the midpoint mids[base]
 // is below y. The table's fields are arguments so that a loop can hold them in registers.
 __device__ __forceinline__ int bin_lookup(const std::uint8_t* base, const float* mids, float a, float b, float n, float y) {
   const int k = base[bin_of(y, a, b, n)];
-  return k + (mids[k] < y ? 1 : 0);
+  return plus_below(k, mids[k], y);
 }
 // The same lookup from one 8-byte entry per bin, (mids[base] as bits, base): one shared-memory load
 // and no second address (the GQA store's inner loop). Warp-wide: fills pairs[0 .. n] of table t (in
@@ -120,7 +130,7 @@ __device__ __forceinline__ int bin_pair_lookup(std::uint32_t pbase, float a, flo
   const std::uint32_t addr = __float_as_uint(__fmaf_rd(fma_sat(y, a, b), n, kFloorMagic)) * 8u + pbase;
   std::uint32_t mid, base;
   asm("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(mid), "=r"(base) : "r"(addr));
-  return static_cast<int>(base) + (__uint_as_float(mid) < y ? 1 : 0);
+  return plus_below(static_cast<int>(base), __uint_as_float(mid), y);
 }
 // The bucket of y with table t (the count of its midpoints strictly below y).
 __device__ __forceinline__ int bin_bucket(const StoreTables& T, int t, int ne, float y) {
