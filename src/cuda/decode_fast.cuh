@@ -17,8 +17,8 @@
 //    the value scale, split into fp16 + residual, goes from the score layout (token by g) to the B
 //    layout (token by t4) through a 512-byte scratch per warp (four 32-bit stores, two 8-byte loads
 //    per lane); every accumulator of a lane belongs to head t4, so the rescale needs no shuffle.
-//    4-bit uniform values enter the MMA as fp16 magic numbers (1024 + c, 64 + c); the merge takes the
-//    offsets out once.
+//    3- and 4-bit uniform values enter the MMA as fp16 magic numbers (1024 + c 2^p, one LOP3 per register);
+//    the merge takes the offset and the scale 2^p out once.
 //  - Swizzles against shared-memory bank conflicts: the query rows by 16-byte chunk (qs_chunk), and
 //    tq-4bit's 64-byte value rows by 16-byte unit in the stages (kSwzV).
 //  - Pair tables laid out [entry][64 words]: key pairs at word `lane`, value pairs at word
