@@ -4,8 +4,7 @@
 // random values. Both lookups are checked: the (midpoint, base) pairs of the GQA store and the byte
 // table of the outlier splits and the mla-tq writer. Codebooks: the sphere codebooks of head_dim 128
 // at 1-4 bits, raw and prescaled by 1 / sqrt(128) as the store uses them, and synthetic ones with a
-// -0 or +0 midpoint (the sign test of plus_below needs the tables to hold no -0). `--small` is the
-// same (the test is small).
+// -0 or +0 midpoint (the sign test of plus_below needs the tables to hold no -0).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
