@@ -35,6 +35,7 @@
 #include <cooperative_groups.h>
 
 #include <type_traits>
+#include <utility>
 
 #include "decode.cuh"
 
@@ -915,21 +916,10 @@ __global__ void __launch_bounds__(C::THREADS, 1)
           // windows at bytes 0, 1, 2 (from r0) and 3, 4, 5 (bytes 1, 2, 3 of r1; only byte 5 is needed)
           const std::uint32_t win[6] = {__byte_perm(a0, b0, 0x5410u), __byte_perm(a0, b0, 0x6521u), __byte_perm(a0, b0, 0x7632u),
                                         __byte_perm(a1, b1, 0x6521u), __byte_perm(a1, b1, 0x7632u), __byte_perm(a1, b1, 0x7733u)};
-#pragma unroll
-          for (int j = 0; j < 16; ++j) {
-            constexpr std::uint32_t m7 = 0x00070007u;
-            const std::uint32_t x = win[(3 * j) / 8];
-            switch (C::magic_p(j)) {  // the field of dim j at bit 3 j of the run: window 3 j / 8, bit 3 j mod 8
-              case 0: areg[tp][j] = and_or<m7 << 0>(x, C::kMagic); break;
-              case 1: areg[tp][j] = and_or<m7 << 1>(x, C::kMagic); break;
-              case 2: areg[tp][j] = and_or<m7 << 2>(x, C::kMagic); break;
-              case 3: areg[tp][j] = and_or<m7 << 3>(x, C::kMagic); break;
-              case 4: areg[tp][j] = and_or<m7 << 4>(x, C::kMagic); break;
-              case 5: areg[tp][j] = and_or<m7 << 5>(x, C::kMagic); break;
-              case 6: areg[tp][j] = and_or<m7 << 6>(x, C::kMagic); break;
-              default: areg[tp][j] = and_or<m7 << 7>(x, C::kMagic); break;
-            }
-          }
+          // dim j: the field at bit 3 j of the run, i.e. bit magic_p(j) = 3 j mod 8 of window 3 j / 8
+          [&]<int... J>(std::integer_sequence<int, J...>) {
+            ((areg[tp][J] = and_or<(0x00070007u << C::magic_p(J))>(win[(3 * J) / 8], C::kMagic)), ...);
+          }(std::make_integer_sequence<int, 16>{});
         } else if constexpr (C::kMagicV) {
           // (c_a, c_b) as fp16 with an offset: low nibble | 0x6400 = 1024 + c (even dims, rows g),
           // high nibble | 0x6400 = 1024 + 16 c (odd dims, rows g + 8). The offsets stay in the products; the

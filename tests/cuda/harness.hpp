@@ -5,9 +5,11 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <vector>
 
 namespace kvq::cudatest {
 
@@ -50,6 +52,22 @@ inline bool gpu_present() {
       std::exit(::kvq::cudatest::finish());                                                              \
     }                                                                                                    \
   } while (0)
+
+// A device copy of v (at least 16 bytes allocated, so that an empty vector gives a valid pointer) and
+// a host copy of n device values. Both abort the test binary on a CUDA failure.
+template <class T>
+T* upload(const std::vector<T>& v) {
+  void* p = nullptr;
+  KVQ_CUDA_OK(cudaMalloc(&p, std::max<std::size_t>(v.size() * sizeof(T), 16)));
+  if (!v.empty()) KVQ_CUDA_OK(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return static_cast<T*>(p);
+}
+template <class T>
+std::vector<T> download(const T* p, std::size_t n) {
+  std::vector<T> v(n);
+  KVQ_CUDA_OK(cudaMemcpy(v.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
+  return v;
+}
 
 // A call captured once into a CUDA graph on a stream of its own, replayed on demand (the GPU tests
 // require a replay to give the eager launch's bits). `launch(stream)` returns the launcher's error.

@@ -77,42 +77,33 @@ void run_case(const std::string& name, std::vector<float> edges, int bits, std::
     ys.push_back(y);
   }
   const int n = static_cast<int>(ys.size());
-  float *d_edges = nullptr, *d_cents = nullptr, *d_ys = nullptr;
-  int *d_pairs = nullptr, *d_bytes = nullptr, *d_ok = nullptr;
-  KVQ_CUDA_OK(cudaMalloc(&d_edges, 16 * sizeof(float)));
-  KVQ_CUDA_OK(cudaMalloc(&d_cents, 16 * sizeof(float)));
-  KVQ_CUDA_OK(cudaMalloc(&d_ys, ys.size() * sizeof(float)));
-  KVQ_CUDA_OK(cudaMalloc(&d_pairs, ys.size() * sizeof(int)));
-  KVQ_CUDA_OK(cudaMalloc(&d_bytes, ys.size() * sizeof(int)));
-  KVQ_CUDA_OK(cudaMalloc(&d_ok, sizeof(int)));
-  KVQ_CUDA_OK(cudaMemcpy(d_edges, edges.data(), 16 * sizeof(float), cudaMemcpyHostToDevice));
-  KVQ_CUDA_OK(cudaMemcpy(d_cents, cents.data(), 16 * sizeof(float), cudaMemcpyHostToDevice));
-  KVQ_CUDA_OK(cudaMemcpy(d_ys, ys.data(), ys.size() * sizeof(float), cudaMemcpyHostToDevice));
-  bucket_kernel<<<1, 32>>>(d_edges, d_cents, bits, d_ys, n, d_pairs, d_bytes, d_ok);
+  using kvq::cudatest::download;
+  using kvq::cudatest::upload;
+  float* d_edges = upload(edges);
+  float* d_cents = upload(cents);
+  float* d_ys = upload(ys);
+  int* d_out = upload(std::vector<int>(2 * ys.size() + 1, 0));  // pairs, byte table, ok
+  bucket_kernel<<<1, 32>>>(d_edges, d_cents, bits, d_ys, n, d_out, d_out + n, d_out + 2 * n);
   KVQ_CUDA_OK(cudaGetLastError());
-  std::vector<int> by_pairs(ys.size()), by_bytes(ys.size());
-  int ok = 0;
-  KVQ_CUDA_OK(cudaMemcpy(by_pairs.data(), d_pairs, ys.size() * sizeof(int), cudaMemcpyDeviceToHost));
-  KVQ_CUDA_OK(cudaMemcpy(by_bytes.data(), d_bytes, ys.size() * sizeof(int), cudaMemcpyDeviceToHost));
-  KVQ_CUDA_OK(cudaMemcpy(&ok, d_ok, sizeof(int), cudaMemcpyDeviceToHost));
+  const std::vector<int> out = download(d_out, 2 * ys.size() + 1);
   cudaFree(d_edges);
   cudaFree(d_cents);
   cudaFree(d_ys);
-  cudaFree(d_pairs);
-  cudaFree(d_bytes);
-  cudaFree(d_ok);
+  cudaFree(d_out);
+  const int* by_pairs = out.data();
+  const int* by_bytes = out.data() + n;
+  const int ok = out[2 * ys.size()];
   if (!kvq::cudatest::check(ok == 1, name + ": the bin table works for this codebook")) return;
   int wrong_pairs = 0, wrong_bytes = 0;
   for (int i = 0; i < n; ++i) {
     const float y = ys[static_cast<std::size_t>(i)];
     const int want = kvq::bucketize(edges.data(), ne, y);
-    const bool bp = by_pairs[static_cast<std::size_t>(i)] != want, bb = by_bytes[static_cast<std::size_t>(i)] != want;
+    const bool bp = by_pairs[i] != want, bb = by_bytes[i] != want;
     if ((bp || bb) && wrong_pairs + wrong_bytes < 4) {
       std::uint32_t bits_y = 0;
       std::memcpy(&bits_y, &y, sizeof bits_y);
       std::printf("  %s: y = %.9g (bits %08x): pairs %d, bytes %d, CPU %d\n", name.c_str(), static_cast<double>(y),
-                  static_cast<unsigned>(bits_y), by_pairs[static_cast<std::size_t>(i)],
-                  by_bytes[static_cast<std::size_t>(i)], want);
+                  static_cast<unsigned>(bits_y), by_pairs[i], by_bytes[i], want);
     }
     wrong_pairs += bp;
     wrong_bytes += bb;

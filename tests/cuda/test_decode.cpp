@@ -32,6 +32,7 @@
 using namespace kvq;
 using kvq::cudatest::CapturedCall;
 using kvq::cudatest::check;
+using kvq::cudatest::upload;
 
 namespace {
 
@@ -47,14 +48,6 @@ struct Case {
   bool centered = false;  // per-channel offsets in the rows and calibration means (kvq's own formats)
   unsigned seed = 1;
 };
-
-template <class T>
-T* upload(const std::vector<T>& v) {
-  T* p = nullptr;
-  KVQ_CUDA_OK(cudaMalloc(&p, std::max<std::size_t>(1, v.size() * sizeof(T))));
-  if (!v.empty()) KVQ_CUDA_OK(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return p;
-}
 
 std::vector<float> fixture_all(const std::string& name) {
   static SafetensorsFile f(std::string(KVQ_SOURCE_DIR) + "/models/tiny-gqa/reference.safetensors");

@@ -36,6 +36,8 @@
 using namespace kvq;
 using kvq::cudatest::CapturedCall;
 using kvq::cudatest::check;
+using kvq::cudatest::download;
+using kvq::cudatest::upload;
 
 namespace {
 
@@ -43,19 +45,6 @@ namespace {
 // generic-shape kernels.
 constexpr int kDc = 512, kDr = 64;
 
-template <class T>
-T* upload(const std::vector<T>& v) {
-  void* p = nullptr;
-  KVQ_CUDA_OK(cudaMalloc(&p, std::max<std::size_t>(v.size() * sizeof(T), 16)));
-  if (!v.empty()) KVQ_CUDA_OK(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return static_cast<T*>(p);
-}
-template <class T>
-std::vector<T> download(const T* p, std::size_t n) {
-  std::vector<T> v(n);
-  KVQ_CUDA_OK(cudaMemcpy(v.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
-  return v;
-}
 
 // n token rows [n][dc + dr] of bf16 values (latent then rope), as bf16 bits. Fixture rows of other
 // widths repeat the fixture's dims (latent dim d from fixture dim d % 512, RoPE d from d % 64).
