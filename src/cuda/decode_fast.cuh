@@ -116,10 +116,25 @@ struct FCfg {
   // P-transpose scratch, the stages of the other warps.
   static constexpr int nlo(int lut_pad) { return lut_pad / (NST * STAGE_BYTES) < WARPS ? lut_pad / (NST * STAGE_BYTES) : WARPS; }
   static constexpr int PROT_BYTES = kMaxGroup * D * 4 + WARPS * kMaxGroup * RS * 4;  // protected split
-  static constexpr int RED_BYTES = WARPS * HG * RS * 4 + (HG * WARPS + HG) * 4;     // merge of the warps, its weights
+  // Merge of the warps (the kernel's tail, sum_warps): row (warp, head) of RW floats holds dim d at d + (d >> 5).
+  // With RW = 4 (one segment) or 6 (split) mod 32, the 32 lanes of each of the writers' stores hit 32 banks (dims
+  // 16 g + 2 mt (+ 1), or 64 (mt / 4) + 8 g + 2 (mt % 4) (+ 1), of head t4), and the reader's 32 consecutive dims too.
+  static constexpr int RW = NSEG == 2 ? 134 : 132;
+  static constexpr int RED_BYTES = WARPS * HG * RW * 4;
+  // Each warp's softmax statistics: 2 HG 16-byte slots at the start of its P-transpose scratch (lane g of the merge
+  // reads warps g and g + 8), warp 0's HG constant terms after 256 bytes.
+  static_assert(WARPS <= 16 && 2 * HG * 16 <= 256 && 256 + HG * 4 <= SCR_WARP, "fast decode: merge statistics");
+  // The rows start past the warps' P-transpose scratch where the scratch lies below RED_BYTES (the statistics
+  // are read there while the rows are written).
+  static constexpr int SCR_END = LUT_BYTES + Q_BYTES + WARPS * SCR_WARP;  // past the scratch, without the pad
+  static constexpr int red_off(int lut_pad) {
+    return lut_pad + LUT_BYTES + Q_BYTES >= RED_BYTES ? 0 : align16c(lut_pad + SCR_END);
+  }
+  static constexpr int RED_END_MAX =
+      LUT_BYTES + Q_BYTES >= RED_BYTES ? RED_BYTES : align16c((LUT_ALIGN > 0 ? LUT_ALIGN - 16 : 0) + SCR_END) + RED_BYTES;
   // Cluster split merge: the CTA's partial ([HG][D] outputs, then HG log2-sum-exps), past what the tail
   // of every CTA kind uses.
-  static constexpr int CL_OFF = align16c(PROT_BYTES > RED_BYTES ? PROT_BYTES : RED_BYTES);
+  static constexpr int CL_OFF = align16c(PROT_BYTES > RED_END_MAX ? PROT_BYTES : RED_END_MAX);
   static constexpr int CL_BYTES = (HG * D + HG) * 4;
   static constexpr int smem(int lut_pad) {
     const int need = lut_pad + LUT_BYTES + Q_BYTES + WARPS * SCR_WARP + (WARPS - nlo(lut_pad)) * NST * STAGE_BYTES;
@@ -213,46 +228,22 @@ __device__ __forceinline__ void tq_keys_mma(const std::uint32_t (&wv)[4][NW], st
   }
 }
 
-// The merge of the warps' online softmaxes (red: per warp and head the D unnormalized outputs, max,
-// sum and zero term, RS floats apart) into the CTA's partial (po / plse, rows `stride` partials apart:
-// the workspace's [row][NS] layout, or 1 in shared memory for the cluster merge): the weights of the warps per head are
-// computed once by warp h (lane ww: warp ww's values): c_ww = 2^(m_ww - M) / sum and the constant
-// sum_ww c_ww z_ww; a warp without tokens has weight 0. Then every output is one dot product over
-// the warps. Its thread index is read after the loop (tid_after_loop: from threadIdx.x its address
-// arithmetic was hoisted above the main loop and cost the loop registers).
+// The last step of the merge of the warps' online softmaxes: every warp has scaled its rows of each head by
+// its weight c_w = 2^(m_w - M) / S (M, S: the CTA's maximum and sum over the warps), so output (h, d) of the
+// CTA's partial (po, rows `stride` partials apart: the workspace's [row][NS] layout, or 1 in shared memory for
+// the cluster merge) is the constant term sum_w c_w z_w plus the warps' rows in warp order (deterministic).
+// Its thread index is read after the loop (tid_after_loop: from threadIdx.x its address arithmetic was
+// hoisted above the main loop and cost the loop registers).
 template <class C>
-__device__ __forceinline__ void merge_warps(float* red, float* po, float* plse, int stride, int G) {
-  constexpr int D = C::D, RS = C::RS;
-  const int tid = tid_after_loop(), w = tid >> 5, lane = tid & 31;
-  constexpr int HG = C::HG;
-  float* const coef = red + C::WARPS * HG * RS;  // [HG][WARPS] weights, then [HG] constants
-  if (w < G) {
-    const float* rr = red + (lane * HG + w) * RS;
-    const float mw = lane < C::WARPS ? rr[D] : -INFINITY;
-    const float lw = lane < C::WARPS ? rr[D + 1] : 0.0f, zw = lane < C::WARPS ? rr[D + 2] : 0.0f;
-    float M = mw;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
-    const float f = mw == -INFINITY ? 0.0f : exp2f(mw - M);
-    float sum = f * lw;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    const float c = sum > 0 ? f / sum : 0.0f;
-    float zc = c * zw;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) zc += __shfl_xor_sync(0xffffffffu, zc, o);
-    if (lane < C::WARPS) coef[w * C::WARPS + lane] = c;
-    if (lane == 0) {
-      coef[HG * C::WARPS + w] = zc;
-      plse[static_cast<std::size_t>(w) * stride] = sum > 0 ? M + log2f(sum) : -INFINITY;
-    }
-  }
-  __syncthreads();
+__device__ __forceinline__ void sum_warps(const float* red, const float* zc, float* po, int stride, int G) {
+  constexpr int D = C::D, HG = C::HG, RW = C::RW;
+  const int tid = tid_after_loop();
   for (int idx = tid; idx < G * D; idx += C::THREADS) {
     const int h = idx / D, d = idx % D;
-    float acc = coef[HG * C::WARPS + h];
+    const float* col = red + h * RW + d + (d >> 5);
+    float acc = zc[h];
 #pragma unroll
-    for (int ww = 0; ww < C::WARPS; ++ww) acc += coef[h * C::WARPS + ww] * red[(ww * HG + h) * RS + d];
+    for (int ww = 0; ww < C::WARPS; ++ww) acc += col[ww * HG * RW];
     po[static_cast<std::size_t>(h) * stride * D + d] = acc;
   }
 }
@@ -261,8 +252,8 @@ __device__ __forceinline__ void merge_warps(float* red, float* po, float* plse, 
 // head) are one cluster, rank = split, each with its partial at CL_OFF of its shared memory. After a
 // cluster barrier (release / acquire), warp h < G of the CTA of rank h % NS merges row h from the
 // CTAs' shared memory (distributed shared memory) as finish_group merges from the workspace, in split
-// order; a second barrier keeps every CTA's shared memory until the reads are done. No workspace, fence,
-// counter or global round trip.
+// order; a second barrier (relaxed arrival) keeps every CTA's shared memory until the reads are done. No
+// workspace, fence, counter or global round trip.
 template <class C>
 __device__ __forceinline__ void finish_cluster(const DecodeParams& p, int NS, int G, std::uint8_t* smem_raw) {
   namespace cg = cooperative_groups;
@@ -288,7 +279,11 @@ __device__ __forceinline__ void finish_cluster(const DecodeParams& p, int NS, in
         p, NS, lane, vp, vs, mu, row, [&](int s) { return cl.map_shared_rank(part, s)[C::HG * D + w]; },
         [&](int s) { return reinterpret_cast<const float4*>(cl.map_shared_rank(part, s) + w * D)[lane]; });
   }
-  cl.sync();
+  // No CTA leaves while another still reads its shared memory. The reads are done (their values are in the
+  // outputs), so the arrival needs no release: a release (cl.sync) also waits for the output stores to be
+  // acknowledged at GPU scope (MEMBAR.ALL.GPU).
+  __cluster_barrier_arrive_relaxed();
+  __cluster_barrier_wait();
 }
 
 template <class C>
@@ -1001,45 +996,92 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   // the products and sums of row j are 2^p(j) x those of 1024 2^-p(j) + c.
   const float off = C::kMagicV ? 1024.0f * w_run : 0.0f, off1 = C::kMagicV ? 1024.0f * w_run1 : 0.0f;
   auto unmagic = [](int j) { return C::kMagicV ? 1.0f / static_cast<float>(1 << C::magic_p(j)) : 1.0f; };
-  __syncthreads();
-  constexpr int RS = C::RS;
-  float* red = reinterpret_cast<float*>(smem_raw);  // every warp's copies have landed (cp_async_wait above)
-  if constexpr (C::kHG8) {
-    // Columns 2 t4 (head t4) and 2 t4 + 1 (head t4 + 4), each one fp16-rounded column.
+  // Each warp's softmax statistics of its heads go to its own P-transpose scratch (no other warp uses it
+  // after the prologue), so no barrier is needed before they are written: slot h + HG (w & 1) holds
+  // (max, sum, zero term) of head h, the slots of warps w and w + 1 in different bank groups.
+  const float m_own = nloc > 0 ? m_run : -INFINITY, m_own1 = nloc > 0 ? m_run1 : -INFINITY;
+  __syncwarp();  // the warp's last P-transpose loads from the scratch are done
+  if (g == 0) {
+    float4* const sl = reinterpret_cast<float4*>(scr) + C::HG * (w & 1);
+    if (t4 < G) sl[t4] = make_float4(m_own, l_run, z_run, 0.0f);
+    if constexpr (C::kHG8) {
+      if (t4 + 4 < G) sl[t4 + 4] = make_float4(m_own1, l_run1, z_run1, 0.0f);
+    }
+  }
+  __syncthreads();  // every warp's statistics are written and its copies have landed (the rows overlap the stages)
+  // Every warp computes the CTA's softmax of each of its lanes' heads from the statistics of all warps (lane g
+  // reads warps g, g + 8), then its own weight c = 2^(m_own - M) / S, and scales its rows by it.
+  float* const red = reinterpret_cast<float*>(smem_raw + C::red_off(lut_pad));
+  std::uint8_t* const scr_all = lut + C::LUT_BYTES + C::Q_BYTES;  // warp ww's scratch at ww * SCR_WARP
+  float* const zc_s = reinterpret_cast<float*>(scr_all + 256);     // warp 0's scratch past its slots: [HG] constants
+  auto weight = [&](int h, float mown, float& zc, float& lse) {
+    float mi[2], li[2], zi[2];
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
+    for (int k = 0; k < 2; ++k) {
+      const int ww = g + 8 * k;
+      if (ww < C::WARPS && h < G) {
+        const float4 v = reinterpret_cast<const float4*>(scr_all + ww * C::SCR_WARP)[h + C::HG * (ww & 1)];
+        mi[k] = v.x, li[k] = v.y, zi[k] = v.z;
+      } else {
+        mi[k] = -INFINITY, li[k] = 0.0f, zi[k] = 0.0f;
+      }
+    }
+    float M = fmaxf(mi[0], mi[1]);
+#pragma unroll
+    for (int o2 = 4; o2 < 32; o2 <<= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o2));
+    float S = 0.0f, Z = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const float f = mi[k] == -INFINITY ? 0.0f : exp2f(mi[k] - M);
+      S += f * li[k];
+      Z += f * zi[k];
+    }
+#pragma unroll
+    for (int o2 = 4; o2 < 32; o2 <<= 1) {
+      S += __shfl_xor_sync(0xffffffffu, S, o2);
+      Z += __shfl_xor_sync(0xffffffffu, Z, o2);
+    }
+    zc = S > 0 ? Z / S : 0.0f;
+    lse = S > 0 ? M + log2f(S) : -INFINITY;
+    return mown == -INFINITY || !(S > 0) ? 0.0f : exp2f(mown - M) / S;
+  };
+  {
+    float zc, lse;
+    const float c = weight(t4, m_own, zc, lse);
+    if (w == 0 && g == 0 && t4 < G) {
+      zc_s[t4] = zc;
+      plse[static_cast<std::size_t>(t4) * pst] = lse;
+    }
+    float c1 = 0.0f;
+    if constexpr (C::kHG8) {
+      float zc1, lse1;
+      c1 = weight(t4 + 4, m_own1, zc1, lse1);
+      if (w == 0 && g == 0 && t4 + 4 < G) {
+        zc_s[t4 + 4] = zc1;
+        plse[static_cast<std::size_t>(t4 + 4) * pst] = lse1;
+      }
+    }
+#pragma unroll
+    for (int hh = 0; hh < (C::kHG8 ? 2 : 1); ++hh) {
       if (t4 + 4 * hh < G) {
-        float* rr = red + (w * 8 + t4 + 4 * hh) * RS;
+        float* rr = red + (w * C::HG + t4 + 4 * hh) * C::RW;
+        const float cc = hh ? c1 : c, of = hh ? off1 : off;
 #pragma unroll
         for (int mt = 0; mt < 8; ++mt) {
+          // dim of row g: 16 g + 2 mt (split: 64 (mt / 4) + 8 g + 2 (mt % 4)); row g + 8: the next one
           const int d = NSEG == 2 ? 64 * (mt >> 2) + 8 * g + 2 * (mt & 3) : 16 * g + 2 * mt;
-          rr[d] = (o[mt][hh] - (hh ? off1 : off)) * unmagic(2 * mt);
-          rr[d + 1] = (o[mt][2 + hh] - (hh ? off1 : off)) * unmagic(2 * mt + 1);
-        }
-        if (g == 0) {
-          rr[D] = nloc > 0 ? (hh ? m_run1 : m_run) : -INFINITY;
-          rr[D + 1] = hh ? l_run1 : l_run;
-          rr[D + 2] = hh ? z_run1 : z_run;
+          // Four heads: columns 2 t4 / 2 t4 + 1 are head t4's rounded P and its residual; eight heads: column
+          // 2 t4 + hh is head t4 + 4 hh.
+          const float x0 = C::kHG8 ? o[mt][hh] : o[mt][0] + o[mt][1];
+          const float x1 = C::kHG8 ? o[mt][2 + hh] : o[mt][2] + o[mt][3];
+          rr[d + (d >> 5)] = cc * ((x0 - of) * unmagic(2 * mt));
+          rr[d + 1 + (d >> 5)] = cc * ((x1 - of) * unmagic(2 * mt + 1));
         }
       }
     }
-  } else if (t4 < G) {
-    float* rr = red + (w * 4 + t4) * RS;
-#pragma unroll
-    for (int mt = 0; mt < 8; ++mt) {
-      // dim of row g: 16 g + 2 mt (split: 64 (mt / 4) + 8 g + 2 (mt % 4)); row g + 8: the next one
-      const int d = NSEG == 2 ? 64 * (mt >> 2) + 8 * g + 2 * (mt & 3) : 16 * g + 2 * mt;
-      rr[d] = ((o[mt][0] + o[mt][1]) - off) * unmagic(2 * mt);
-      rr[d + 1] = ((o[mt][2] + o[mt][3]) - off) * unmagic(2 * mt + 1);
-    }
-    if (g == 0) {
-      rr[D] = nloc > 0 ? m_run : -INFINITY;
-      rr[D + 1] = l_run;
-      rr[D + 2] = z_run;
-    }
   }
   __syncthreads();
-  merge_warps<C>(red, po, plse, pst, G);
+  sum_warps<C>(red, zc_s, po, pst, G);
   finish();
 }
 
