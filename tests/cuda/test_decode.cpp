@@ -46,6 +46,11 @@ struct Case {
   int sinks = 0, window = 0;
   int splits = 0;
   bool centered = false;  // per-channel offsets in the rows and calibration means (kvq's own formats)
+  // TurboQuant values decoded with twice the value codebook (the device copy doubled before decode, the
+  // reference doubled with it; no protection, uncentered). Every TurboQuant-value format uses one codebook for
+  // keys and values, so without this a kernel that read key centroids for values, or value pairs for keys,
+  // would pass.
+  bool values_x2 = false;
   unsigned seed = 1;
 };
 
@@ -275,6 +280,18 @@ double run_case(const Case& c) {
 
   // GPU decode on the CPU-packed cache.
   cuda::LayerTables tabs(f, g, 0, &oc);
+  // values_x2: the device value codebook doubled (exact) for the decode checks, restored for the store.
+  std::vector<float> vcent(static_cast<std::size_t>(cuda::kMaxSegments) * cuda::kMaxCodebook);
+  float* const dvcent = const_cast<float*>(tabs.desc().value_centroids);
+  if (c.values_x2) {
+    check(tabs.desc().value == cuda::ValueCode::kTq && !pr.enabled() && !c.centered,
+          c.fmt + ": values_x2 needs TurboQuant values, no protection, no centering");
+    KVQ_CUDA_OK(cudaMemcpy(vcent.data(), dvcent, vcent.size() * sizeof(float), cudaMemcpyDeviceToHost));
+    std::vector<float> twice(vcent);
+    for (auto& x : twice) x *= 2.0f;
+    KVQ_CUDA_OK(cudaMemcpy(dvcent, twice.data(), twice.size() * sizeof(float), cudaMemcpyHostToDevice));
+    for (auto& x : ref) x *= 2.0;  // attention is linear in the values
+  }
   std::uint8_t* dpool = upload(pool);
   std::int32_t* dbt = upload(bt);
   std::int32_t* dlens = upload(std::vector<std::int32_t>(c.lens.begin(), c.lens.end()));
@@ -304,7 +321,8 @@ double run_case(const Case& c) {
   const std::string name = c.fmt + " d" + std::to_string(D) + " " + std::to_string(c.hq) + "/" + std::to_string(H) +
                            " B" + std::to_string(B) + " maxL" + std::to_string(maxL) + (c.fixture ? " fixture" : "") +
                            (pr.enabled() ? " S" + std::to_string(c.sinks) + "W" + std::to_string(c.window) : "") +
-                           (c.splits ? " splits" + std::to_string(c.splits) : "") + (c.centered ? " centered" : "");
+                           (c.splits ? " splits" + std::to_string(c.splits) : "") + (c.centered ? " centered" : "") +
+                           (c.values_x2 ? " values x2" : "");
   check(!c.centered || (p.fmt.key_mean && p.fmt.value_mean), name + ": centered case without means in the tables");
   // The fast kernel serves head_dim 128 with G <= 8 (four heads per CTA up to G = 4, eight above) for
   // every format but bf16 (outlier splits included).
@@ -370,6 +388,8 @@ double run_case(const Case& c) {
     }
   }
 
+  if (c.values_x2)
+    KVQ_CUDA_OK(cudaMemcpy(dvcent, vcent.data(), vcent.size() * sizeof(float), cudaMemcpyHostToDevice));
   // Store kernel: the same rows packed on the GPU must give the CPU's bytes.
   if (!pr.enabled() || c.sinks > 0) {
     std::vector<std::uint8_t> pool2(pool.size(), 0xff);
@@ -726,7 +746,7 @@ int main(int argc, char** argv) {
   unsigned seed = 11;
   // One case per call; the seeds follow the order of the calls.
   auto add = [&](const std::string& fm, bool centered, int d, int hq, int hkv, std::vector<int> lens, bool fix, int s,
-                 int w, int splits) {
+                 int w, int splits, bool values_x2 = false) {
     Case c;
     c.fmt = fm;
     c.d = d;
@@ -738,6 +758,7 @@ int main(int argc, char** argv) {
     c.window = w;
     c.splits = splits;
     c.centered = centered;
+    c.values_x2 = values_x2;
     c.seed = seed++;
     cases.push_back(c);
   };
@@ -751,6 +772,7 @@ int main(int argc, char** argv) {
     // magic values).
     for (const char* fm : {"tq-k8v4", "tq-3.5bit"}) add(fm, false, 128, 16, 2, {70, 33}, false, 4, 8, 0);
     for (const char* fm : {"tq-4bit-nc", "tq-3bit-nc"}) add(fm, false, 128, 12, 2, {95, 40}, false, 0, 0, 0);
+    add("tq-3.5bit", false, 128, 8, 2, {70, 33}, false, 0, 0, 0, true);
   } else {
     for (const auto& fm : formats) {
       add(fm, false, 128, 32, 8, {1, 100, 257}, false, 0, 0, 0);
@@ -776,6 +798,15 @@ int main(int argc, char** argv) {
       add(fm, true, 128, 4, 2, {511, 200}, true, 4, 32, 3);          // fixture keys (real channel means)
       add(fm, true, 64, 16, 4, {77, 300}, false, 2, 16, 0);
       add(fm, true, 96, 12, 4, {95, 250}, false, 4, 8, 0);
+    }
+    // A value codebook unlike the key one: the fast kernel with four and eight heads per CTA, forced splits,
+    // the generic kernel (head_dim 64, 96).
+    for (const char* fm : {"tq-4bit", "tq-3bit", "tq-3.5bit", "tq-2.5bit"}) {
+      add(fm, false, 128, 32, 8, {1, 100, 257}, false, 0, 0, 0, true);
+      add(fm, false, 128, 16, 2, {64, 65, 1000, 7}, false, 0, 0, 0, true);
+      add(fm, false, 128, 12, 2, {129, 3000}, false, 0, 0, 5, true);
+      add(fm, false, 64, 32, 8, {77, 300}, false, 0, 0, 0, true);
+      add(fm, false, 96, 12, 4, {95, 250}, false, 0, 0, 0, true);
     }
   }
   for (const auto& c : cases) run_case(c);
