@@ -32,6 +32,7 @@
 using namespace kvq;
 using kvq::cudatest::CapturedCall;
 using kvq::cudatest::check;
+using kvq::cudatest::download;
 using kvq::cudatest::upload;
 
 namespace {
@@ -281,12 +282,13 @@ double run_case(const Case& c) {
   // GPU decode on the CPU-packed cache.
   cuda::LayerTables tabs(f, g, 0, &oc);
   // values_x2: the device value codebook doubled (exact) for the decode checks, restored for the store.
-  std::vector<float> vcent(static_cast<std::size_t>(cuda::kMaxSegments) * cuda::kMaxCodebook);
+  constexpr std::size_t kCentroids = static_cast<std::size_t>(cuda::kMaxSegments) * cuda::kMaxCodebook;
   float* const dvcent = const_cast<float*>(tabs.desc().value_centroids);
+  std::vector<float> vcent;
   if (c.values_x2) {
     check(tabs.desc().value == cuda::ValueCode::kTq && !pr.enabled() && !c.centered,
           c.fmt + ": values_x2 needs TurboQuant values, no protection, no centering");
-    KVQ_CUDA_OK(cudaMemcpy(vcent.data(), dvcent, vcent.size() * sizeof(float), cudaMemcpyDeviceToHost));
+    vcent = download(dvcent, kCentroids);
     std::vector<float> twice(vcent);
     for (auto& x : twice) x *= 2.0f;
     KVQ_CUDA_OK(cudaMemcpy(dvcent, twice.data(), twice.size() * sizeof(float), cudaMemcpyHostToDevice));

@@ -45,7 +45,6 @@ namespace {
 // generic-shape kernels.
 constexpr int kDc = 512, kDr = 64;
 
-
 // n token rows [n][dc + dr] of bf16 values (latent then rope), as bf16 bits. Fixture rows of other
 // widths repeat the fixture's dims (latent dim d from fixture dim d % 512, RoPE d from d % 64).
 std::vector<std::uint16_t> make_rows(int n, bool fixture, unsigned seed, int dc = kDc, int dr = kDr) {
