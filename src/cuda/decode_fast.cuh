@@ -136,9 +136,17 @@ struct FCfg {
   // of every CTA kind uses.
   static constexpr int CL_OFF = align16c(PROT_BYTES > RED_END_MAX ? PROT_BYTES : RED_END_MAX);
   static constexpr int CL_BYTES = (HG * D + HG) * 4;
+  // Then the merge's receive buffer (finish_cluster): row h of split s at [h][s][D] floats, the log2-sum-exps at
+  // [h][s], the transaction barrier (8 bytes). kClMax: the most CTAs per cluster (fast_cluster_applies).
+  static constexpr int kClMax = 8;
+  static constexpr int RC_OFF = align16c(CL_OFF + CL_BYTES);
+  static constexpr int RC_LSE = HG * kClMax * D * 4;
+  static constexpr int RC_BAR = RC_LSE + HG * kClMax * 4;
+  static constexpr int CL_END = RC_OFF + RC_BAR + 16;
+  static_assert(CL_END <= kSmemBudget, "fast decode: the cluster merge's buffers");
   static constexpr int smem(int lut_pad) {
     const int need = lut_pad + LUT_BYTES + Q_BYTES + WARPS * SCR_WARP + (WARPS - nlo(lut_pad)) * NST * STAGE_BYTES;
-    return need > CL_OFF + CL_BYTES ? need : CL_OFF + CL_BYTES;
+    return need > CL_END ? need : CL_END;
   }
   static_assert(WARPS >= 8, "fast decode: too little shared memory");
 };
@@ -248,20 +256,41 @@ __device__ __forceinline__ void sum_warps(const float* red, const float* zc, flo
   }
 }
 
+// Shared-window address of p in the CTA of the cluster with rank r.
+__device__ __forceinline__ std::uint32_t cluster_addr(std::uint32_t a, int r) {
+  std::uint32_t ra;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(a), "r"(r));
+  return ra;
+}
+// 16 bytes (4 bytes) to a cluster shared-window address, counted as complete transaction bytes on the barrier at bar
+// (a cluster shared-window address in the same CTA).
+__device__ __forceinline__ void st_async16(std::uint32_t dst, float4 v, std::uint32_t bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];" ::"r"(dst),
+               "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "r"(bar)
+               : "memory");
+}
+__device__ __forceinline__ void st_async4(std::uint32_t dst, float v, std::uint32_t bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [%0], %1, [%2];" ::"r"(dst), "f"(v), "r"(bar) : "memory");
+}
+
 // The split merge inside a thread-block cluster (SplitArgs::cluster): the NS CTAs of a (sequence, KV
-// head) are one cluster, rank = split, each with its partial at CL_OFF of its shared memory. After a
-// cluster barrier (release / acquire), warp h < G of the CTA of rank h % NS merges row h from the
-// CTAs' shared memory (distributed shared memory) as finish_group merges from the workspace, in split
-// order; a second barrier (relaxed arrival) keeps every CTA's shared memory until the reads are done. No
-// workspace, fence, counter or global round trip.
+// head) are one cluster, rank = split, each with its partial ([HG][D] outputs, then HG log2-sum-exps) at CL_OFF of
+// its shared memory. Row h is merged by warp h of the CTA of rank h % NS (its owner), as finish_group merges from
+// the workspace, in split order. Every CTA sends its partial row h to the owner's receive buffer (RC_OFF) with
+// asynchronous stores that count their bytes on the owner's transaction barrier, which the owner's warps wait on:
+// a cluster barrier with a release before reading other CTAs' shared memory compiles to a GPU-scope memory barrier
+// (MEMBAR.ALL.GPU) that waits for all of the CTA's outstanding memory traffic. The receive buffer overlaps the
+// stages of the main loop, so a cluster barrier with a relaxed arrival (no data is published by it) first makes
+// sure every CTA of the cluster is past its loop and has initialized its transaction barrier. A second one keeps
+// every CTA until all sends are issued. No workspace, fence, counter or global round trip.
 template <class C>
 __device__ __forceinline__ void finish_cluster(const DecodeParams& p, int NS, int G, std::uint8_t* smem_raw) {
   namespace cg = cooperative_groups;
   constexpr int D = C::D;
-  const cg::cluster_group cl = cg::this_cluster();
+  const int rank = static_cast<int>(cg::this_cluster().block_rank());
   const int tid = tid_after_loop(), kh = ctaid_y_after_loop(), b = ctaid_z_after_loop();
   const int w = tid >> 5, lane = tid & 31;
-  const bool mine = w < G && w % NS == static_cast<int>(cl.block_rank());
+  const bool mine = w < G && w % NS == rank;
   const float* mu = p.fmt.value_mean ? p.fmt.value_mean + static_cast<std::size_t>(kh) * D : nullptr;
   int4 vp = make_int4(0, 0, 0, 0);
   float4 vs = make_float4(0, 0, 0, 0);
@@ -271,18 +300,45 @@ __device__ __forceinline__ void finish_cluster(const DecodeParams& p, int NS, in
       vs = reinterpret_cast<const float4*>(p.fmt.value_signs + static_cast<std::size_t>(kh) * D)[lane];
     }
   }
-  cl.sync();
+  const std::uint32_t base = smem_u32(smem_raw);
+  const std::uint32_t rc = base + C::RC_OFF, bar = rc + C::RC_BAR;
+  if (tid == 0) {
+    int owned = 0;  // rows this CTA merges: NS partial rows and log2-sum-exps each
+    for (int h = rank; h < G; h += NS) ++owned;
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(owned * NS * (D + 1) * 4) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();  // the partial is complete (every exit path wrote it with all threads), the barrier initialized
+  __cluster_barrier_arrive_relaxed();
+  __cluster_barrier_wait();
+  const float* const part = reinterpret_cast<const float*>(smem_raw + C::CL_OFF);
+  for (int i = tid; i < G * (D / 4); i += C::THREADS) {
+    const int h = i / (D / 4), q = i % (D / 4), o = h % NS;
+    st_async16(cluster_addr(rc + static_cast<std::uint32_t>(((h * C::kClMax + rank) * D + 4 * q) * 4), o),
+               reinterpret_cast<const float4*>(part)[i], cluster_addr(bar, o));
+  }
+  if (tid < G) {
+    const int o = tid % NS;
+    st_async4(cluster_addr(rc + static_cast<std::uint32_t>(C::RC_LSE + (tid * C::kClMax + rank) * 4), o), part[C::HG * D + tid],
+              cluster_addr(bar, o));
+  }
+  __cluster_barrier_arrive_relaxed();
   if (mine) {
-    float* const part = reinterpret_cast<float*>(smem_raw + C::CL_OFF);
+    std::uint32_t done = 0;
+    do {
+      asm volatile(
+          "{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], 0;\n selp.u32 %0, 1, 0, p;\n}"
+          : "=r"(done)
+          : "r"(bar)
+          : "memory");
+    } while (!done);
+    const float* const recv = reinterpret_cast<const float*>(smem_raw + C::RC_OFF);
     const std::size_t row = static_cast<std::size_t>(b) * p.q_heads + static_cast<std::size_t>(kh) * G + w;
     merge_row_reg<C::VC == ValueCode::kTq>(
-        p, NS, lane, vp, vs, mu, row, [&](int s) { return cl.map_shared_rank(part, s)[C::HG * D + w]; },
-        [&](int s) { return reinterpret_cast<const float4*>(cl.map_shared_rank(part, s) + w * D)[lane]; });
+        p, NS, lane, vp, vs, mu, row, [&](int s) { return recv[C::RC_LSE / 4 + w * C::kClMax + s]; },
+        [&](int s) { return reinterpret_cast<const float4*>(recv + (w * C::kClMax + s) * D)[lane]; });
   }
-  // No CTA leaves while another still reads its shared memory. The reads are done (their values are in the
-  // outputs), so the arrival needs no release: a release (cl.sync) also waits for the output stores to be
-  // acknowledged at GPU scope (MEMBAR.ALL.GPU).
-  __cluster_barrier_arrive_relaxed();
   __cluster_barrier_wait();
 }
 
