@@ -300,8 +300,18 @@ __device__ __forceinline__ void finish_cluster(const DecodeParams& p, int NS, in
       vs = reinterpret_cast<const float4*>(p.fmt.value_signs + static_cast<std::size_t>(kh) * D)[lane];
     }
   }
+  const float* const part = reinterpret_cast<const float*>(smem_raw + C::CL_OFF);
   const std::uint32_t base = smem_u32(smem_raw);
   const std::uint32_t rc = base + C::RC_OFF, bar = rc + C::RC_BAR;
+  const std::size_t row = static_cast<std::size_t>(b) * p.q_heads + static_cast<std::size_t>(kh) * G + w;
+  if (NS == 1) {  // a cluster of one CTA (asynchronous stores need two or more): the merge of its own partial
+    __syncthreads();
+    if (mine)
+      merge_row_reg<C::VC == ValueCode::kTq>(
+          p, 1, lane, vp, vs, mu, row, [&](int) { return part[C::HG * D + w]; },
+          [&](int) { return reinterpret_cast<const float4*>(part + w * D)[lane]; });
+    return;
+  }
   if (tid == 0) {
     int owned = 0;  // rows this CTA merges: NS partial rows and log2-sum-exps each
     for (int h = rank; h < G; h += NS) ++owned;
@@ -312,7 +322,6 @@ __device__ __forceinline__ void finish_cluster(const DecodeParams& p, int NS, in
   __syncthreads();  // the partial is complete (every exit path wrote it with all threads), the barrier initialized
   __cluster_barrier_arrive_relaxed();
   __cluster_barrier_wait();
-  const float* const part = reinterpret_cast<const float*>(smem_raw + C::CL_OFF);
   for (int i = tid; i < G * (D / 4); i += C::THREADS) {
     const int h = i / (D / 4), q = i % (D / 4), o = h % NS;
     st_async16(cluster_addr(rc + static_cast<std::uint32_t>(((h * C::kClMax + rank) * D + 4 * q) * 4), o),
@@ -334,7 +343,6 @@ __device__ __forceinline__ void finish_cluster(const DecodeParams& p, int NS, in
           : "memory");
     } while (!done);
     const float* const recv = reinterpret_cast<const float*>(smem_raw + C::RC_OFF);
-    const std::size_t row = static_cast<std::size_t>(b) * p.q_heads + static_cast<std::size_t>(kh) * G + w;
     merge_row_reg<C::VC == ValueCode::kTq>(
         p, NS, lane, vp, vs, mu, row, [&](int s) { return recv[C::RC_LSE / 4 + w * C::kClMax + s]; },
         [&](int s) { return reinterpret_cast<const float4*>(recv + (w * C::kClMax + s) * D)[lane]; });

@@ -38,6 +38,7 @@ using kvq::cudatest::upload;
 namespace {
 
 int g_cluster_cases = 0;  // decode cases whose launch merged its splits in thread-block clusters
+int g_cluster_multi = 0;  // ... in clusters of two or more CTAs (the merge by asynchronous stores)
 
 struct Case {
   std::string fmt;
@@ -353,6 +354,7 @@ double run_case(const Case& c) {
   pw.cluster_merge = false;
   if (cluster) {
     ++g_cluster_cases;
+    if (cuda::decode_splits(p) + (p.protect.enabled() ? 1 : 0) > 1) ++g_cluster_multi;
     check(!cuda::decode_uses_cluster_merge(pw), name + ": cluster_merge = false still merges in clusters");
     KVQ_CUDA_OK(cudaMemset(dout, 0xff, q.size() * sizeof(float)));
     check(cuda::decode(pw) == cudaSuccess, name + ": decode launch without clusters");
@@ -775,6 +777,11 @@ int main(int argc, char** argv) {
     for (const char* fm : {"tq-k8v4", "tq-3.5bit"}) add(fm, false, 128, 16, 2, {70, 33}, false, 4, 8, 0);
     for (const char* fm : {"tq-4bit-nc", "tq-3bit-nc"}) add(fm, false, 128, 12, 2, {95, 40}, false, 0, 0, 0);
     add("tq-3.5bit", false, 128, 8, 2, {70, 33}, false, 0, 0, 0, true);
+    // Clusters of several CTAs (forced splits): an empty split (33 tokens in three splits), a protected split CTA
+    // among them (eight heads), more CTAs than heads (G = 1: CTAs that merge no row).
+    add("tq-4bit", false, 128, 8, 2, {129, 33}, false, 0, 0, 3);
+    add("tq-3.5bit", false, 128, 16, 2, {300, 90}, false, 4, 8, 2);
+    add("tq-4bit-nc", false, 128, 2, 2, {129, 700}, false, 0, 0, 5);
   } else {
     for (const auto& fm : formats) {
       add(fm, false, 128, 32, 8, {1, 100, 257}, false, 0, 0, 0);
@@ -814,6 +821,7 @@ int main(int argc, char** argv) {
   for (const auto& c : cases) run_case(c);
   // The fast kernel's launches of these shapes fit the device in clusters (one wave or less).
   check(g_cluster_cases > 0, "no decode case merged its splits in a cluster");
+  check(g_cluster_multi > 0, "no decode case merged its splits in a cluster of two or more CTAs");
   std::printf("  %d decode cases merged in clusters (and matched the workspace merge bit for bit)\n", g_cluster_cases);
   test_decode_rejects();
   if (small) {
