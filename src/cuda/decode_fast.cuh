@@ -137,7 +137,8 @@ struct FCfg {
   static constexpr int CL_OFF = align16c(PROT_BYTES > RED_END_MAX ? PROT_BYTES : RED_END_MAX);
   static constexpr int CL_BYTES = (HG * D + HG) * 4;
   // Then the merge's receive buffer (finish_cluster): row h of split s at [h][s][D] floats, the log2-sum-exps at
-  // [h][s], the transaction barrier (8 bytes). kClMax: the most CTAs per cluster (fast_cluster_applies).
+  // [h][s], the transaction barrier (8 bytes). kClMax: the most CTAs per cluster (fast_cluster_applies; 8 is the portable
+  // cluster size).
   static constexpr int kClMax = 8;
   static constexpr int RC_OFF = align16c(CL_OFF + CL_BYTES);
   static constexpr int RC_LSE = HG * kClMax * D * 4;
@@ -1185,7 +1186,7 @@ int fast_smem(const DecodeParams& p) {
 // SMs idle would cost a wave. The caller has raised the kernel's shared-memory limit to smem.
 template <class C>
 bool fast_cluster_applies(const DecodeParams& p, int NS, int smem) {
-  if (!p.cluster_merge || NS < 1 || NS > 8 || smem <= 0) return false;
+  if (!p.cluster_merge || NS < 1 || NS > C::kClMax || smem <= 0) return false;
   const int per = max_active_clusters_once<decode_fast_kernel<C>>(NS, C::THREADS, smem);
   if (per <= 0) return false;
   const long groups = static_cast<long>(p.batch) * p.fmt.kv_heads;
