@@ -92,6 +92,7 @@ cudaError_t decode(const DecodeParams& p, cudaStream_t stream) {
   if (p.protect.enabled() && (!p.protect_rows || p.protect.kv_heads != f.kv_heads || p.protect.head_dim != f.head_dim))
     return cudaErrorInvalidValue;
   if (!decode_supported(f)) return cudaErrorInvalidValue;
+  if (p.test_send_delay_ns < 0 || p.test_send_delay_ns > 1000000) return cudaErrorInvalidValue;
   const int ns = decode_splits(p);
   if (!p.workspace || p.workspace_bytes < workspace_bytes(p, ns)) return cudaErrorInvalidValue;
   if (reinterpret_cast<std::uintptr_t>(p.workspace) % 16 != 0) return cudaErrorInvalidValue;

@@ -273,6 +273,15 @@ __device__ __forceinline__ void st_async16(std::uint32_t dst, float4 v, std::uin
 __device__ __forceinline__ void st_async4(std::uint32_t dst, float v, std::uint32_t bar) {
   asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [%0], %1, [%2];" ::"r"(dst), "f"(v), "r"(bar) : "memory");
 }
+// Spins for at least ns nanoseconds of the global timer (DecodeParams::test_send_delay_ns; tests only).
+__device__ __noinline__ void sleep_at_least_ns(unsigned ns) {
+  unsigned long long t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do {
+    __nanosleep(256);
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  } while (t - t0 < ns);
+}
 
 // The split merge inside a thread-block cluster (SplitArgs::cluster): the NS CTAs of a (sequence, KV
 // head) are one cluster, rank = split, each with its partial ([HG][D] outputs, then HG log2-sum-exps) at CL_OFF of
@@ -323,6 +332,7 @@ __device__ __forceinline__ void finish_cluster(const DecodeParams& p, int NS, in
   __syncthreads();  // the partial is complete (every exit path wrote it with all threads), the barrier initialized
   __cluster_barrier_arrive_relaxed();
   __cluster_barrier_wait();
+  if (p.test_send_delay_ns > 0 && (rank & 1)) sleep_at_least_ns(static_cast<unsigned>(p.test_send_delay_ns));
   for (int i = tid; i < G * (D / 4); i += C::THREADS) {
     const int h = i / (D / 4), q = i % (D / 4), o = h % NS;
     st_async16(cluster_addr(rc + static_cast<std::uint32_t>(((h * C::kClMax + rank) * D + 4 * q) * 4), o),

@@ -142,6 +142,10 @@ struct DecodeParams {
   // partials through distributed shared memory) where the device holds the launch's clusters in
   // as few waves as its CTAs without clusters; false: always through the workspace.
   bool cluster_merge = true;
+  // Tests only (0 in use): in a cluster merge of two or more CTAs, the CTAs of odd rank wait this
+  // many nanoseconds (at most 1e6) before sending their partials, so that a merge reading its receive
+  // buffer before every send has landed gives wrong results instead of winning the race.
+  std::int32_t test_send_delay_ns = 0;
 };
 // Split count the launcher will use, and the workspace it needs.
 int decode_splits(const DecodeParams& p);

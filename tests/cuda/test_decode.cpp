@@ -352,9 +352,10 @@ double run_case(const Case& c) {
   // it must give the same bits (the same partials, weighted in the same split order).
   cuda::DecodeParams pw = p;
   pw.cluster_merge = false;
+  const bool cluster_multi = cluster && cuda::decode_splits(p) + (p.protect.enabled() ? 1 : 0) > 1;
   if (cluster) {
     ++g_cluster_cases;
-    if (cuda::decode_splits(p) + (p.protect.enabled() ? 1 : 0) > 1) ++g_cluster_multi;
+    if (cluster_multi) ++g_cluster_multi;
     check(!cuda::decode_uses_cluster_merge(pw), name + ": cluster_merge = false still merges in clusters");
     KVQ_CUDA_OK(cudaMemset(dout, 0xff, q.size() * sizeof(float)));
     check(cuda::decode(pw) == cudaSuccess, name + ": decode launch without clusters");
@@ -383,6 +384,15 @@ double run_case(const Case& c) {
     for (int r = 0; r < 8; ++r)
       again("launch " + std::to_string(r + 2) + " on the same workspace" + (cluster && r % 2 ? " (workspace merge)" : ""),
             [&] { check(cuda::decode(cluster && r % 2 ? pw : p) == cudaSuccess, name + ": relaunch"); });
+    // The cluster merge with the sends of the odd ranks held back 20 us: a merge that read its receive
+    // buffer before every send had landed (a missing or wrong wait) ran in time without the delay.
+    if (cluster_multi) {
+      cuda::DecodeParams pd = p;
+      pd.test_send_delay_ns = 20000;
+      again("launch with delayed cluster sends", [&] { check(cuda::decode(pd) == cudaSuccess, name + ": delayed launch"); });
+      pd.test_send_delay_ns = -1;
+      check(cuda::decode(pd) == cudaErrorInvalidValue, name + ": a negative send delay accepted");
+    }
     for (int k = 0; k < (cluster ? 2 : 1); ++k) {
       const cuda::DecodeParams& pc = k == 0 ? p : pw;
       CapturedCall call([&](cudaStream_t st) { return cuda::decode(pc, st); });
