@@ -53,13 +53,18 @@ inline bool gpu_present() {
     }                                                                                                    \
   } while (0)
 
-// A device copy of v (at least 16 bytes allocated, so that an empty vector gives a valid pointer) and
-// a host copy of n device values. Both abort the test binary on a CUDA failure.
+// v copied into the device buffer p (v.size() values); a device copy of v (at least 16 bytes allocated,
+// so that an empty vector gives a valid pointer); a host copy of n device values. All abort the test
+// binary on a CUDA failure.
+template <class T>
+void upload_into(T* p, const std::vector<T>& v) {
+  if (!v.empty()) KVQ_CUDA_OK(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+}
 template <class T>
 T* upload(const std::vector<T>& v) {
   void* p = nullptr;
   KVQ_CUDA_OK(cudaMalloc(&p, std::max<std::size_t>(v.size() * sizeof(T), 16)));
-  if (!v.empty()) KVQ_CUDA_OK(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+  upload_into(static_cast<T*>(p), v);
   return static_cast<T*>(p);
 }
 template <class T>

@@ -34,6 +34,7 @@ using kvq::cudatest::CapturedCall;
 using kvq::cudatest::check;
 using kvq::cudatest::download;
 using kvq::cudatest::upload;
+using kvq::cudatest::upload_into;
 
 namespace {
 
@@ -292,7 +293,7 @@ double run_case(const Case& c) {
     vcent = download(dvcent, kCentroids);
     std::vector<float> twice(vcent);
     for (auto& x : twice) x *= 2.0f;
-    KVQ_CUDA_OK(cudaMemcpy(dvcent, twice.data(), twice.size() * sizeof(float), cudaMemcpyHostToDevice));
+    upload_into(dvcent, twice);
     for (auto& x : ref) x *= 2.0;  // attention is linear in the values
   }
   std::uint8_t* dpool = upload(pool);
@@ -334,8 +335,7 @@ double run_case(const Case& c) {
   const cudaError_t e = cuda::decode(p);
   check(e == cudaSuccess, name + ": decode launch: " + cudaGetErrorString(e));
   KVQ_CUDA_OK(cudaDeviceSynchronize());
-  std::vector<float> out(q.size());
-  KVQ_CUDA_OK(cudaMemcpy(out.data(), dout, out.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  const std::vector<float> out = download(dout, q.size());
   double num = 0, den = 0;
   for (std::size_t i = 0; i < out.size(); ++i) {
     const double dlt = static_cast<double>(out[i]) - ref[i];
@@ -360,8 +360,7 @@ double run_case(const Case& c) {
     KVQ_CUDA_OK(cudaMemset(dout, 0xff, q.size() * sizeof(float)));
     check(cuda::decode(pw) == cudaSuccess, name + ": decode launch without clusters");
     KVQ_CUDA_OK(cudaDeviceSynchronize());
-    std::vector<float> outw(q.size());
-    KVQ_CUDA_OK(cudaMemcpy(outw.data(), dout, outw.size() * sizeof(float), cudaMemcpyDeviceToHost));
+    const std::vector<float> outw = download(dout, q.size());
     check(std::memcmp(outw.data(), out.data(), out.size() * sizeof(float)) == 0,
           name + ": the workspace merge differs from the cluster merge");
   }
@@ -374,8 +373,7 @@ double run_case(const Case& c) {
       KVQ_CUDA_OK(cudaMemset(dout, 0xff, q.size() * sizeof(float)));
       launch();
       KVQ_CUDA_OK(cudaDeviceSynchronize());
-      std::vector<float> out2(q.size());
-      KVQ_CUDA_OK(cudaMemcpy(out2.data(), dout, out2.size() * sizeof(float), cudaMemcpyDeviceToHost));
+      const std::vector<float> out2 = download(dout, q.size());
       check(std::memcmp(out2.data(), out.data(), out.size() * sizeof(float)) == 0, name + ": " + what + " differs");
     };
     // Eight more launches: a CTA that counted itself in before all its threads had written its
@@ -403,7 +401,7 @@ double run_case(const Case& c) {
   }
 
   if (c.values_x2)
-    KVQ_CUDA_OK(cudaMemcpy(dvcent, vcent.data(), vcent.size() * sizeof(float), cudaMemcpyHostToDevice));
+    upload_into(dvcent, vcent);
   // Store kernel: the same rows packed on the GPU must give the CPU's bytes.
   if (!pr.enabled() || c.sinks > 0) {
     std::vector<std::uint8_t> pool2(pool.size(), 0xff);
@@ -440,8 +438,7 @@ double run_case(const Case& c) {
     check(differ * 1000 <= records, name + ": store kernel: " + std::to_string(differ) + " of " +
                                         std::to_string(records) + " records differ from the CPU reference");
     if (pr.enabled()) {
-      std::vector<std::uint16_t> got(prot.size());
-      KVQ_CUDA_OK(cudaMemcpy(got.data(), dprot2, got.size() * 2, cudaMemcpyDeviceToHost));
+      const std::vector<std::uint16_t> got = download(dprot2, prot.size());
       check(got == prot, name + ": store kernel protection rows");
     }
     std::printf("  %-58s store: %zu / %zu records differ\n", "", differ, records);
@@ -674,8 +671,7 @@ void test_store_edges(const std::string& fmt, int D, int H, int n_tok, unsigned 
   if (got_rejected != want_rejected) std::printf("  %s: %u records refused, the CPU refuses %u\n", name.c_str(), got_rejected, want_rejected);
   check(got_rejected == want_rejected && (!poison || want_rejected > 0), name + ": refuses the records the CPU refuses");
   if (poison) {
-    std::vector<std::uint16_t> gprot(cprot.size());
-    KVQ_CUDA_OK(cudaMemcpy(gprot.data(), dprot, gprot.size() * 2, cudaMemcpyDeviceToHost));
+    const std::vector<std::uint16_t> gprot = download(dprot, cprot.size());
     check(gprot == cprot, name + ": protection rows (refused records untouched)");
   }
   cudaFree(drej);

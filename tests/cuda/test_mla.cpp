@@ -38,6 +38,7 @@ using kvq::cudatest::CapturedCall;
 using kvq::cudatest::check;
 using kvq::cudatest::download;
 using kvq::cudatest::upload;
+using kvq::cudatest::upload_into;
 
 namespace {
 
@@ -500,7 +501,7 @@ void test_decode(const Case& c) {
   for (int warps : {16, 8}) {  // both accepted values of MlaDecodeParams::warps (same kernel)
     p.kernel = kern == 1 ? cuda::MlaKernel::kFragment : cuda::MlaKernel::kWarpgroup;
     p.warps = warps;
-    KVQ_CUDA_OK(cudaMemcpy(p.out, poison.data(), poison.size() * 4, cudaMemcpyHostToDevice));
+    upload_into(p.out, poison);
     KVQ_CUDA_OK(cuda::mla_decode(p));
     KVQ_CUDA_OK(cudaDeviceSynchronize());
     const std::vector<float> out = download(p.out, poison.size());
@@ -528,7 +529,7 @@ void test_decode(const Case& c) {
     // KVQ_NO_PDL=1) and replayed twice on another stream, over a workspace filled with 0xff and a
     // poisoned output, must give this launch's bits again.
     KVQ_CUDA_OK(cudaMemset(p.workspace, 0xff, p.workspace_bytes));
-    KVQ_CUDA_OK(cudaMemcpy(p.out, poison.data(), poison.size() * 4, cudaMemcpyHostToDevice));
+    upload_into(p.out, poison);
     CapturedCall call([&](cudaStream_t st) { return cuda::mla_decode(p, st); });
     KVQ_CUDA_OK(call.launched());
     bool same = true;
