@@ -1,0 +1,118 @@
+"""Tests of bench/gpu/timestamps.py (the decode kernel's timestamp probes and their report).
+
+The patch must still apply to the kernel source as it is (each probe's anchor text exactly once),
+and the report must read dumps correctly: synthetic launches with known times, and malformed
+dumps refused with a message.
+"""
+
+import importlib.util
+import io
+import os
+import struct
+
+import pytest
+
+ROOT = os.environ.get("KVQ_ROOT", os.path.join(os.path.dirname(__file__), "..", ".."))
+_spec = importlib.util.spec_from_file_location("timestamps", os.path.join(ROOT, "bench", "gpu", "timestamps.py"))
+ts = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ts)
+
+KERNEL = os.path.join(ROOT, "src", "cuda", "decode_fast.cuh")
+
+
+def test_patch_applies_to_the_kernel():
+    with open(KERNEL) as f:
+        src = f.read()
+    out = ts.patch(src)
+    for probe in ("pt0_ = gt64_()", "tfirst_ = gt32_()", "tend_ = gt32_()", "tmw_ = gt32_()", "tfin_ = gt32_()",
+                  "atexit(probe_dump)", "%%smid"):
+        assert probe in out
+    # Every edit only adds text: the kernel source is still there line by line, in order.
+    it = iter(out.splitlines())
+    assert all(any(line == o for o in it) for line in src.splitlines())
+
+
+def test_patch_refuses_a_changed_kernel():
+    with open(KERNEL) as f:
+        src = f.read()
+    with pytest.raises(ValueError, match="expected one occurrence"):
+        ts.patch(src.replace("cp_async_wait<C::NST - 2>();  // chunk i has landed", "cp_async_wait<1>();"))
+    with pytest.raises(ValueError, match="found 2"):
+        ts.patch(src + "\n  int page_next = page_first(C::NST - 1);\n")
+
+
+BASE = 5_000_000_000_000  # ns; the 32-bit slots wrap around past it
+
+
+def dump(path, grid, ctas):
+    """ctas: list of dicts with entry (us), sm, first[w], lend[w], merge0, merge1, end (us after entry)."""
+    recs = []
+    for c in ctas:
+        r = [0] * ts.SLOTS
+        e = BASE + int(round(c["entry"] * 1000))
+        r[0] = e
+        lo = lambda t: (e + int(round(t * 1000))) & 0xffffffff  # noqa: E731
+        r[40] = c["sm"]
+        for w, t in enumerate(c["first"]):
+            r[24 + w] = lo(t)
+        for w, t in enumerate(c["lend"]):
+            r[8 + w] = lo(t)
+        r[3], r[4], r[5] = lo(c["merge0"]), lo(c["merge1"]), lo(c["end"])
+        recs.append(r)
+    n = len(recs)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<3I", *grid))
+        f.write(struct.pack(f"<{n * ts.SLOTS}Q", *[v for r in recs for v in r]))
+        f.write(b"\0" * 8 * ts.SLOTS * 3)  # unused records after the grid, as the kernel's buffer has
+
+
+def launch(sm_of_cta, slow_sms):
+    """Four CTAs of 16 warps: warp w ends 0.1 w us after the CTA's first warp; SMs in slow_sms loop 4 us longer."""
+    ctas = []
+    for k, sm in enumerate(sm_of_cta):
+        entry = 0.25 * k
+        loop = 30.0 + (4.0 if sm in slow_sms else 0.0)
+        first = [2.0 + 0.01 * w for w in range(16)]
+        lend = [2.0 + loop + 0.1 * w for w in range(16)]
+        ctas.append({"entry": entry, "sm": sm, "first": first, "lend": lend, "merge0": lend[-1] + 0.2,
+                     "merge1": lend[-1] + 1.2, "end": lend[-1] + 3.0})
+    return ctas
+
+
+def test_report_of_known_launches(tmp_path):
+    a, b = tmp_path / "a.bin", tmp_path / "b.bin"
+    dump(a, (2, 1, 2), launch([10, 11, 12, 13], slow_sms={12, 13}))
+    dump(b, (2, 1, 2), launch([12, 13, 10, 11], slow_sms={12, 13}))  # other CTA -> SM map, same slow SMs
+    out = io.StringIO()
+    sa, sb = ts.report([str(a), str(b)], out=out)
+    assert sa["ctas"] == 4
+    # Slowest CTA: entry 0.75, loop end of warp 15 at 2 + 34 + 1.5, done 3 us later.
+    assert sa["span"] == pytest.approx(0.75 + 2.0 + 34.0 + 1.5 + 3.0, abs=2e-3)
+    assert sa["spread"] == pytest.approx([1.5] * 4, abs=2e-3)
+    assert sa["warps_merge"] == pytest.approx([1.0] * 4, abs=2e-3)
+    assert sa["tail"] == pytest.approx([3.0] * 4, abs=2e-3)
+    assert sa["warp_pattern"] == pytest.approx([0.1 * w - 0.75 for w in range(16)], abs=2e-3)
+    assert sa["warp_pattern_share"] == pytest.approx(1.0, abs=1e-6)
+    # Loop time per SM: mean warp's end minus the median warp's chunk 0.
+    assert sa["loop_by_sm"][10] == pytest.approx(30.0 + 0.75 - 0.075, abs=2e-3)
+    assert sa["loop_by_sm"][12] - sa["loop_by_sm"][10] == pytest.approx(4.0, abs=2e-3)
+    text = out.getvalue()
+    assert "correlation between the two launches: 1.00 over 4 SMs" in text
+    assert "CTAs on the same SM in both: 0%" in text
+    assert sb["span"] == pytest.approx(0.25 + 2.0 + 34.0 + 1.5 + 3.0, abs=2e-3)
+
+
+def test_malformed_dumps_are_refused(tmp_path):
+    p = tmp_path / "short.bin"
+    p.write_bytes(b"\1\0")
+    with pytest.raises(ValueError, match="too short"):
+        ts.load(str(p))
+    p = tmp_path / "grid.bin"
+    p.write_bytes(struct.pack("<3I", 100, 100, 100) + b"\0" * 64)
+    with pytest.raises(ValueError, match="does not match"):
+        ts.load(str(p))
+    p = tmp_path / "empty.bin"
+    p.write_bytes(struct.pack("<3I", 2, 1, 1) + b"\0" * 8 * ts.SLOTS * 2)
+    with pytest.raises(ValueError, match="without an entry time"):
+        ts.Launch(str(p))
+    assert ts.main(["report"]) == 2
