@@ -10,7 +10,7 @@ patched kernel is never built into the project.
 What the patch records, per CTA (record of 48 64-bit slots, CTA index x + X (y + Y z)):
   slot 0        CTA entry (%globaltimer, ns)
   slot 40       %smid
-  slots 41-46   prologue points: page ids read, first barrier, tables built, query rotated, B
+  slots 41-45   prologue points: page ids read, first barrier, tables built, query rotated, B
                 fragments loaded (low 32 bits of the timer)
   slots 24-39   per warp: chunk 0 landed
   slots 8-23    per warp: main loop ended (all copies waited for)
@@ -147,6 +147,8 @@ class Launch:
         self.merge0 = [rel(r, 3, o) for r, o in zip(recs, self.off)]
         self.merge1 = [rel(r, 4, o) for r, o in zip(recs, self.off)]
         self.end = [rel(r, 5, o) for r, o in zip(recs, self.off)]
+        # page ids read, first barrier, tables built, query rotated, B fragments loaded (after the CTA's entry)
+        self.prologue = [[rel(r, 41 + k, 0.0) for k in range(5)] for r in recs]
 
 
 def _median(xs):
@@ -187,6 +189,7 @@ def summary(L):
     return {
         "ctas": len(L.end),
         "span": max(L.end),
+        "prologue": [_median([x[k] for x in L.prologue]) for k in range(5)],
         "first": [_median(f) for f in L.first],
         "loop_end_first": firstw,
         "loop_end_last": last,
@@ -212,6 +215,9 @@ def report(paths, out=sys.stdout):
                           ("warps' merge", "warps_merge"), ("last loop end -> CTA done", "tail"), ("CTA done", "end")]:
             xs = L.off if key is None else S[key]
             print(f"    {name:30s} {_q(xs)}", file=out)
+        pr = S["prologue"]
+        print(f"  prologue, median CTA, us after its entry: page ids {pr[0]:.2f}, first barrier {pr[1]:.2f}, tables {pr[2]:.2f}, "
+              f"query rotated {pr[3]:.2f}, B fragments {pr[4]:.2f}", file=out)
         print("  loop end by warp, mean deviation from the CTA's mean (us):", file=out)
         print("    " + " ".join(f"{x:5.2f}" for x in S["warp_pattern"]), file=out)
         print(f"    share of the warps' variance the warp index explains: {S['warp_pattern_share']:.2f}", file=out)

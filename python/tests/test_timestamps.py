@@ -58,6 +58,8 @@ def dump(path, grid, ctas):
         for w, t in enumerate(c["lend"]):
             r[8 + w] = lo(t)
         r[3], r[4], r[5] = lo(c["merge0"]), lo(c["merge1"]), lo(c["end"])
+        for k, v in enumerate(c.get("prologue", [])):
+            r[41 + k] = lo(v)
         recs.append(r)
     n = len(recs)
     with open(path, "wb") as f:
@@ -74,7 +76,8 @@ def launch(sm_of_cta, slow_sms):
         loop = 30.0 + (4.0 if sm in slow_sms else 0.0)
         first = [2.0 + 0.01 * w for w in range(16)]
         lend = [2.0 + loop + 0.1 * w for w in range(16)]
-        ctas.append({"entry": entry, "sm": sm, "first": first, "lend": lend, "merge0": lend[-1] + 0.2,
+        ctas.append({"entry": entry, "sm": sm, "first": first, "lend": lend, "prologue": [1.0 + 0.1 * k, 1.2, 1.3, 1.4, 1.5],
+                     "merge0": lend[-1] + 0.2,
                      "merge1": lend[-1] + 1.2, "end": lend[-1] + 3.0})
     return ctas
 
@@ -92,6 +95,7 @@ def test_report_of_known_launches(tmp_path):
     assert sa["warps_merge"] == pytest.approx([1.0] * 4, abs=2e-3)
     assert sa["tail"] == pytest.approx([3.0] * 4, abs=2e-3)
     assert sa["warp_pattern"] == pytest.approx([0.1 * w - 0.75 for w in range(16)], abs=2e-3)
+    assert sa["prologue"] == pytest.approx([1.15, 1.2, 1.3, 1.4, 1.5], abs=2e-3)  # page ids: median of 1.0 .. 1.3
     assert sa["warp_pattern_share"] == pytest.approx(1.0, abs=1e-6)
     # Loop time per SM: mean warp's end minus the median warp's chunk 0.
     assert sa["loop_by_sm"][10] == pytest.approx(30.0 + 0.75 - 0.075, abs=2e-3)
