@@ -41,7 +41,8 @@ def test_patch_refuses_a_changed_kernel():
         ts.patch(src + "\n  int page_next = page_first(C::NST - 1);\n")
 
 
-BASE = 5_000_000_000_000  # ns; the 32-bit slots wrap around past it
+# ns; its low 32 bits are 10 us short of wrapping, so every time the 32-bit slots hold past 10 us has wrapped.
+BASE = 1165 * (1 << 32) - 10_000
 
 
 def dump(path, grid, ctas):
