@@ -1,0 +1,103 @@
+#!/usr/bin/env python3
+"""Report of a same-call A/B (scripts/gpu-ab): `kvq bench decode --json` runs of two builds.
+
+    ab.py --a A1.json A2.json ... --b B1.json B2.json ...
+
+Per decode row (format, batch, context, heads, head_dim) and per store row (format, tokens, KV heads):
+A's times and B's times in ascending order, and B's speed against A as A's time over B's, of the
+minima and of the medians (above 1: B is faster). Every run must hold the same rows; a row with a
+time that is not a positive finite number is refused. Standard library only.
+"""
+
+import argparse
+import json
+import math
+import sys
+
+
+def decode_key(r):
+    return ("decode", r["format"], r["batch"], r["context"], r["q_heads"], r["kv_heads"], r["head_dim"])
+
+
+def store_key(r):
+    return ("store", r["format"], r["tokens"], r["kv_heads"], r["head_dim"])
+
+
+def load(path):
+    """{row key: microseconds} of one run."""
+    with open(path) as f:
+        d = json.load(f)
+    out = {}
+    for kind, rows, key in (("decode", d.get("rows", []), decode_key), ("store", d.get("store") or [], store_key)):
+        for r in rows:
+            k = key(r)
+            us = r.get("us")
+            if not isinstance(us, (int, float)) or not math.isfinite(us) or us <= 0:
+                raise ValueError(f"{path}: {kind} row {k[1:]} has no valid time ({us!r})")
+            if k in out:
+                raise ValueError(f"{path}: {kind} row {k[1:]} appears twice")
+            out[k] = float(us)
+    if not out:
+        raise ValueError(f"{path}: no rows")
+    return out
+
+
+def median(xs):
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+def compare(runs_a, runs_b):
+    """Rows [(key, a times sorted, b times sorted, min ratio, median ratio)] in the first run's order."""
+    if not runs_a or not runs_b:
+        raise ValueError("need at least one run of each side")
+    keys = list(runs_a[0])
+    for i, r in enumerate(runs_a + runs_b):
+        if set(r) != set(keys):
+            side = "A" if i < len(runs_a) else "B"
+            n = i + 1 if i < len(runs_a) else i - len(runs_a) + 1
+            missing = sorted(set(keys) - set(r), key=str)
+            extra = sorted(set(r) - set(keys), key=str)
+            raise ValueError(f"run {n} of {side} has other rows than run 1 of A (missing {missing}, extra {extra})")
+    out = []
+    for k in keys:
+        a = sorted(r[k] for r in runs_a)
+        b = sorted(r[k] for r in runs_b)
+        out.append((k, a, b, a[0] / b[0], median(a) / median(b)))
+    return out
+
+
+def label(k):
+    if k[0] == "decode":
+        _, f, batch, ctx, qh, kvh, d = k
+        return f"{f} B={batch} N={ctx} {qh}/{kvh} d{d}"
+    _, f, tokens, kvh, d = k
+    return f"store {f} {tokens}x{kvh} d{d}"
+
+
+def report(rows, out=sys.stdout):
+    w = max(len(label(k)) for k, *_ in rows)
+    print(f"{'row':<{w}}  {'A us':<24}  {'B us':<24}  B speed (min, median)", file=out)
+    for k, a, b, rmin, rmed in rows:
+        fa = " ".join(f"{x:.1f}" for x in a)
+        fb = " ".join(f"{x:.1f}" for x in b)
+        print(f"{label(k):<{w}}  {fa:<24}  {fb:<24}  {rmin:.3f}  {rmed:.3f}", file=out)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--a", nargs="+", required=True, help="JSON of the runs of A (the tree)")
+    ap.add_argument("--b", nargs="+", required=True, help="JSON of the runs of B (the tree with the patch)")
+    args = ap.parse_args(argv)
+    try:
+        rows = compare([load(p) for p in args.a], [load(p) for p in args.b])
+    except (OSError, ValueError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    report(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""Tests of bench/gpu/ab.py (the report of scripts/gpu-ab) and of the script's refusals before it builds.
+
+The report must pair rows across runs, give A's time over B's of the minima and of the medians, and
+refuse runs whose rows differ or whose times are not positive finite numbers.
+"""
+
+import importlib.util
+import io
+import json
+import math
+import os
+import subprocess
+
+import pytest
+
+ROOT = os.environ.get("KVQ_ROOT", os.path.join(os.path.dirname(__file__), "..", ".."))
+_spec = importlib.util.spec_from_file_location("ab", os.path.join(ROOT, "bench", "gpu", "ab.py"))
+ab = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ab)
+
+
+def run_json(path, decode_us, store_us=None):
+    """A `kvq bench decode --json` file with the given times per format (batch 8, 16K, 32 / 8 heads, d128)."""
+    rows = [{"format": f, "batch": 8, "context": 16384, "q_heads": 32, "kv_heads": 8, "head_dim": 128, "us": us,
+             "gbps": 1.0, "splits": 2} for f, us in decode_us.items()]
+    store = [{"format": f, "tokens": 1024, "kv_heads": 8, "head_dim": 128, "us": us} for f, us in (store_us or {}).items()]
+    with open(path, "w") as fh:
+        json.dump({"gpu": "test", "commit": "x", "copy_gbps": 1.0, "rows": rows, "store": store}, fh)
+    return str(path)
+
+
+def test_ratios_of_minima_and_medians(tmp_path):
+    a = [run_json(tmp_path / f"a{i}.json", {"tq-4bit-nc": t, "tq-3bit": 2 * t}, {"tq-4bit-nc": 10.0 + i})
+         for i, t in enumerate((50.0, 40.0, 45.0))]
+    b = [run_json(tmp_path / f"b{i}.json", {"tq-4bit-nc": t, "tq-3bit": 100.0}, {"tq-4bit-nc": 20.0})
+         for i, t in enumerate((39.0, 41.0, 38.0))]
+    rows = ab.compare([ab.load(p) for p in a], [ab.load(p) for p in b])
+    by = {k[1] if k[0] == "decode" else "store " + k[1]: r for k, *r in rows}
+    a4, b4, rmin, rmed = by["tq-4bit-nc"]
+    assert a4 == [40.0, 45.0, 50.0] and b4 == [38.0, 39.0, 41.0]
+    assert rmin == pytest.approx(40.0 / 38.0) and rmed == pytest.approx(45.0 / 39.0)
+    assert by["tq-3bit"][2] == pytest.approx(0.8) and by["tq-3bit"][3] == pytest.approx(0.9)
+    assert by["store tq-4bit-nc"][2] == pytest.approx(0.5) and by["store tq-4bit-nc"][3] == pytest.approx(11.0 / 20.0)
+    # Even counts take the mean of the middle two.
+    assert ab.median([1.0, 4.0, 2.0, 3.0]) == 2.5
+    out = io.StringIO()
+    ab.report(rows, out)
+    text = out.getvalue()
+    assert "tq-4bit-nc B=8 N=16384 32/8 d128" in text and "1.053  1.154" in text
+    assert "store tq-4bit-nc 1024x8 d128" in text
+
+
+def test_refuses_other_rows_and_bad_times(tmp_path):
+    a = run_json(tmp_path / "a.json", {"tq-4bit-nc": 40.0, "tq-3bit": 50.0})
+    b = run_json(tmp_path / "b.json", {"tq-4bit-nc": 40.0})
+    with pytest.raises(ValueError, match="run 1 of B has other rows"):
+        ab.compare([ab.load(a)], [ab.load(b)])
+    for bad in (float("nan"), 0.0, -1.0, None, "fast"):
+        p = tmp_path / "bad.json"
+        run_json(p, {"tq-4bit-nc": 40.0})
+        d = json.load(open(p))
+        d["rows"][0]["us"] = bad if not (isinstance(bad, float) and math.isnan(bad)) else "NaN"
+        with open(p, "w") as fh:
+            fh.write(json.dumps(d).replace('"NaN"', "NaN"))
+        with pytest.raises(ValueError, match="no valid time"):
+            ab.load(str(p))
+    p = tmp_path / "empty.json"
+    with open(p, "w") as fh:
+        json.dump({"rows": []}, fh)
+    with pytest.raises(ValueError, match="no rows"):
+        ab.load(str(p))
+    # The command line reports the error and exits 1 instead of a traceback.
+    assert ab.main(["--a", a, "--b", b]) == 1
+    assert ab.main(["--a", a, "--b", str(tmp_path / "missing.json")]) == 1
+
+
+def _script(tmp_path, *args):
+    env = dict(os.environ, KVQ_AB_DIR=str(tmp_path / "ab"))
+    return subprocess.run([os.path.join(ROOT, "scripts", "gpu-ab"), *args], env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_script_refuses_missing_empty_and_foreign_patches(tmp_path):
+    r = _script(tmp_path)
+    assert r.returncode == 2 and "usage" in r.stderr
+    r = _script(tmp_path, str(tmp_path / "none.patch"))
+    assert r.returncode == 2 and "no patch" in r.stderr
+    bad = tmp_path / "bad.patch"
+    bad.write_text("--- a/no/such/file.cu\n+++ b/no/such/file.cu\n@@ -1 +1 @@\n-x\n+y\n")
+    r = _script(tmp_path, str(bad))
+    assert r.returncode == 1 and "does not apply" in r.stderr
+    assert not (tmp_path / "ab" / "build-a").exists()
