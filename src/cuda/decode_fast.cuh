@@ -109,6 +109,10 @@ struct FCfg {
   static constexpr int WMAX = kHG8 ? 12 : 16;
   static constexpr int WARPS = WFIT >= WMAX ? WMAX : (WFIT / 2) * 2;
   static constexpr int THREADS = WARPS * 32;
+  // The main loop unrolled by two chunks where that measured faster without spilling: TurboQuant values with 3-bit
+  // codes in a segment (tq-3bit, tq-3.5bit, tq-2.5bit), four heads (bench/results/decode-gqa-ab-2026-12-01.md).
+  // The 4-bit-only and uniform-value kernels spill or slow down unrolled.
+  static constexpr int UNROLL = VC == ValueCode::kTq && HG == 4 && (KB == 3 || NSEG == 2) ? 2 : 1;
   static constexpr int RS = D + 3;
   // Layout (lut_pad: bytes from the start of dynamic shared memory to the first shared-window address
   // aligned to LUT_BYTES, so that a table address is (window bits | entry << 8 | word) and one PRMT or
@@ -645,6 +649,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   float w_run = 0;  // 4-bit uniform values: sum of P times the value scale (the magic numbers' offsets, below)
   float m_run1 = -INFINITY, l_run1 = 0, z_run1 = 0, w_run1 = 0;  // eight heads: head t4 + 4
 
+#pragma unroll C::UNROLL
   for (int i = 0; i < nloc; ++i) {
     cp_async_wait<C::NST - 2>();  // chunk i has landed
     __syncwarp();
