@@ -109,9 +109,9 @@ struct FCfg {
   static constexpr int WMAX = kHG8 ? 12 : 16;
   static constexpr int WARPS = WFIT >= WMAX ? WMAX : (WFIT / 2) * 2;
   static constexpr int THREADS = WARPS * 32;
-  // The main loop unrolled by two chunks where that measured faster without spilling: TurboQuant values with 3-bit
-  // codes in a segment (tq-3bit, tq-3.5bit, tq-2.5bit), four heads (bench/results/decode-gqa-ab-2026-12-01.md).
-  // The 4-bit-only and uniform-value kernels spill or slow down unrolled.
+  // The main loop unrolled by two chunks where that measured faster (1.00-1.02x): TurboQuant values with 3-bit codes
+  // in a segment (tq-3bit, tq-3.5bit, tq-2.5bit), four heads (bench/results/decode-gqa-ab-2026-12-01.md). Unrolled,
+  // the 4-bit-only and uniform-value kernels spill in the loop or slow down (0.94-0.98x).
   static constexpr int UNROLL = VC == ValueCode::kTq && HG == 4 && (KB == 3 || NSEG == 2) ? 2 : 1;
   static constexpr int RS = D + 3;
   // Layout (lut_pad: bytes from the start of dynamic shared memory to the first shared-window address
