@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""Report of a same-call A/B (scripts/gpu-ab): `kvq bench decode --json` runs of two builds.
+"""Report of a same-call A/B (scripts/gpu-ab): `kvq bench decode --json` or `kvq bench mla --json` runs of two builds.
 
     ab.py --a A1.json A2.json ... --b B1.json B2.json ...
 
-Per decode row (format, batch, context, heads, head_dim) and per store row (format, tokens, KV heads):
+Per decode row (format, batch, context, and where the run has them the query / KV heads, head_dim and protection
+policy) and per store row (format, tokens, KV heads, head_dim):
 A's times and B's times in ascending order, and B's speed against A as A's time over B's, of the
 minima and of the medians (above 1: B is faster). Every run must hold the same rows; a row with a
 time that is not a positive finite number is refused. Standard library only.
@@ -15,12 +16,17 @@ import math
 import sys
 
 
+# Fields that identify a row besides format, batch and context: GQA rows have q_heads / kv_heads / head_dim, MLA rows
+# heads and protect. The kernel a launch took is not one: a patch may change it.
+_DECODE_EXTRA = ("q_heads", "kv_heads", "head_dim", "heads", "protect")
+
+
 def decode_key(r):
-    return ("decode", r["format"], r["batch"], r["context"], r["q_heads"], r["kv_heads"], r["head_dim"])
+    return ("decode", r["format"], r["batch"], r["context"]) + tuple((f, r[f]) for f in _DECODE_EXTRA if f in r)
 
 
 def store_key(r):
-    return ("store", r["format"], r["tokens"], r["kv_heads"], r["head_dim"])
+    return ("store", r["format"], r["tokens"]) + tuple((f, r[f]) for f in ("kv_heads", "head_dim") if f in r)
 
 
 def load(path):
@@ -33,9 +39,9 @@ def load(path):
             k = key(r)
             us = r.get("us")
             if not isinstance(us, (int, float)) or not math.isfinite(us) or us <= 0:
-                raise ValueError(f"{path}: {kind} row {k[1:]} has no valid time ({us!r})")
+                raise ValueError(f"{path}: {kind} row {label(k)} has no valid time ({us!r})")
             if k in out:
-                raise ValueError(f"{path}: {kind} row {k[1:]} appears twice")
+                raise ValueError(f"{path}: {kind} row {label(k)} appears twice")
             out[k] = float(us)
     if not out:
         raise ValueError(f"{path}: no rows")
@@ -57,8 +63,8 @@ def compare(runs_a, runs_b):
         if set(r) != set(keys):
             side = "A" if i < len(runs_a) else "B"
             n = i + 1 if i < len(runs_a) else i - len(runs_a) + 1
-            missing = sorted(set(keys) - set(r), key=str)
-            extra = sorted(set(r) - set(keys), key=str)
+            missing = sorted((label(k) for k in set(keys) - set(r)))
+            extra = sorted((label(k) for k in set(r) - set(keys)))
             raise ValueError(f"run {n} of {side} has other rows than run 1 of A (missing {missing}, extra {extra})")
     out = []
     for k in keys:
@@ -69,11 +75,26 @@ def compare(runs_a, runs_b):
 
 
 def label(k):
+    x = dict(k[4:] if k[0] == "decode" else k[3:])
     if k[0] == "decode":
-        _, f, batch, ctx, qh, kvh, d = k
-        return f"{f} B={batch} N={ctx} {qh}/{kvh} d{d}"
-    _, f, tokens, kvh, d = k
-    return f"store {f} {tokens}x{kvh} d{d}"
+        _, f, batch, ctx = k[:4]
+        out = f"{f} B={batch} N={ctx}"
+        if "q_heads" in x or "kv_heads" in x:
+            out += f" {x.get('q_heads', '?')}/{x.get('kv_heads', '?')}"
+        if "heads" in x:
+            out += f" h{x['heads']}"
+        if "head_dim" in x:
+            out += f" d{x['head_dim']}"
+        if x.get("protect", "none") != "none":
+            out += f" protect={x['protect']}"
+        return out
+    _, f, tokens = k[:3]
+    out = f"store {f} {tokens}"
+    if "kv_heads" in x:
+        out += f"x{x['kv_heads']}"
+    if "head_dim" in x:
+        out += f" d{x['head_dim']}"
+    return out
 
 
 def report(rows, out=sys.stdout):

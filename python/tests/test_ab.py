@@ -1,7 +1,7 @@
 """Tests of bench/gpu/ab.py (the report of scripts/gpu-ab) and of the script's refusals before it builds.
 
-The report must pair rows across runs, give A's time over B's of the minima and of the medians, and
-refuse runs whose rows differ or whose times are not positive finite numbers.
+The report must pair rows across runs (GQA decode rows, MLA rows, store rows), give A's time over B's of the minima
+and of the medians, and refuse runs whose rows differ or repeat, or whose times are not positive finite numbers.
 """
 
 import importlib.util
@@ -74,6 +74,27 @@ def test_refuses_other_rows_and_bad_times(tmp_path):
     assert ab.main(["--a", a, "--b", str(tmp_path / "missing.json")]) == 1
 
 
+def test_mla_rows(tmp_path):
+    """`kvq bench mla` rows: heads and protection policy identify a row, the kernel a launch took does not."""
+    def mla(path, us, kernel):
+        rows = [{"format": "c4r4", "batch": 8, "context": 32768, "heads": 16, "protect": pr, "kernel": kernel, "us": t}
+                for pr, t in (("none", us), ("paper", us + 1.0))]
+        with open(path, "w") as fh:
+            json.dump({"rows": rows, "store": [{"format": "c4r4", "tokens": 1048576, "us": 100.0}]}, fh)
+        return str(path)
+
+    rows = ab.compare([ab.load(mla(tmp_path / "a.json", 20.0, "fragment"))], [ab.load(mla(tmp_path / "b.json", 16.0, "wgmma"))])
+    labels = {ab.label(k): (rmin, rmed) for k, _, _, rmin, rmed in rows}
+    assert labels == {"c4r4 B=8 N=32768 h16": (1.25, 1.25), "c4r4 B=8 N=32768 h16 protect=paper": (21.0 / 17.0, 21.0 / 17.0),
+                      "store c4r4 1048576": (1.0, 1.0)}
+    # A row that appears twice in one run is refused.
+    p = tmp_path / "twice.json"
+    with open(p, "w") as fh:
+        json.dump({"rows": [{"format": "c4r4", "batch": 8, "context": 4096, "heads": 16, "us": 1.0}] * 2}, fh)
+    with pytest.raises(ValueError, match="appears twice"):
+        ab.load(str(p))
+
+
 def _script(tmp_path, *args):
     env = dict(os.environ, KVQ_AB_DIR=str(tmp_path / "ab"))
     return subprocess.run([os.path.join(ROOT, "scripts", "gpu-ab"), *args], env=env, capture_output=True, text=True,
@@ -87,6 +108,10 @@ def test_script_refuses_missing_empty_and_foreign_patches(tmp_path):
     assert r.returncode == 2 and "no patch" in r.stderr
     bad = tmp_path / "bad.patch"
     bad.write_text("--- a/no/such/file.cu\n+++ b/no/such/file.cu\n@@ -1 +1 @@\n-x\n+y\n")
+    r = _script(tmp_path, str(bad), "--bench", "gemm")
+    assert r.returncode == 2 and "--bench takes decode or mla" in r.stderr
+    r = _script(tmp_path, str(bad), "--rounds")
+    assert r.returncode == 2 and "--rounds needs a positive integer" in r.stderr
     r = _script(tmp_path, str(bad))
     assert r.returncode == 1 and "does not apply" in r.stderr
     assert not (tmp_path / "ab" / "build-a").exists()
