@@ -14,6 +14,7 @@ import argparse
 import json
 import math
 import sys
+from statistics import median
 
 
 # Fields that identify a row besides format, batch and context: GQA rows have q_heads / kv_heads / head_dim, MLA rows
@@ -46,12 +47,6 @@ def load(path):
     if not out:
         raise ValueError(f"{path}: no rows")
     return out
-
-
-def median(xs):
-    s = sorted(xs)
-    n = len(s)
-    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
 
 
 def compare(runs_a, runs_b):

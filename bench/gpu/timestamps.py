@@ -26,6 +26,7 @@ stops with the text it did not find instead of measuring something else.
 
 import struct
 import sys
+from statistics import median as _median
 
 SLOTS = 48
 MAX_CTAS = 8192
@@ -149,12 +150,6 @@ class Launch:
         self.end = [rel(r, 5, o) for r, o in zip(recs, self.off)]
         # page ids read, first barrier, tables built, query rotated, B fragments loaded (after the CTA's entry)
         self.prologue = [[rel(r, 41 + k, 0.0) for k in range(5)] for r in recs]
-
-
-def _median(xs):
-    s = sorted(xs)
-    n = len(s)
-    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
 
 
 def _mean(xs):
