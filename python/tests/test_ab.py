@@ -115,3 +115,14 @@ def test_script_refuses_missing_empty_and_foreign_patches(tmp_path):
     r = _script(tmp_path, str(bad))
     assert r.returncode == 1 and "does not apply" in r.stderr
     assert not (tmp_path / "ab" / "build-a").exists()
+
+
+def test_run_order_alternates_which_side_goes_first():
+    # kvq_ab_order (scripts/lib/gpu.sh) orders gpu-ab's runs: A first in odd rounds, B first in even ones, so an
+    # effect of the position within a round falls on both sides over an even number of rounds.
+    lib = os.path.join(ROOT, "scripts", "lib", "gpu.sh")
+    out = subprocess.run(["bash", "-c", f'. "{lib}"; for r in 1 2 3 4 5 6; do kvq_ab_order $r; done'],
+                         capture_output=True, text=True, check=True).stdout.split("\n")
+    assert out[:6] == ["a b", "b a"] * 3
+    script = open(os.path.join(ROOT, "scripts", "gpu-ab")).read()
+    assert 'for s in $(kvq_ab_order "$r"); do' in script and "rounds=4" in script

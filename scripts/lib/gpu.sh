@@ -23,3 +23,10 @@ kvq_copy_tree() {
   fi
   if [ -d "$root/.deps" ]; then cp -r "$root/.deps" "$dest/"; fi
 }
+
+# kvq_ab_order ROUND: the order in which scripts/gpu-ab runs its two builds in round ROUND (1-based): "a b" in odd
+# rounds, "b a" in even ones, so that an effect of the position within a round (clocks, a drift over the call) falls
+# on A and B alike over an even number of rounds instead of always on the same side.
+kvq_ab_order() {
+  if [ $(( $1 % 2 )) = 1 ]; then echo "a b"; else echo "b a"; fi
+}

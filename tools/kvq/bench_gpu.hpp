@@ -12,6 +12,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -35,6 +36,12 @@ struct DevBuf {
   template <class T>
   T* as() const { return static_cast<T*>(p); }
 };
+
+// Host wall-clock seconds since the epoch. The benchmarks record it around each timed row ("t_start", "t_end"), so
+// that the GPU clocks sampled meanwhile (scripts/gpu-bench, bench/gpu/monitor.py --rows) can be matched to the row.
+inline double wall_seconds() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
 
 inline double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());

@@ -49,6 +49,7 @@ using gpu::DevBuf;
 using gpu::L2Flush;
 using gpu::ok;
 using gpu::time_us;
+using gpu::wall_seconds;
 
 using PeerKey = std::tuple<std::string, int, int>;  // impl (+ format), batch, context
 
@@ -143,14 +144,16 @@ void run_decode_bench(const BenchOptions& o) {
       sp.slot_mapping = slots.as<std::int64_t>();
       sp.n_tokens = static_cast<int>(n);
       sp.pool = pool.as<std::uint8_t>();
+      const double t_start = wall_seconds();
       const double us =
           time_us(nullptr, flush, o.warmup, std::max(20, o.reps / 3), [&](int) { ok(cuda::store(sp), "store"); });
+      const double t_end = wall_seconds();
       const double bytes = static_cast<double>(elems) * 4.0 + static_cast<double>(n) * o.kv_heads *
                                                                   (pg.key_code_bytes + pg.value_code_bytes + pg.meta_bytes) +
                            static_cast<double>(n) * 8.0;
       store_rows.push_back({{"format", fname}, {"tokens", n}, {"kv_heads", o.kv_heads}, {"head_dim", o.head_dim},
                             {"us", us}, {"gbps", bytes / (us * 1e3)}, {"fraction_of_copy", bytes / (us * 1e3) / copy_gbps},
-                            {"centered", fd.key_mean != nullptr}});
+                            {"centered", fd.key_mean != nullptr}, {"t_start", t_start}, {"t_end", t_end}});
     }
 
     for (int B : batches) {
@@ -189,10 +192,12 @@ void run_decode_bench(const BenchOptions& o) {
         p.workspace_bytes = cuda::decode_workspace_bytes(p);
         DevBuf ws(p.workspace_bytes);
         p.workspace = ws.p;
+        const double t_start = wall_seconds();
         const double us = time_us(nullptr, flush, o.warmup, o.reps, [&](int rep) {
           p.pool = pool.as<std::uint8_t>() + static_cast<std::size_t>(rep % static_cast<int>(copies)) * pool_bytes;
           ok(cuda::decode(p), "decode");
         });
+        const double t_end = wall_seconds();
         const double bytes = static_cast<double>(cuda::decode_bytes_read(fd, lens.data(), B, ProtectLayout{}));
         const nlohmann::json flash = peer("sdpa_flash", B, ctx);
         const std::string vpair = f.kind == FormatKind::kTqVllm ? fname : f.pair;
@@ -214,7 +219,9 @@ void run_decode_bench(const BenchOptions& o) {
                               {"compression_vs_bf16", static_cast<double>(bf16_token_bytes(g)) /
                                                           static_cast<double>(fd.kv_heads * (pg.key_code_bytes + pg.value_code_bytes + pg.meta_bytes))},
                               {"vllm_pair", vpair.empty() ? nlohmann::json(nullptr) : nlohmann::json(vpair)},
-                              {"centered", fd.key_mean != nullptr}};
+                              {"centered", fd.key_mean != nullptr},
+                              {"t_start", t_start},
+                              {"t_end", t_end}};
         rows.push_back(row);
         if (!o.json)
           fmt::print(stderr, "{:<11} B={:<3} ctx={:<6} {:9.1f} us {:7.0f} GB/s  vs flash {}  vs vllm {}  ({} kernel)\n", fname, B,

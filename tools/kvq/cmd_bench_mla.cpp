@@ -58,6 +58,7 @@ using gpu::DevBuf;
 using gpu::L2Flush;
 using gpu::ok;
 using gpu::time_us;
+using gpu::wall_seconds;
 
 MlaProtectLayout protect_of(const std::string& name, int dc, int dr) {
   if (name == "none") return MlaProtectLayout{0, 0, dc, dr};
@@ -137,11 +138,13 @@ void run_mla_bench(const MlaBenchOptions& o) {
     {
       DevBuf pool((src_tokens / 64 + 1) * pg.page_bytes);
       const cuda::MlaStoreParams sp = store_params(pool.as<std::uint8_t>(), src_tokens);
+      const double t_start = wall_seconds();
       const double us =
           time_us(st, flush, o.warmup, std::max(10, o.reps / 2), [&](int) { ok(cuda::mla_store(sp, st), "store"); });
+      const double t_end = wall_seconds();
       const double bytes = static_cast<double>(src_tokens) * (static_cast<double>(row_b) + 8.0 + static_cast<double>(pg.page_bytes) / 64.0);
       store_rows.push_back({{"format", fname}, {"tokens", src_tokens}, {"us", us}, {"gbps", bytes / (us * 1e3)},
-                            {"fraction_of_copy", bytes / (us * 1e3) / copy_gbps}});
+                            {"fraction_of_copy", bytes / (us * 1e3) / copy_gbps}, {"t_start", t_start}, {"t_end", t_end}});
     }
     for (int B : batches)
       for (int ctx : contexts) {
@@ -200,8 +203,10 @@ void run_mla_bench(const MlaBenchOptions& o) {
             ok(cuda::mla_decode(p, st), "decode");
             ok(cudaStreamEndCapture(st, &graph), "capture");
             ok(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+            const double t_start = wall_seconds();
             const double us =
                 time_us(st, flush, o.warmup, o.reps, [&](int) { ok(cudaGraphLaunch(exec, st), "graph launch"); });
+            const double t_end = wall_seconds();
             cudaGraphExecDestroy(exec);
             cudaGraphDestroy(graph);
             const double bytes = static_cast<double>(cuda::mla_decode_bytes_read(mf, lens.data(), B, p.protect));
@@ -223,7 +228,9 @@ void run_mla_bench(const MlaBenchOptions& o) {
                             {"bytes", bytes},
                             {"splits", cuda::mla_decode_splits(p)},
                             {"kernel", cuda::mla_decode_uses_wgmma(p) ? "wgmma" : o.generic || dc != 512 || dr != 64 ? "generic-shape" : "fragment"},
-                            {"warps", cuda::mla_decode_uses_wgmma(p) ? 4 : 8}});
+                            {"warps", cuda::mla_decode_uses_wgmma(p) ? 4 : 8},
+                            {"t_start", t_start},
+                            {"t_end", t_end}});
             if (!o.json)
               fmt::print(stderr, "{:<5} B={:<3} ctx={:<7} H={:<4} {:<6} {:10.1f} us {:7.0f} GB/s  vs bf16 {}  vs FlashMLA {}  {}\n",
                          fname, B, ctx, H, pname, us, bytes / (us * 1e3), sp16.dump(), spfm.dump(), rows.back()["kernel"].get<std::string>());
