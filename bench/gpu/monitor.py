@@ -2,12 +2,12 @@
 """Summary of the GPU's clocks, power and clock-event reasons while scripts/gpu-bench ran.
 
 scripts/gpu-bench samples `nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,power.limit,
-temperature.gpu,clocks_event_reasons.active --format=csv,noheader,nounits -lms 100` during the peers and
-`kvq bench decode`. The same build's compute-bound kernels measured 10-28% apart on different H200 hosts with the
-same maximum SM clock (bandwidth-bound ones agreed; bench/results/decode-gqa-2026-12-01g.md), so a result records
-what the GPU ran at: the SM clock over the busy samples (power draw
-at least 40% of the limit; all samples when none is), the highest power draw and temperature, and every clock-event
-reason that was active (NVML's bits: a power cap or a thermal slowdown lowers the clocks under load).
+temperature.gpu,clocks_event_reasons.active --format=csv,noheader,nounits -lms 50` during the peers and
+`kvq bench decode` (and `kvq bench mla`). The same device code's compute-bound kernels measured up to 1.26x apart on
+different H200 hosts with the same maximum SM clock, while SDPA-flash and the bf16 store agreed within ~2%
+(bench/results/gpu-hosts-2026-12-01.md), so a result records what the GPU ran at: the SM clock over the busy samples
+(power draw at least 40% of the limit; all samples when none is), the highest power draw and temperature, and every
+clock-event reason that was active (NVML's bits: a power cap or a thermal slowdown lowers the clocks under load).
 
 With --rows, the JSON of `kvq bench decode` / `kvq bench mla` (rows with "t_start" / "t_end", host wall-clock
 seconds) is matched against the samples' timestamps (the same host's local time): each row that ran below the
