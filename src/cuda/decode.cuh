@@ -70,14 +70,20 @@ __device__ __forceinline__ int ctaid_z_after_loop() {
 // Counts a CTA of a (sequence, KV head) group in; true for the group's last one. The word holds
 // the launch's epoch in its high half, so a word left by another launch, or never written, counts
 // as zero; the last CTA resets it to 0 (a replayed CUDA graph keeps its epoch). The first CAS
-// guesses the reset state, so the common case costs one round trip.
+// guesses the reset state, so the first CTA of a launch costs one round trip; a CTA that finds the
+// word already tagged with this launch's epoch counts itself in with one atomicAdd. (Every CTA
+// once retried its CAS until no other CTA had moved the word in between: with 16 splits arriving
+// within ~1 us, the last CTA of a group waited ~8 us in that loop, kernel timestamps at batch 1.)
+// Only one CTA can replace a word that is not this launch's: once tagged, the word changes only by
+// the adds of this launch's CTAs until its last one resets it.
 __device__ __forceinline__ bool arrive_last(unsigned long long* c, unsigned epoch, int n) {
   const unsigned long long tag = static_cast<unsigned long long>(epoch) << 32;
-  unsigned long long cur = 0;
+  unsigned long long cur = atomicCAS(c, 0ull, tag + 1);
+  if (cur == 0) return n == 1;
   for (;;) {
-    const unsigned long long nv = (cur >> 32) == epoch ? cur + 1 : tag + 1;
-    const unsigned long long prev = atomicCAS(c, cur, nv);
-    if (prev == cur) return static_cast<int>(nv & 0xffffffffu) == n;
+    if ((cur >> 32) == epoch) return static_cast<int>((atomicAdd(c, 1ull) & 0xffffffffu) + 1) == n;
+    const unsigned long long prev = atomicCAS(c, cur, tag + 1);  // a stale or foreign word: this CTA is the first
+    if (prev == cur) return n == 1;
     cur = prev;
   }
 }
