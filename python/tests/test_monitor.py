@@ -94,3 +94,50 @@ def test_rows_are_matched_to_their_samples_by_time(tmp_path):
     assert "tq-3bit batch=8 context=65536 q_heads=32: 2 samples, SM clock 1755 / 1792 MHz" in out
     r = subprocess.run([sys.executable, _path, str(csv), "--rows"], capture_output=True, text=True)
     assert r.returncode == 2 and "usage" in r.stderr
+
+
+FAKE_SMI = """#!/bin/sh
+# A stand-in for nvidia-smi: records its arguments; the one-shot probe of clocks_event_reasons fails when
+# FAKE_OLD_DRIVER is set; the sampling call (-lms) prints one sample line and sleeps until it is killed.
+echo "$@" >> "$FAKE_LOG"
+case "$*" in
+  *clocks_event_reasons.active*--format=csv,noheader) [ -n "$FAKE_OLD_DRIVER" ] && exit 6; echo 0x0; exit 0 ;;
+esac
+echo "2026/12/01 12:00:00.000, 1980, 3201, 600.00, 700.00, 50, 0x0000000000000004"
+exec sleep 30
+"""
+
+
+def _monitor(tmp_path, visible, old_driver=False):
+    bindir = tmp_path / "bin"
+    bindir.mkdir(exist_ok=True)
+    smi = bindir / "nvidia-smi"
+    smi.write_text(FAKE_SMI)
+    smi.chmod(0o755)
+    log, csv = tmp_path / "smi.log", tmp_path / "m.csv"
+    log.write_text("")
+    env = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", FAKE_LOG=str(log))
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    if visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible
+    if old_driver:
+        env["FAKE_OLD_DRIVER"] = "1"
+    lib = os.path.join(ROOT, "scripts", "lib", "gpu.sh")
+    subprocess.run(["bash", "-c", f'. "{lib}"; kvq_monitor_start "{csv}"; sleep 0.5; kvq_monitor_stop; '
+                    'kvq_monitor_stop; [ -z "$kvq_monitor_pid" ]'], env=env, check=True, timeout=20)
+    calls = log.read_text().splitlines()
+    return [c for c in calls if "-lms" in c], csv.read_text()
+
+
+def test_gpu_bench_samples_the_benchmarked_gpu_until_stopped(tmp_path):
+    # kvq_monitor_start / kvq_monitor_stop (scripts/lib/gpu.sh), which scripts/gpu-bench runs around the benchmark.
+    for visible, gpu in ((None, "0"), ("3", "3"), ("2,5", "2"), ("GPU-1234-abcd,GPU-ffff", "GPU-1234-abcd"), ("x", "0")):
+        sampling, csv = _monitor(tmp_path, visible)
+        assert len(sampling) == 1 and sampling[0].startswith(f"-i {gpu} "), (visible, sampling)
+        assert "clocks_event_reasons.active" in sampling[0] and "-lms 50" in sampling[0]
+        s = monitor.summary(monitor.parse(csv.splitlines()))
+        assert s["samples"] == 1 and s["clock_event_reasons"] == ["sw_power_cap"]
+    sampling, _ = _monitor(tmp_path, None, old_driver=True)
+    assert "clocks_throttle_reasons.active" in sampling[0] and "clocks_event_reasons" not in sampling[0]
+    script = open(os.path.join(ROOT, "scripts", "gpu-bench")).read()
+    assert 'kvq_monitor_start "$out/gpu-monitor.csv"' in script and "trap kvq_monitor_stop EXIT" in script

@@ -30,3 +30,32 @@ kvq_copy_tree() {
 kvq_ab_order() {
   if [ $(( $1 % 2 )) = 1 ]; then echo "a b"; else echo "b a"; fi
 }
+
+# kvq_monitor_start FILE: samples the benchmarked GPU's clocks, power, temperature and clock-event reasons every
+# 50 ms into FILE (CSV for bench/gpu/monitor.py) in the background, until kvq_monitor_stop; nothing where
+# nvidia-smi is missing. The GPU is CUDA's device 0: the first entry of CUDA_VISIBLE_DEVICES (an index or a GPU
+# UUID, both of which nvidia-smi -i takes; on hosts of identical GPUs CUDA's default order is nvidia-smi's), else 0.
+# Drivers that do not know clocks_event_reasons get its older name, clocks_throttle_reasons.
+kvq_monitor_pid=""
+kvq_monitor_start() {
+  local file=$1 q gpu
+  command -v nvidia-smi >/dev/null 2>&1 || return 0
+  q=timestamp,clocks.sm,clocks.mem,power.draw,power.limit,temperature.gpu
+  if nvidia-smi --query-gpu=clocks_event_reasons.active --format=csv,noheader >/dev/null 2>&1; then
+    q=$q,clocks_event_reasons.active
+  else
+    q=$q,clocks_throttle_reasons.active
+  fi
+  gpu="${CUDA_VISIBLE_DEVICES:-0}"
+  gpu="${gpu%%,*}"
+  case "$gpu" in GPU-*) ;; '' | *[!0-9]*) gpu=0 ;; esac
+  nvidia-smi -i "$gpu" --query-gpu="$q" --format=csv,noheader,nounits -lms 50 > "$file" 2>/dev/null &
+  kvq_monitor_pid=$!
+}
+kvq_monitor_stop() {
+  if [ -n "$kvq_monitor_pid" ]; then
+    kill "$kvq_monitor_pid" 2>/dev/null || true
+    wait "$kvq_monitor_pid" 2>/dev/null || true
+    kvq_monitor_pid=""
+  fi
+}
