@@ -6,8 +6,9 @@ temperature.gpu,clocks_event_reasons.active --format=csv,noheader,nounits -lms 5
 `kvq bench decode` (and `kvq bench mla`). The same device code's compute-bound kernels measured up to 1.26x apart on
 different H200 hosts with the same maximum SM clock, while SDPA-flash and the bf16 store agreed within ~2%
 (bench/results/gpu-hosts-2026-12-01.md), so a result records what the GPU ran at: the SM clock over the busy samples
-(power draw at least 40% of the limit; all samples when none is), the highest power draw and temperature, and every
-clock-event reason that was active (NVML's bits: a power cap or a thermal slowdown lowers the clocks under load).
+(those without the gpu_idle reason; where a sample has no reasons, a power draw of at least 40% of the limit; all
+samples when none is busy), the highest power draw and temperature, and every clock-event reason that was active
+(NVML's bits: a power cap or a thermal slowdown lowers the clocks under load).
 
 With --rows, the JSON of `kvq bench decode` / `kvq bench mla` (rows with "t_start" / "t_end", host wall-clock
 seconds) is matched against the samples' timestamps (the same host's local time): each row that ran below the
@@ -100,12 +101,20 @@ def per_row(samples, results):
     return out
 
 
+def _busy(s):
+    """A sample taken while the GPU ran work: NVML's gpu_idle reason clear; where the sample has no reasons, a power
+    draw of at least 40% of the limit."""
+    if s["reasons"] is not None:
+        return not s["reasons"] & 0x1
+    return s["power_w"] is not None and bool(s["limit_w"]) and s["power_w"] >= 0.4 * s["limit_w"]
+
+
 def summary(samples):
     """The busy samples' SM clock (min, median, max), memory clock, peak power and temperature, the power limit, and
     the names of the clock-event reasons active in any busy sample (gpu_idle left out)."""
     if not samples:
         raise ValueError("no samples with an SM clock")
-    busy = [s for s in samples if s["power_w"] is not None and s["limit_w"] and s["power_w"] >= 0.4 * s["limit_w"]]
+    busy = [s for s in samples if _busy(s)]
     use = busy or samples
     sm = sorted(s["sm_mhz"] for s in use)
     mem = [s["mem_mhz"] for s in use if s["mem_mhz"] is not None]

@@ -35,12 +35,18 @@ def test_busy_samples_set_the_clock_and_reasons():
     assert "1710 / 1755 / 1800 MHz" in monitor.line(s) and "sw_power_cap" in monitor.line(s)
 
 
-def test_without_busy_samples_all_count_and_unknown_bits_are_shown():
-    lines = ["t, 1980, 3201, 80.0, 700.0, 30, 0x1", "t, 1965, 3201, [N/A], 700.0, 30, 0x10000"]
+def test_busy_by_the_idle_bit_else_by_power_and_unknown_bits_are_shown():
+    # The idle bit decides where a sample has reasons (a short, low-power run still counts); power otherwise.
+    lines = ["t, 345, 3201, 80.0, 700.0, 30, 0x1",          # idle
+             "t, 1965, 3201, 120.0, 700.0, 30, 0x10000",    # busy at low power, an unknown bit
+             "t, 1950, 3201, 500.0, 700.0, 30, [N/A]",      # no reasons: busy by power
+             "t, 1800, 3201, 100.0, 700.0, 30, [N/A]"]      # no reasons, low power: not busy
     s = monitor.summary(monitor.parse(lines))
-    assert s["busy_samples"] == 0 and s["samples"] == 2 and s["sm_mhz_min"] == 1965 and s["sm_mhz_max"] == 1980
+    assert s["busy_samples"] == 2 and s["samples"] == 4 and (s["sm_mhz_min"], s["sm_mhz_max"]) == (1950, 1965)
     assert s["clock_event_reasons"] == ["0x10000"]
     assert "reasons: 0x10000" in monitor.line(s)
+    s = monitor.summary(monitor.parse(["t, 345, 3201, 80.0, 700.0, 30, 0x1", "t, 1980, 3201, 90.0, 700.0, 30, 0x1"]))
+    assert s["busy_samples"] == 0 and (s["sm_mhz_min"], s["sm_mhz_max"]) == (345, 1980)  # none busy: all samples
 
 
 def test_no_samples_is_an_error(tmp_path):
