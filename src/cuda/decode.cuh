@@ -24,6 +24,7 @@
 
 #include <cstdint>
 
+#include "arrive.hpp"
 #include "device.cuh"
 #include "kvq_cuda.hpp"
 
@@ -67,25 +68,18 @@ __device__ __forceinline__ int ctaid_z_after_loop() {
   return t;
 }
 
-// Counts a CTA of a (sequence, KV head) group in; true for the group's last one. The word holds
-// the launch's epoch in its high half, so a word left by another launch, or never written, counts
-// as zero; the last CTA resets it to 0 (a replayed CUDA graph keeps its epoch). The first CAS
-// guesses the reset state, so the first CTA of a launch costs one round trip; a CTA that finds the
-// word already tagged with this launch's epoch counts itself in with one atomicAdd. (Every CTA
-// once retried its CAS until no other CTA had moved the word in between: with 16 splits arriving
-// within ~1 us, the last CTA of a group waited ~8 us in that loop, kernel timestamps at batch 1.)
-// Only one CTA can replace a word that is not this launch's: once tagged, the word changes only by
-// the adds of this launch's CTAs until its last one resets it.
-__device__ __forceinline__ bool arrive_last(unsigned long long* c, unsigned epoch, int n) {
-  const unsigned long long tag = static_cast<unsigned long long>(epoch) << 32;
-  unsigned long long cur = atomicCAS(c, 0ull, tag + 1);
-  if (cur == 0) return n == 1;
-  for (;;) {
-    if ((cur >> 32) == epoch) return static_cast<int>((atomicAdd(c, 1ull) & 0xffffffffu) + 1) == n;
-    const unsigned long long prev = atomicCAS(c, cur, tag + 1);  // a stale or foreign word: this CTA is the first
-    if (prev == cur) return n == 1;
-    cur = prev;
+// Counts a CTA of a (sequence, KV head) group in on the group's counter word; true for the group's last one
+// (the protocol, and why it is not a CAS loop: arrive.hpp).
+struct CounterOps {
+  unsigned long long* c;
+  __device__ unsigned long long cas(unsigned long long expected, unsigned long long desired) {
+    return atomicCAS(c, expected, desired);
   }
+  __device__ unsigned long long add(unsigned long long v) { return atomicAdd(c, v); }
+};
+__device__ __forceinline__ bool arrive_last(unsigned long long* c, unsigned epoch, int n) {
+  CounterOps ops{c};
+  return arrive_last_on(ops, epoch, n);
 }
 
 // finish_group's merge through shared memory (smem: G * D + G floats), for the shapes without a
