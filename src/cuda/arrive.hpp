@@ -5,7 +5,8 @@
 //
 // The word holds the launch's epoch (a host counter, never 0) in its high half and the number of the group's
 // CTAs counted in so far in its low half. A word whose high half is another epoch (left by another launch, or
-// never written: the workspace may hold any bytes) counts as zero. The group's last CTA resets the word to 0
+// never written: the workspace may hold any bytes) counts as zero; only bytes whose high half happens to equal the
+// launch's epoch (2^-32 for random bytes) would be miscounted. The group's last CTA resets the word to 0
 // after its merge, so that the next launch, or a replay of the same captured graph with the same epoch,
 // finds the reset state.
 //
