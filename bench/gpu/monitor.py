@@ -16,8 +16,10 @@ highest SM clock of the samples, or under a clock-event reason, is listed with i
 
     python3 bench/gpu/monitor.py gpu-monitor.csv [--rows result.json ...] [--json]
 """
+import argparse
 import datetime
 import json
+import math
 import statistics
 import sys
 
@@ -42,7 +44,7 @@ def _num(s):
         v = float(s)
     except ValueError:
         return None
-    return v if v == v and v not in (float("inf"), float("-inf")) else None
+    return v if math.isfinite(v) else None
 
 
 def parse(lines):
@@ -73,6 +75,19 @@ def epoch(ts):
         return None
 
 
+def _reason_names(samples):
+    """The clock-event reasons active in any of the samples, by NVML name (gpu_idle left out; bits NVML does not
+    name as one hex number)."""
+    bits = 0
+    for s in samples:
+        bits |= s["reasons"] or 0
+    names = [n for b, n in sorted(REASONS.items()) if bits & b and n != "gpu_idle"]
+    unknown = bits & ~sum(REASONS)
+    if unknown:
+        names.append(f"0x{unknown:x}")
+    return names
+
+
 def _label(row, store):
     keys = ("batch", "context", "q_heads", "heads", "protect", "tokens")
     return ("store " if store else "") + " ".join([row.get("format", "?")] + [f"{k}={row[k]}" for k in keys if k in row])
@@ -80,8 +95,8 @@ def _label(row, store):
 
 def per_row(samples, results):
     """For each timed row of the results (dicts loaded from kvq's JSON) with t_start / t_end: its label, the number of
-    samples within its window, their SM clock min and median, and the clock-event reasons among them (gpu_idle left
-    out). Rows without samples in their window get None clocks."""
+    samples within its window, their SM clock min and median, and the clock-event reasons among them (_reason_names).
+    Rows without samples in their window get None clocks."""
     timed = [(epoch(s["timestamp"]), s) for s in samples]
     out = []
     for res in results:
@@ -92,12 +107,9 @@ def per_row(samples, results):
                     continue
                 inside = [s for t, s in timed if t is not None and t0 <= t <= t1]
                 sm = sorted(s["sm_mhz"] for s in inside)
-                bits = 0
-                for s in inside:
-                    bits |= s["reasons"] or 0
                 out.append({"row": _label(row, store), "samples": len(inside),
                             "sm_mhz_min": sm[0] if sm else None, "sm_mhz_median": statistics.median(sm) if sm else None,
-                            "clock_event_reasons": [n for b, n in sorted(REASONS.items()) if bits & b and n != "gpu_idle"]})
+                            "clock_event_reasons": _reason_names(inside)})
     return out
 
 
@@ -118,13 +130,6 @@ def summary(samples):
     use = busy or samples
     sm = sorted(s["sm_mhz"] for s in use)
     mem = [s["mem_mhz"] for s in use if s["mem_mhz"] is not None]
-    bits = 0
-    for s in use:
-        bits |= s["reasons"] or 0
-    names = [n for b, n in sorted(REASONS.items()) if bits & b and n != "gpu_idle"]
-    unknown = bits & ~sum(REASONS)
-    if unknown:
-        names.append(f"0x{unknown:x}")
     pw = [s["power_w"] for s in samples if s["power_w"] is not None]
     lim = [s["limit_w"] for s in samples if s["limit_w"] is not None]
     tc = [s["temp_c"] for s in samples if s["temp_c"] is not None]
@@ -138,7 +143,7 @@ def summary(samples):
         "power_w_max": max(pw) if pw else None,
         "power_limit_w": max(lim) if lim else None,
         "temp_c_max": max(tc) if tc else None,
-        "clock_event_reasons": names,
+        "clock_event_reasons": _reason_names(use),
     }
 
 
@@ -151,26 +156,27 @@ def line(s):
             f"{f(s['temp_c_max'])} C, clock-event reasons: {', '.join(s['clock_event_reasons']) or 'none'}")
 
 
-def main(argv):
-    args = argv[1:]
-    as_json = "--json" in args
-    args = [a for a in args if a != "--json"]
-    rows_files = []
-    if "--rows" in args:
-        i = args.index("--rows")
-        rows_files, args = args[i + 1:], args[:i]
-    if len(args) != 1 or ("--rows" in argv and not rows_files):
-        print("usage: monitor.py gpu-monitor.csv [--rows result.json ...] [--json]", file=sys.stderr)
-        return 2
-    with open(args[0]) as fh:
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("csv", help="gpu-monitor.csv of scripts/gpu-bench")
+    ap.add_argument("--rows", nargs="+", default=[], metavar="JSON", help="kvq bench results with row time windows")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    args = ap.parse_args(argv)
+    with open(args.csv) as fh:
         samples = parse(fh)
     try:
         s = summary(samples)
     except ValueError as e:
-        print(f"monitor.py: {args[0]}: {e}", file=sys.stderr)
+        print(f"monitor.py: {args.csv}: {e}", file=sys.stderr)
         return 1
-    rows = per_row(samples, [json.load(open(f)) for f in rows_files]) if rows_files else None
-    if as_json:
+    rows = None
+    if args.rows:
+        results = []
+        for path in args.rows:
+            with open(path) as fh:
+                results.append(json.load(fh))
+        rows = per_row(samples, results)
+    if args.json:
         print(json.dumps({**s, "rows": rows} if rows is not None else s))
         return 0
     print(line(s))
@@ -186,4 +192,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    sys.exit(main())

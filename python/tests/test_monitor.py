@@ -98,6 +98,9 @@ def test_rows_are_matched_to_their_samples_by_time(tmp_path):
                          check=True).stdout
     assert "rows with samples: 3 of 4; below 1980 MHz or under a clock-event reason: 2" in out
     assert "tq-3bit batch=8 context=65536 q_heads=32: 2 samples, SM clock 1755 / 1792 MHz" in out
+    # Bits NVML does not name are listed per row as in the summary.
+    odd = monitor.parse([f"{_ts(t + 0.1)}, 1965, 3201, 600.0, 700.0, 50, 0x10004"])
+    assert monitor.per_row(odd, [res])[0]["clock_event_reasons"] == ["sw_power_cap", "0x10000"]
     r = subprocess.run([sys.executable, _path, str(csv), "--rows"], capture_output=True, text=True)
     assert r.returncode == 2 and "usage" in r.stderr
 
