@@ -9,8 +9,11 @@
 //    and Inf become NaN, as a plain cast does.
 // The decoders are exact. tests/core/test_numeric.cpp checks every code of every format and
 // every rounding boundary against independent tables.
+// Also here: kvq::sum_squares, the one summation order of TurboQuant's norms (host code; the
+// GPU kernels add in the same order with their lanes).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -113,6 +116,45 @@ KVQ_HD float fp8_e4m3_to_float(std::uint8_t b) {
     return sign ? -v : v;
   }
   return bits_f32(sign | ((e + 120u) << 23) | (m << 20));
+}
+
+// ---- sum of squares (TurboQuant norms and norm correction) ----------------------------------
+// Every encoder adds sum x_i^2 in this one order, in float, so that the CPU reference, its AVX2
+// path and the GPU store kernels store the same norm bits (docs/formats.md):
+//  - the n values in blocks of 32 (the last one shorter when 32 does not divide n);
+//  - in each block four chains s_r = fma(x_k, x_k, s_r), k = r, r + 4, r + 8, ... in order
+//    (k the index inside the block; each step one rounding), the block's sum (s_0 + s_1) + (s_2 + s_3);
+//  - the block sums added as a pairwise tree over adjacent blocks, ((b_0 + b_1) + (b_2 + b_3)) + ...,
+//    the block count padded with zero blocks to a power of two (b + 0 = b, so the padding only fixes
+//    the shape): the order of a warp's xor-butterfly over lanes that hold one block each.
+// The tree's depth and each chain's eight steps bound the rounding error far below what the fp16
+// stored norm keeps. Squares that overflow give +inf (the encoders refuse the norm), squares below
+// the smallest subnormal give 0.
+inline constexpr int kSumSquaresBlock = 32;
+inline constexpr int kSumSquaresMaxBlocks = 64;  // n <= 2048
+
+// Adds nb (<= kSumSquaresMaxBlocks) block sums as the padded pairwise tree; overwrites b.
+inline float sum_blocks_pairwise(float* b, int nb) {
+  if (nb <= 0) return 0.0f;
+  while (nb > 1) {
+    const int half = (nb + 1) / 2;
+    for (int j = 0; j < half; ++j) b[j] = 2 * j + 1 < nb ? b[2 * j] + b[2 * j + 1] : b[2 * j];
+    nb = half;
+  }
+  return b[0];
+}
+
+inline float sum_squares(const float* x, int n) {
+  require(n >= 0 && n <= kSumSquaresBlock * kSumSquaresMaxBlocks, "sum_squares: at most 2048 values");
+  float b[kSumSquaresMaxBlocks];
+  int nb = 0;
+  for (int off = 0; off < n; off += kSumSquaresBlock, ++nb) {
+    const int len = n - off < kSumSquaresBlock ? n - off : kSumSquaresBlock;
+    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int k = 0; k < len; ++k) s[k & 3] = std::fma(x[off + k], x[off + k], s[k & 3]);
+    b[nb] = (s[0] + s[1]) + (s[2] + s[3]);
+  }
+  return sum_blocks_pairwise(b, nb);
 }
 
 }  // namespace kvq

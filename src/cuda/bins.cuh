@@ -23,7 +23,7 @@ constexpr std::uint32_t kMagicBits = 0x4B400000u;
 struct StoreTables {
   std::uint8_t base[4][kMaxBins];  // [key seg 0, key seg 1, value seg 0, value seg 1]: midpoints in lower bins
   float edges[4][16];              // midpoints, +inf after the last
-  double csq[4][16];               // squared centroids (norm correction); 16 doubles: any 16 lanes, no bank conflict
+  float cent[4][16];               // centroids (norm correction); 16 words in 16 banks: lanes never conflict
   float ba[4], bb[4], bn[4];       // bin(y) = floor(sat(y * ba + bb) * bn)
   int ok[4];
   // The GQA store's (midpoint, base) pair tables: shared address - 8 kMagicBits (build_bin_pairs sets
@@ -41,14 +41,75 @@ __device__ __forceinline__ int bin_of(float y, float a, float b, float n) {
   return __float_as_int(__fmaf_rd(fma_sat(y, a, b), n, kFloorMagic)) - static_cast<int>(kMagicBits);
 }
 
+// The end of kvq::sum_squares (include/kvq/numeric.hpp) on a warp whose lane b holds the four
+// chains of block b (zeros in lanes past the last block): (s0 + s1) + (s2 + s3), then the
+// xor-butterfly over the 32 lanes, which adds the zero-padded pairwise tree of the block sums
+// (a + b = b + a bit for bit, so every lane returns the same sum).
+__device__ __forceinline__ float warp_block_tree(float s0, float s1, float s2, float s3) {
+  float t = __fadd_rn(__fadd_rn(s0, s1), __fadd_rn(s2, s3));
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) t = __fadd_rn(t, __shfl_xor_sync(0xffffffffu, t, o));
+  return t;
+}
+
+// kvq::sum_squares over a warp, n <= 1024: lane b < ceil(n / 32) runs block b's four chains on
+// value(b, k), k = 0, 1, ... (chain k mod 4, one FMA each), then warp_block_tree. For the kernels
+// whose rows sit in memory; the GQA store's fast kernel, whose lanes hold 32 consecutive values
+// each, adds in registers (lanes_sum_squares).
+template <class F>
+__device__ __forceinline__ float warp_sum_squares(int n, int lane, F&& value) {
+  float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+  const int len = 32 * lane < n ? min(32, n - 32 * lane) : 0;
+  if (len == 32) {
+#pragma unroll
+    for (int k = 0; k < 32; k += 4) {
+      const float a = value(lane, k), b = value(lane, k + 1), c = value(lane, k + 2), d = value(lane, k + 3);
+      s0 = __fmaf_rn(a, a, s0);
+      s1 = __fmaf_rn(b, b, s1);
+      s2 = __fmaf_rn(c, c, s2);
+      s3 = __fmaf_rn(d, d, s3);
+    }
+  } else {
+    for (int k = 0; k < len; ++k) {
+      const float a = value(lane, k);
+      const float sq = __fmaf_rn(a, a, (k & 3) == 0 ? s0 : (k & 3) == 1 ? s1 : (k & 3) == 2 ? s2 : s3);
+      if ((k & 3) == 0) s0 = sq;
+      else if ((k & 3) == 1) s1 = sq;
+      else if ((k & 3) == 2) s2 = sq;
+      else s3 = sq;
+    }
+  }
+  return warp_block_tree(s0, s1, s2, s3);
+}
+
+// kvq::sum_squares of a vector held by PS lanes (PS a power of two, the lanes xor-adjacent), lane
+// ls holding elements 32 ls .. 32 ls + 31 in x: the lane's four chains and (s0 + s1) + (s2 + s3),
+// then the butterfly over the PS lanes, which adds the blocks' pairwise tree. Every lane of the
+// group returns the same sum.
+template <int PS>
+__device__ __forceinline__ float lanes_sum_squares(const float (&x)[32]) {
+  float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+  for (int k = 0; k < 32; ++k) s[k & 3] = __fmaf_rn(x[k], x[k], s[k & 3]);
+  float t = __fadd_rn(__fadd_rn(s[0], s[1]), __fadd_rn(s[2], s[3]));
+#pragma unroll
+  for (int o = 1; o < PS; o <<= 1) t = __fadd_rn(t, __shfl_xor_sync(0xffffffffu, t, o));
+  return t;
+}
+
+// TurboQuantMse's stored norm with norm correction: norm / sqrt(sum c^2), each step correctly
+// rounded as on the CPU (a zero norm stays 0: the zero vector).
+__device__ __forceinline__ float corrected_norm(float norm, float c2) {
+  return norm > 0 ? __fdiv_rn(norm, __fsqrt_rn(c2)) : norm;
+}
+
 // Warp-wide: table t from a codebook with `bits` (1..4) bits.
 __device__ inline void build_store_table(StoreTables& T, int t, const float* __restrict__ edges_g,
                                   const float* __restrict__ cent_g, int bits, int lane) {
   const int ne = (1 << bits) - 1, nc = 1 << bits;
   for (int i = lane; i < 16; i += 32) {
     T.edges[t][i] = i < ne ? edges_g[i] + 0.0f : INFINITY;  // -0 as +0 (equal in every comparison; plus_below needs it)
-    const double c = i < nc ? cent_g[i] : 0.0;
-    T.csq[t][i] = c * c;
+    T.cent[t][i] = i < nc ? cent_g[i] : 0.0f;
   }
   __syncwarp();
   float gap = INFINITY, emax = 0.0f;

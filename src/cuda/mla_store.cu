@@ -344,25 +344,23 @@ __global__ void __launch_bounds__(256) mla_store_gen_kernel(MlaStoreParams p, in
 // ---- mla-tq4 / mla-tq3 ------------------------------------------------------------------------
 // kvq::TurboQuantMse::encode_reference of the latent (any d_c = 64 G <= 1024), one warp per token,
 // operation by operation (this file is compiled with --fmad=false), so records are bit-identical:
-//   norm = float(sqrt(sum x^2)) with the CPU's sixteen double partial sums (x_j, x_{j+16}, ... added
-//   in order by lane j < 16, then (s_j + s_{j+4}) + (s_{j+8} + s_{j+12}) and (t0 + t1) + (t2 + t3),
-//   the tree of sum_squares_4lane; every square is exact, so each add rounds as the CPU's);
+//   norm = sqrt(sum x^2) in float, the sum in kvq::sum_squares's order (warp_sum_squares: lane b adds
+//   the four FMA chains of block b, the butterfly the pairwise tree of the blocks);
 //   u = x * (1 / norm) (0 for a zero row), the sign diagonal (an exact negation), the block FWHT of
 //   each power-of-two block (largest first) in registers (reg_fwht: the stage order and the sums of
 //   kvq::fwht, 1 / sqrt(block) last), the code = number of codebook midpoints below y (the bin
 //   tables of bins.cuh);
-//   stored = float(norm / sqrt(sum c^2)) over the chosen centroids (the same sixteen-sum tree), fp16.
-// The RoPE key is copied as bf16. The latent is staged in shared memory as floats (the partial sums
-// read it by column j + 16 k; the FWHT reads it by lane + 32 i), and the codes go through shared
-// memory too (the c^2 sums read them by column, the packing by runs of 32).
+//   stored = norm / sqrt(sum c^2) over the chosen centroids (the same order), fp16.
+// The RoPE key is copied as bf16. The latent is staged in shared memory as floats (the sums read it
+// by block, lane b from 32 b; the FWHT by lane + 32 i), and the codes go through shared memory too
+// (the c^2 sums read them by block, the packing by runs of 32).
 
-// The CPU's sum_squares_4lane tree over the sixteen partial sums held by lanes 0..15 (every lane calls).
-__device__ __forceinline__ double sum16_tree(double s) {
-  const double a = s + __shfl_down_sync(0xffffffffu, s, 4);  // lane j: s_j + s_{j+4}; lane j + 8: s_{j+8} + s_{j+12}
-  const double t = a + __shfl_down_sync(0xffffffffu, a, 8);  // lane j < 4: t_j
-  const double u = t + __shfl_down_sync(0xffffffffu, t, 1);  // lanes 0, 2: t0 + t1, t2 + t3
-  return __shfl_sync(0xffffffffu, u + __shfl_down_sync(0xffffffffu, u, 2), 0);
-}
+// The staged latent keeps one word of padding after every 32 floats (element i at xs_pad(i)) and the
+// codes four bytes after every 32 (cs_pad), so that the sums, where lane b reads block b, and the
+// FWHT and packing, where consecutive lanes read consecutive elements, are all free of bank conflicts.
+__device__ __forceinline__ int xs_pad(int i) { return i + (i >> 5); }
+__device__ __forceinline__ int cs_pad(int i) { return i + 4 * (i >> 5); }
+constexpr int kXsWords = 1024 + 1024 / 32, kCsBytes = 1024 + 4 * (1024 / 32);
 
 // One Hadamard block of bs = 32 NI dims at offset off: scale, signs, FWHT, codes into cs.
 template <int NI>
@@ -371,19 +369,19 @@ __device__ __forceinline__ void tq_block(const MlaStoreParams& p, const float* x
   float v[NI];
 #pragma unroll
   for (int i = 0; i < NI; ++i) {
-    const float u = xs[off + lane + 32 * i] * inv;
+    const float u = xs[xs_pad(off + lane + 32 * i)] * inv;
     v[i] = (p.fmt.tq_signs[(off >> 5) + i] >> lane) & 1u ? -u : u;
   }
   reg_fwht<NI>(v, lane);
 #pragma unroll
-  for (int i = 0; i < NI; ++i) cs[off + lane + 32 * i] = static_cast<std::uint8_t>(bin_bucket(T, 0, ne, v[i]));
+  for (int i = 0; i < NI; ++i) cs[cs_pad(off + lane + 32 * i)] = static_cast<std::uint8_t>(bin_bucket(T, 0, ne, v[i]));
 }
 
 template <int B>
 __global__ void __launch_bounds__(256) mla_store_tq_kernel(const __grid_constant__ MlaStoreParams p, int tok_shift) {
-  __shared__ __align__(16) float xs_all[8][1024];
-  __shared__ __align__(16) std::uint8_t cs_all[8][1024];
-  __shared__ detail::StoreTables T;  // table 0: the codebook's bins, midpoints and squared centroids
+  __shared__ __align__(16) float xs_all[8][kXsWords];
+  __shared__ __align__(16) std::uint8_t cs_all[8][kCsBytes];
+  __shared__ detail::StoreTables T;  // table 0: the codebook's bins, midpoints and centroids
   if (threadIdx.x < 32) detail::build_store_table(T, 0, p.fmt.tq_edges, p.fmt.tq_centroids, B, threadIdx.x);
   __syncthreads();
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
@@ -398,20 +396,18 @@ __global__ void __launch_bounds__(256) mla_store_tq_kernel(const __grid_constant
   for (int i = lane; i < dc / 8; i += 32) {
     const uint4 c = reinterpret_cast<const uint4*>(lat)[i];
     bad |= bf16x8_nonfinite(c);
-    reinterpret_cast<float4*>(xs)[2 * i] = make_float4(bf16_lo(c.x), bf16_hi(c.x), bf16_lo(c.y), bf16_hi(c.y));
-    reinterpret_cast<float4*>(xs)[2 * i + 1] = make_float4(bf16_lo(c.z), bf16_hi(c.z), bf16_lo(c.w), bf16_hi(c.w));
+    float* d = xs + xs_pad(8 * i);  // 8 elements inside one block of 32
+    const std::uint32_t wv[4] = {c.x, c.y, c.z, c.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      d[2 * j] = bf16_lo(wv[j]);
+      d[2 * j + 1] = bf16_hi(wv[j]);
+    }
   }
   bad |= rope_nonfinite(rop, dr, lane);
   __syncwarp();
-  double s = 0;
-  if (lane < 16)
-#pragma unroll 4
-    for (int k = lane; k < dc; k += 16) {  // dc / 16 is a multiple of 4
-      const double x = xs[k];
-      s = __fma_rn(x, x, s);  // x * x is exact: the CPU's s + x * x
-    }
-  const float norm = static_cast<float>(sqrt(sum16_tree(s)));
-  const float inv = norm > 0 ? 1.0f / norm : 0.0f;
+  const float norm = __fsqrt_rn(detail::warp_sum_squares(dc, lane, [&](int b, int k) { return xs[33 * b + k]; }));
+  const float inv = norm > 0 ? __frcp_rn(norm) : 0.0f;
   constexpr int ne = (1 << B) - 1;
   for (int off = 0, rem = dc; rem > 0;) {  // blocks of the CPU's hadamard_blocks (multiples of 64), largest first
     const int bs = 1 << (31 - __clz(rem));
@@ -426,12 +422,21 @@ __global__ void __launch_bounds__(256) mla_store_tq_kernel(const __grid_constant
     rem -= bs;
   }
   __syncwarp();
-  double c2 = 0;
-  if (lane < 16)
-#pragma unroll 4
-    for (int k = lane; k < dc; k += 16) c2 += T.csq[0][cs[k]];  // c * c is exact: the CPU's s + c * c
-  c2 = sum16_tree(c2);
-  const float stored = norm > 0 ? static_cast<float>(static_cast<double>(norm) / sqrt(c2)) : norm;
+  // sum c^2 in the same order: lane b's block of codes is 8 words, each one code per chain.
+  float c4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  if (32 * lane < dc) {  // d_c is a multiple of 64: whole blocks
+    const std::uint32_t* cw = reinterpret_cast<const std::uint32_t*>(cs) + 9 * lane;
+#pragma unroll
+    for (int w = 0; w < 8; ++w) {
+      const std::uint32_t word = cw[w];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float c = T.cent[0][(word >> (8 * j)) & 0xffu];
+        c4[j] = __fmaf_rn(c, c, c4[j]);
+      }
+    }
+  }
+  const float stored = detail::corrected_norm(norm, detail::warp_block_tree(c4[0], c4[1], c4[2], c4[3]));
   // The CPU refuses a norm beyond fp16 (and non-finite rows): write nothing.
   if (reject_token(p, bad || !(fabsf(stored) <= 65504.0f), lane)) return;
   copy_if_protected(p, t, lat, dc, rop, dr, lane);
@@ -442,7 +447,7 @@ __global__ void __launch_bounds__(256) mla_store_tq_kernel(const __grid_constant
   for (int q = lane; q < dc / 32; q += 32) {
     std::uint32_t c[8], t[32], wv[B];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) c[i] = reinterpret_cast<const std::uint32_t*>(cs)[8 * q + i];
+    for (int i = 0; i < 8; ++i) c[i] = reinterpret_cast<const std::uint32_t*>(cs)[9 * q + i];
 #pragma unroll
     for (int k = 0; k < 32; ++k) t[k] = (c[k >> 2] >> (8 * (k & 3))) & 0xffu;
     pack_fields<32, B>(t, 0u, wv);

@@ -52,11 +52,6 @@ __device__ __forceinline__ int bucket(const float* __restrict__ edges, int bits,
   return count_below<true>(edges, (1 << bits) - 1, y);
 }
 
-__device__ inline double warp_sum(double v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
 template <int BITS>
 __device__ inline void warp_pack_t(const std::uint8_t* codes, int n, std::uint8_t* out, int lane) {
   const int nbytes = (n * BITS + 7) / 8;
@@ -119,17 +114,9 @@ __device__ void encode_tq(const FormatDesc& f, bool is_key, int head, const std:
     const int n = f.seg_dims[s], bits = is_key ? f.key_bits[s] : f.value_bits[s];
     const float* cent = (is_key ? f.key_centroids : f.value_centroids) + s * kMaxCodebook;
     const float* edges = (is_key ? f.key_edges : f.value_edges) + s * kMaxCodebook;
-    double ss = 0;
-    for (int i = lane; i < n; i += 32) ss += static_cast<double>(x[off + i]) * static_cast<double>(x[off + i]);
-    const float norm = static_cast<float>(sqrt(warp_sum(ss)));
-    const float inv = norm > 0 ? 1.0f / norm : 0.0f;
-    double c2 = 0;
-    auto finish = [&](int i, float yi) {
-      const int c = bucket(edges, bits, yi);
-      codes[off + i] = static_cast<std::uint8_t>(c);
-      const double cv = __ldg(cent + c);
-      c2 += cv * cv;
-    };
+    const float norm = __fsqrt_rn(warp_sum_squares(n, lane, [&](int b, int k) { return x[off + 32 * b + k]; }));
+    const float inv = norm > 0 ? __frcp_rn(norm) : 0.0f;
+    auto finish = [&](int i, float yi) { codes[off + i] = static_cast<std::uint8_t>(bucket(edges, bits, yi)); };
 #define KVQ_REG_PATH(NI)                                                     \
   if (n == 32 * NI) {                                                        \
     float v[NI];                                                             \
@@ -147,8 +134,8 @@ __device__ void encode_tq(const FormatDesc& f, bool is_key, int head, const std:
       for (int i = lane; i < n; i += 32) finish(i, y[i]);
     }
 #undef KVQ_REG_PATH
-    c2 = warp_sum(c2);
-    stored[s] = norm > 0 ? static_cast<float>(static_cast<double>(norm) / sqrt(c2)) : norm;
+    __syncwarp();
+    stored[s] = corrected_norm(norm, warp_sum_squares(n, lane, [&](int b, int k) { return __ldg(cent + codes[off + 32 * b + k]); }));
     __syncwarp();
     off += n;
   }
@@ -507,18 +494,10 @@ struct FastFmt {
 // norm and the norm-correction sum of squared centroids (the same in every lane of the segment).
 template <int PS, int B0, int B1, bool kPairs>
 __device__ __forceinline__ void tq_encode32(const StoreTables& T, int t, int sg, float (&v)[kLaneElems], std::uint32_t (&pw)[4],
-                                            int ls, float& norm_out, double& c2_out) {
-  double s4[4] = {0, 0, 0, 0};
-#pragma unroll
-  for (int k = 0; k < kLaneElems; ++k) {
-    const double d = v[k];
-    s4[k & 3] = __fma_rn(d, d, s4[k & 3]);  // d * d is exact: the same rounding as s + d * d
-  }
-  double ss = (s4[0] + s4[1]) + (s4[2] + s4[3]);
-#pragma unroll
-  for (int o = 1; o < PS; o <<= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-  const float norm = static_cast<float>(sqrt(ss));
-  const float inv = norm > 0 ? 1.0f / norm : 0.0f;
+                                            int ls, float& norm_out, float& c2_out) {
+  const float ss = lanes_sum_squares<PS>(v);
+  const float norm = __fsqrt_rn(ss);
+  const float inv = norm > 0 ? __frcp_rn(norm) : 0.0f;
 #pragma unroll
   for (int k = 0; k < kLaneElems; ++k) v[k] = v[k] * inv;  // signs already applied: RN(s x inv) = s RN(x inv)
   inlane_fwht(v);
@@ -554,15 +533,10 @@ __device__ __forceinline__ void tq_encode32(const StoreTables& T, int t, int sg,
 #pragma unroll
     for (int k = 0; k < kLaneElems; ++k) c[k] = static_cast<std::uint32_t>(count_below<false>(T.edges[t], ne, v[k]));
   }
-  double c4[4] = {0, 0, 0, 0};
-  {
-    const double* cs = T.csq[t];
+  float cv[kLaneElems];
 #pragma unroll
-    for (int k = 0; k < kLaneElems; ++k) c4[k & 3] += cs[c[k]];
-  }
-  double c2 = (c4[0] + c4[1]) + (c4[2] + c4[3]);
-#pragma unroll
-  for (int o = 1; o < PS; o <<= 1) c2 += __shfl_xor_sync(0xffffffffu, c2, o);
+  for (int k = 0; k < kLaneElems; ++k) cv[k] = T.cent[t][c[k]];
+  const float c2 = lanes_sum_squares<PS>(cv);
   if (B0 == B1 || sg == 0) pack_fields<kLaneElems, B0>(c, 0u, pw);
   else pack_fields<kLaneElems, B1>(c, 0u, pw);
   norm_out = norm;
@@ -730,7 +704,7 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
     const std::uint32_t kside = wstage + static_cast<std::uint32_t>(cur) * kStageBytes, vside = kside + kSideBytes;
 
     float knorm = 0, vnorm = 0, vs_scale = 0, vs_lo = 0;
-    double kc2 = 0, vc2 = 0;
+    float kc2 = 0, vc2 = 0;
     // Everything is computed before anything is written: a record the CPU encoders would refuse
     // (a NaN or an infinity in its rows, a TurboQuant stored norm or a uniform min / max beyond
     // fp16) is written nowhere and counted in p.rejected.
@@ -829,13 +803,12 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
         const bool isk = u < F::KMU;
         const int src = gbase + ((isk ? u : u - F::KMU) & (NSEG - 1)) * PS;
         const float nk = __shfl_sync(0xffffffffu, knorm, src), nv = __shfl_sync(0xffffffffu, vnorm, src);
-        const double ck = __shfl_sync(0xffffffffu, kc2, src), cv = __shfl_sync(0xffffffffu, vc2, src);
+        const float ck = __shfl_sync(0xffffffffu, kc2, src), cv = __shfl_sync(0xffffffffu, vc2, src);
         const float n = isk ? nk : nv;
-        const double cc = isk ? ck : cv;
-        fv = n > 0 ? static_cast<float>(static_cast<double>(n) / sqrt(cc)) : n;
+        fv = corrected_norm(n, isk ? ck : cv);
         tq_unit = true;
       } else if constexpr (KTQ) {  // one key segment, uniform values
-        fv = u == 0 ? (knorm > 0 ? static_cast<float>(static_cast<double>(knorm) / sqrt(kc2)) : knorm) : (u == 1 ? vs_scale : vs_lo);
+        fv = u == 0 ? corrected_norm(knorm, kc2) : (u == 1 ? vs_scale : vs_lo);
         tq_unit = u == 0;
       } else {  // fp8 keys, uniform values
         fv = u == 0 ? vs_scale : vs_lo;

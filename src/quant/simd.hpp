@@ -13,10 +13,6 @@ class HadamardRotation;
 class UniformAffine;
 class AffineGroup;
 
-// Sum of squares with four interleaved double accumulators, (s0 + s1) + (s2 + s3): the
-// reduction order shared by the scalar reference and the AVX2 path.
-double sum_squares_4lane(const float* x, int n);
-
 namespace simd {
 bool available();  // AVX2 + FMA + F16C present, not disabled by KVQ_NO_SIMD or set_enabled(false)
 void set_enabled(bool on);  // benchmarks and tests switch between the SIMD and scalar paths

@@ -70,7 +70,6 @@ KVQ_AVX2 void fwht_avx2(float* x, int n) {
   for (int i = 0; i < n; i += 8) _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), s));
 }
 
-// Same reduction order as sum_squares_4lane (n % 16 == 0).
 // n = 128: all seven stages with the 16 vectors in registers (same butterflies, same order per
 // element as fwht_avx2, so the same bits).
 KVQ_AVX2 inline __m256 butterfly_in_register(__m256 v) {
@@ -102,20 +101,23 @@ KVQ_AVX2 void fwht_any_avx2(float* x, int n) {
   else fwht_avx2(x, n);
 }
 
-KVQ_AVX2 double sum_squares_avx2(const float* x, int n) {
-  __m256d a0 = _mm256_setzero_pd(), a1 = a0, a2 = a0, a3 = a0;
-  for (int i = 0; i < n; i += 16) {
-    const __m256d v0 = _mm256_cvtps_pd(_mm_loadu_ps(x + i)), v1 = _mm256_cvtps_pd(_mm_loadu_ps(x + i + 4));
-    const __m256d v2 = _mm256_cvtps_pd(_mm_loadu_ps(x + i + 8)), v3 = _mm256_cvtps_pd(_mm_loadu_ps(x + i + 12));
-    a0 = _mm256_add_pd(a0, _mm256_mul_pd(v0, v0));
-    a1 = _mm256_add_pd(a1, _mm256_mul_pd(v1, v1));
-    a2 = _mm256_add_pd(a2, _mm256_mul_pd(v2, v2));
-    a3 = _mm256_add_pd(a3, _mm256_mul_pd(v3, v3));
+// kvq::sum_squares for n % 4 == 0, n <= 2048: lane r of a block's 4-wide accumulator is its chain r
+// (one FMA per step, k = r, r + 4, ... in order), and two horizontal adds give (s0 + s1) + (s2 + s3):
+// the reference's operations, so its bits.
+KVQ_AVX2 float sum_squares_avx2(const float* x, int n) {
+  float b[kSumSquaresMaxBlocks];
+  int nb = 0;
+  for (int off = 0; off < n; off += kSumSquaresBlock, ++nb) {
+    const int len = n - off < kSumSquaresBlock ? n - off : kSumSquaresBlock;
+    __m128 acc = _mm_setzero_ps();
+    for (int k = 0; k < len; k += 4) {
+      const __m128 v = _mm_loadu_ps(x + off + k);
+      acc = _mm_fmadd_ps(v, v, acc);
+    }
+    const __m128 h = _mm_hadd_ps(acc, acc);  // s0 + s1, s2 + s3, s0 + s1, s2 + s3
+    b[nb] = _mm_cvtss_f32(_mm_hadd_ps(h, h));
   }
-  const __m256d t = _mm256_add_pd(_mm256_add_pd(a0, a1), _mm256_add_pd(a2, a3));
-  alignas(32) double s[4];
-  _mm256_store_pd(s, t);
-  return (s[0] + s[1]) + (s[2] + s[3]);
+  return sum_blocks_pairwise(b, nb);
 }
 
 // 8 codes of b bits (b = 1..4) <-> b bytes of the LSB-first stream (code k at bits b*k).
@@ -246,11 +248,11 @@ KVQ_AVX2 bool bf16_to_float(const std::uint16_t* in, std::size_t n, float* out) 
 KVQ_AVX2 bool tq_encode_batch(const TurboQuantMse& q, const HadamardRotation& r, const float* x, std::size_t n,
                               std::uint8_t* rec) {
   const int d = q.dim();
-  if (!available() || d % 16 != 0 || !blocks_ok(r)) return false;
+  if (!available() || d % 16 != 0 || d > kSumSquaresBlock * kSumSquaresMaxBlocks || !blocks_ok(r)) return false;
   const auto& cb = q.codebook();
   const int ne = static_cast<int>(cb.edges_f.size());
   const std::size_t rb = q.bytes(), cbytes = q.code_bytes();
-  std::vector<float> y(static_cast<std::size_t>(d));
+  std::vector<float> y(static_cast<std::size_t>(d)), cw(static_cast<std::size_t>(d));
   const float* signs = r.signs().data();
   const CentroidTable table = make_table(cb.centroids_f);
   __m256 ev[255];
@@ -258,13 +260,14 @@ KVQ_AVX2 bool tq_encode_batch(const TurboQuantMse& q, const HadamardRotation& r,
   for (std::size_t v = 0; v < n; ++v) {
     const float* xv = x + v * static_cast<std::size_t>(d);
     std::uint8_t* out = rec + v * rb;
-    // A non-finite input makes the (double) sum of squares non-finite; finite floats cannot.
-    const double ss = sum_squares_avx2(xv, d);
+    // A non-finite input makes the sum of squares non-finite, and so do squares beyond the float
+    // range: the reference reports the coordinate, or refuses the norm (beyond fp16 either way).
+    const float ss = sum_squares_avx2(xv, d);
     if (!std::isfinite(ss)) {
-      q.encode_centered_reference(xv, out, out + cbytes);  // reports the coordinate
+      q.encode_centered_reference(xv, out, out + cbytes);
       continue;
     }
-    const float norm = static_cast<float>(std::sqrt(ss));
+    const float norm = std::sqrt(ss);
     const __m256 inv = _mm256_set1_ps(norm > 0 ? 1.0f / norm : 0.0f);
     for (int i = 0; i < d; i += 8)
       _mm256_storeu_ps(&y[static_cast<std::size_t>(i)],
@@ -276,32 +279,15 @@ KVQ_AVX2 bool tq_encode_batch(const TurboQuantMse& q, const HadamardRotation& r,
     }
     const int b = q.bits();
     if (b > 4) std::memset(out, 0, cbytes);
-    __m256d c0 = _mm256_setzero_pd(), c1 = c0, c2 = c0, c3 = c0;  // NC: sum of squared centroids
     for (int i = 0; i < d; i += 8) {
       const __m256 yv = _mm256_loadu_ps(&y[static_cast<std::size_t>(i)]);
       __m256i cnt = _mm256_setzero_si256();
       for (int e = 0; e < ne; ++e) cnt = _mm256_sub_epi32(cnt, _mm256_castps_si256(_mm256_cmp_ps(ev[e], yv, _CMP_LT_OQ)));
       store_codes(cnt, b, out, i / 8);
-      if (q.norm_correction()) {
-        const __m256 cv = lookup(table, cnt);
-        const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(cv)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(cv, 1));
-        // Lanes i % 16 in 0..3, 4..7 go to c0, c1 for even groups of 8 and c2, c3 for odd ones.
-        if ((i & 8) == 0) {
-          c0 = _mm256_add_pd(c0, _mm256_mul_pd(lo, lo));
-          c1 = _mm256_add_pd(c1, _mm256_mul_pd(hi, hi));
-        } else {
-          c2 = _mm256_add_pd(c2, _mm256_mul_pd(lo, lo));
-          c3 = _mm256_add_pd(c3, _mm256_mul_pd(hi, hi));
-        }
-      }
+      if (q.norm_correction()) _mm256_storeu_ps(&cw[static_cast<std::size_t>(i)], lookup(table, cnt));  // the centroids
     }
     float stored = norm;
-    if (q.norm_correction() && norm > 0) {
-      const __m256d t = _mm256_add_pd(_mm256_add_pd(c0, c1), _mm256_add_pd(c2, c3));
-      alignas(32) double s4[4];
-      _mm256_store_pd(s4, t);
-      stored = static_cast<float>(norm / std::sqrt((s4[0] + s4[1]) + (s4[2] + s4[3])));
-    }
+    if (q.norm_correction() && norm > 0) stored = norm / std::sqrt(sum_squares_avx2(cw.data(), d));
     if (!(std::fabs(stored) <= 65504.0f)) {
       q.encode_centered_reference(xv, out, out + cbytes);  // throws with the message
       continue;

@@ -28,19 +28,9 @@ float load_fp16(const std::uint8_t* p) {
 }
 }  // namespace
 
-// Sixteen interleaved double partial sums s[i % 16], combined as
-// t_j = (s_j + s_{j+4}) + (s_{j+8} + s_{j+12}), then (t_0 + t_1) + (t_2 + t_3): the order the
-// AVX2 path uses (four 4-lane accumulators), so both give the same bits.
-double sum_squares_4lane(const float* x, int n) {
-  double s[16] = {};
-  for (int i = 0; i < n; ++i) s[i & 15] += static_cast<double>(x[i]) * static_cast<double>(x[i]);
-  double t[4];
-  for (int j = 0; j < 4; ++j) t[j] = (s[j] + s[j + 4]) + (s[j + 8] + s[j + 12]);
-  return (t[0] + t[1]) + (t[2] + t[3]);
-}
-
 namespace {
-float l2norm(const float* x, int n) { return static_cast<float>(std::sqrt(sum_squares_4lane(x, n))); }
+// ||x|| as every encoder computes it: kvq::sum_squares (include/kvq/numeric.hpp), then a float sqrt.
+float l2norm(const float* x, int n) { return std::sqrt(sum_squares(x, n)); }
 }  // namespace
 
 // ---- TurboQuantMse -------------------------------------------------------------------------
@@ -88,7 +78,7 @@ void TurboQuantMse::encode_centered_reference(const float* x, std::uint8_t* code
   if (nc_ && norm > 0) {
     std::vector<float> c(d);
     for (std::size_t i = 0; i < d; ++i) c[i] = cb_->centroids_f[idx[i]];
-    stored = static_cast<float>(norm / std::sqrt(sum_squares_4lane(c.data(), dim_)));
+    stored = norm / l2norm(c.data(), dim_);
   }
   pack_bits(idx.data(), d, bits_, codes);
   store_fp16(meta, stored, "TurboQuantMse");

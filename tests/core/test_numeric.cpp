@@ -300,3 +300,57 @@ TEST(Numeric, OneCorrectionQuotientIsCorrectlyRounded) {
   }
   EXPECT_EQ(checked, 16000000);
 }
+
+// kvq::sum_squares against an independent statement of its order: a recursion over the block
+// count padded to a power of two (the padding blocks add an explicit +0), each block's four FMA
+// chains written out. Bits must agree; a sequential float sum must not agree on many of the same
+// rows (so the rows tell orders apart).
+namespace {
+float block_chains(const float* x, int n, int b) {
+  float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int k = 0; k < 32 && 32 * b + k < n; ++k) s[k % 4] = std::fma(x[32 * b + k], x[32 * b + k], s[k % 4]);
+  return (s[0] + s[1]) + (s[2] + s[3]);
+}
+float padded_tree(const float* x, int n, int first, int count) {
+  if (count == 1) return 32 * first < n ? block_chains(x, n, first) : 0.0f;
+  return padded_tree(x, n, first, count / 2) + padded_tree(x, n, first + count / 2, count / 2);
+}
+float sum_squares_spec(const float* x, int n) {
+  int m = 1;
+  while (32 * m < n) m *= 2;
+  return padded_tree(x, n, 0, m);
+}
+std::uint32_t bits_of(float f) {
+  std::uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+}  // namespace
+
+TEST(Numeric, SumSquaresFollowsItsStatedOrder) {
+  std::mt19937 rng(20261201);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  int rows = 0, sequential_differs = 0;
+  for (int n : {0, 1, 2, 3, 4, 7, 31, 32, 33, 63, 64, 65, 96, 100, 127, 128, 129, 160, 192, 255, 256, 288, 384, 512, 576,
+                1000, 1024, 1056, 2047, 2048}) {
+    for (int lo : {-3, -40, -80, 50}) {
+      std::uniform_int_distribution<int> ex(lo, lo + (lo == 50 ? 16 : lo == -40 ? 60 : 6));
+      std::vector<float> x(static_cast<std::size_t>(n));
+      for (float& v : x) v = std::ldexp(nd(rng), ex(rng));
+      const float got = kvq::sum_squares(x.data(), n), want = sum_squares_spec(x.data(), n);
+      ASSERT_EQ(bits_of(got), bits_of(want)) << "n " << n << " exponents from " << lo;
+      float seq = 0.0f;
+      for (float v : x) seq = std::fma(v, v, seq);
+      sequential_differs += bits_of(seq) != bits_of(got);
+      ++rows;
+    }
+  }
+  EXPECT_GT(sequential_differs, rows / 4) << "the rows should tell a sequential sum from the stated order";
+  // Edges: nothing and zeros give +0, overflowing squares +inf, squares below the subnormals 0.
+  EXPECT_EQ(bits_of(kvq::sum_squares(nullptr, 0)), 0u);
+  const std::vector<float> zeros(100, -0.0f), huge(64, 1e30f), tiny(64, 1e-30f);
+  EXPECT_EQ(bits_of(kvq::sum_squares(zeros.data(), 100)), 0u);
+  EXPECT_EQ(kvq::sum_squares(huge.data(), 64), std::numeric_limits<float>::infinity());
+  EXPECT_EQ(bits_of(kvq::sum_squares(tiny.data(), 64)), 0u);
+  EXPECT_THROW(kvq::sum_squares(zeros.data(), 2049), kvq::Error);
+}

@@ -5,6 +5,12 @@
 // table of the outlier splits and the mla-tq writer. Codebooks: the sphere codebooks of head_dim 128
 // at 1-4 bits, raw and prescaled by 1 / sqrt(128) as the store uses them, and synthetic ones with a
 // -0 or +0 midpoint (the sign test of plus_below needs the tables to hold no -0).
+// Also the norm sums of bins.cuh against kvq::sum_squares (include/kvq/numeric.hpp), bit for bit:
+// warp_sum_squares at lengths 1..1024 (partial blocks and chains, block counts that are not powers
+// of two) and lanes_sum_squares over 1, 2, 4 and 8 lanes, on rows whose elements span 2^-80 .. 2^60
+// (subnormal and overflowing squares included) and zero rows, and corrected_norm against the CPU's
+// norm / sqrt(c2). A sequential float sum differs from kvq::sum_squares on many of these rows, so a
+// kernel that added in another order would fail.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -17,6 +23,7 @@
 #include "bins.cuh"
 #include "harness.hpp"
 #include "kvq/codebook.hpp"
+#include "kvq/numeric.hpp"
 #include "kvq/quantizers.hpp"
 
 namespace kc = kvq::cuda::detail;
@@ -42,6 +49,24 @@ __global__ void bucket_kernel(const float* edges, const float* cents, int bits, 
     by_pairs[i] = kc::bin_pair_lookup(T.pair_base[0], T.ba[0], T.bb[0], T.bn[0], ys[i]);
     by_bytes[i] = kc::bin_lookup(T.base[0], T.edges[0], T.ba[0], T.bb[0], T.bn[0], ys[i]);
   }
+}
+
+// One warp per row: warp_sum_squares over rows[r] (n floats at rows + 1024 r) into out[32 r + lane].
+__global__ void warp_sumsq_kernel(const float* rows, int n, float* out) {
+  const float* x = rows + 1024 * blockIdx.x;
+  out[32 * blockIdx.x + threadIdx.x] = kc::warp_sum_squares(n, threadIdx.x, [&](int b, int k) { return x[32 * b + k]; });
+}
+// One warp, 32 / PS vectors of 32 PS floats; lane l holds elements 32 (l % PS) .. + 31 of vector l / PS.
+// out[lane] = lanes_sum_squares<PS>; cn[lane] = corrected_norm(sqrt(out), c2[lane]).
+template <int PS>
+__global__ void lanes_sumsq_kernel(const float* x, const float* c2, float* out, float* cn) {
+  const int lane = threadIdx.x;
+  float v[32];
+#pragma unroll
+  for (int k = 0; k < 32; ++k) v[k] = x[32 * lane + k];
+  const float ss = kc::lanes_sum_squares<PS>(v);
+  out[lane] = ss;
+  cn[lane] = kc::corrected_norm(__fsqrt_rn(ss), c2[lane]);
 }
 
 void run_case(const std::string& name, std::vector<float> edges, int bits, std::mt19937& rng) {
@@ -113,6 +138,114 @@ void run_case(const std::string& name, std::vector<float> edges, int bits, std::
   kvq::cudatest::check(wrong_bytes == 0, name + ": byte table equals the CPU's buckets");
 }
 
+
+std::uint32_t bits_of(float f) {
+  std::uint32_t u = 0;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+// Gaussian values times 2^e with e uniform in [lo, hi] per element.
+std::vector<float> wide_row(int n, int lo, int hi, std::mt19937& rng) {
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::uniform_int_distribution<int> ex(lo, hi);
+  std::vector<float> r(static_cast<std::size_t>(n));
+  for (float& v : r) v = std::ldexp(nd(rng), ex(rng));
+  return r;
+}
+float sequential_sum(const std::vector<float>& x, int n) {
+  float s = 0.0f;
+  for (int i = 0; i < n; ++i) s = std::fma(x[static_cast<std::size_t>(i)], x[static_cast<std::size_t>(i)], s);
+  return s;
+}
+
+void sum_squares_cases(std::mt19937& rng) {
+  using kvq::cudatest::check;
+  using kvq::cudatest::download;
+  using kvq::cudatest::upload;
+  const int kRows = 48;
+  int order_matters = 0, wrong = 0, cases = 0;
+  for (int n : {1, 2, 3, 5, 31, 32, 33, 36, 64, 96, 100, 128, 192, 255, 256, 320, 512, 576, 1000, 1024}) {
+    std::vector<float> rows(static_cast<std::size_t>(1024 * kRows), 0.0f);
+    std::vector<std::vector<float>> host;
+    for (int r = 0; r < kRows; ++r) {
+      // Row kinds: moderate range, wide range, tiny (subnormal squares), huge (squares overflow), zero.
+      std::vector<float> x = r % 8 == 7 ? std::vector<float>(static_cast<std::size_t>(n), 0.0f)
+                             : r % 8 == 6 ? wide_row(n, 55, 66, rng)
+                             : r % 8 == 5 ? wide_row(n, -80, -60, rng)
+                             : r % 8 >= 3 ? wide_row(n, -40, 20, rng)
+                                          : wide_row(n, -3, 3, rng);
+      std::copy(x.begin(), x.end(), rows.begin() + 1024 * r);
+      host.push_back(std::move(x));
+    }
+    float* d_rows = upload(rows);
+    float* d_out = upload(std::vector<float>(static_cast<std::size_t>(32 * kRows), -1.0f));
+    warp_sumsq_kernel<<<kRows, 32>>>(d_rows, n, d_out);
+    KVQ_CUDA_OK(cudaGetLastError());
+    const std::vector<float> out = download(d_out, static_cast<std::size_t>(32 * kRows));
+    cudaFree(d_rows);
+    cudaFree(d_out);
+    for (int r = 0; r < kRows; ++r) {
+      const float want = kvq::sum_squares(host[static_cast<std::size_t>(r)].data(), n);
+      order_matters += bits_of(sequential_sum(host[static_cast<std::size_t>(r)], n)) != bits_of(want);
+      for (int l = 0; l < 32; ++l) {
+        ++cases;
+        const float got = out[static_cast<std::size_t>(32 * r + l)];
+        if (bits_of(got) != bits_of(want)) {
+          if (wrong < 4) std::printf("  warp_sum_squares n %d row %d lane %d: %.9g, CPU %.9g\n", n, r, l, static_cast<double>(got), static_cast<double>(want));
+          ++wrong;
+        }
+      }
+    }
+  }
+  std::printf("  warp_sum_squares: %d lane results, %d differ from kvq::sum_squares (a sequential sum differs on %d rows)\n",
+              cases, wrong, order_matters);
+  check(wrong == 0, "warp_sum_squares equals kvq::sum_squares bit for bit");
+  check(order_matters > 100, "the rows tell the summation orders apart");
+}
+
+template <int PS>
+void lanes_case(std::mt19937& rng) {
+  using kvq::cudatest::check;
+  using kvq::cudatest::download;
+  using kvq::cudatest::upload;
+  int wrong = 0, wrong_cn = 0, cases = 0;
+  for (int rep = 0; rep < 64; ++rep) {
+    std::vector<float> x(1024), c2(32);
+    for (int g = 0; g < 32 / PS; ++g) {
+      const int kind = (rep + g) % 6;
+      const std::vector<float> v = kind == 5 ? std::vector<float>(static_cast<std::size_t>(32 * PS), 0.0f)
+                                   : kind == 4 ? wide_row(32 * PS, -80, -60, rng)
+                                   : kind == 3 ? wide_row(32 * PS, -40, 20, rng)
+                                               : wide_row(32 * PS, -3, 3, rng);
+      std::copy(v.begin(), v.end(), x.begin() + 32 * PS * g);
+    }
+    std::uniform_real_distribution<float> uc(0.5f, 2.0f);
+    for (float& c : c2) c = uc(rng);
+    float* d_x = upload(x);
+    float* d_c2 = upload(c2);
+    float* d_out = upload(std::vector<float>(64, -1.0f));
+    lanes_sumsq_kernel<PS><<<1, 32>>>(d_x, d_c2, d_out, d_out + 32);
+    KVQ_CUDA_OK(cudaGetLastError());
+    const std::vector<float> out = download(d_out, 64);
+    cudaFree(d_x);
+    cudaFree(d_c2);
+    cudaFree(d_out);
+    for (int l = 0; l < 32; ++l) {
+      ++cases;
+      const int g = l / PS;
+      const float want = kvq::sum_squares(x.data() + 32 * PS * g, 32 * PS);
+      const float norm = std::sqrt(want);
+      const float want_cn = norm > 0 ? norm / std::sqrt(c2[static_cast<std::size_t>(l)]) : norm;
+      wrong += bits_of(out[static_cast<std::size_t>(l)]) != bits_of(want);
+      wrong_cn += bits_of(out[static_cast<std::size_t>(32 + l)]) != bits_of(want_cn);
+    }
+  }
+  const std::string name = "lanes_sum_squares<" + std::to_string(PS) + ">";
+  std::printf("  %-44s %d lane results: %d differ, corrected_norm %d differ\n", name.c_str(), cases, wrong, wrong_cn);
+  check(wrong == 0, name + " equals kvq::sum_squares bit for bit");
+  check(wrong_cn == 0, name + ": corrected_norm equals norm / sqrt(c2) on the CPU");
+}
+
 }  // namespace
 
 int main() {
@@ -128,5 +261,10 @@ int main() {
   }
   run_case("synthetic, a -0 midpoint", {-0.5f, -0.0f, 0.25f}, 2, rng);
   run_case("synthetic, a +0 midpoint", {-0.25f, 0.0f, 0.125f}, 2, rng);
+  sum_squares_cases(rng);
+  lanes_case<1>(rng);
+  lanes_case<2>(rng);
+  lanes_case<4>(rng);
+  lanes_case<8>(rng);
   return kvq::cudatest::finish();
 }

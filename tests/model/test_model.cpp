@@ -135,7 +135,12 @@ TEST_P(PerModel, LastLogitsEqualLastRow) {
   std::vector<float> last(V);
   m->forward(ids.data(), static_cast<int>(ids.size()), *cache, 0, last.data(), LogitsMode::kLast);
   std::vector<float> want(all.end() - V, all.end());
-  EXPECT_LE(max_abs_diff(last, want), 1e-5f);
+  // The same float math through two BLAS calls (one row against all rows), whose kernels OpenBLAS
+  // picks per CPU: 1.14e-5 apart on tiny-gqa on an AVX-512 EPYC host, so the bound of this file's
+  // other same-math comparisons (chunked, stepwise) rather than the 1e-5 it had.
+  const float d = max_abs_diff(last, want);
+  std::printf("[ measure  ] %s: last-row logits vs all-rows max |diff| = %.3g\n", GetParam(), d);
+  EXPECT_LE(d, 1e-4f);
 }
 
 // Long contexts take the decode path's split over threads (forced here at 512 rows per thread)
