@@ -6,6 +6,8 @@
 // -- the count of midpoints strictly below y, exactly kvq::bucketize, because the bin is a monotone
 // function computed the same way for y and for the midpoints. A codebook for which no n <= 255
 // works (ok = 0) needs the binary search instead (bin_bucket does it).
+// Also the warp forms of kvq::sum_squares (TurboQuant's norm and norm-correction sums) and the
+// corrected norm, shared by both writers.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -1,11 +1,11 @@
 // Store kernels: quantize new key/value rows and write them into their paged slots through the
-// slot mapping. TurboQuant: gather (outlier split), fp32 norm, x / ||x||, sign diagonal, block
+// slot mapping. TurboQuant: gather (outlier split), float norm, x / ||x||, sign diagonal, block
 // FWHT, bucketize against the codebook midpoints, norm correction folded into the stored fp16
 // norm, pack. Uniform values: vLLM's per-vector min/max rule with fp16 scale and zero. fp8 keys:
 // saturating e4m3. The arithmetic follows the scalar references in src/quant operation by
 // operation; this file is compiled with --fmad=false so that no product is contracted into an
-// FMA, and codes match the CPU bit for bit except where a double-precision sum of squares added
-// in another order rounds differently (tests/cuda/test_decode.cpp counts those records).
+// FMA (the FMAs it wants are explicit), and records match the CPU's bit for bit: the sums of
+// squares add in kvq::sum_squares's order (bins.cuh), which tests/cuda/test_bins.cu checks.
 // Three kernels: a coalesced copy for the bf16 cache; the fast one (head_dim 64/128/256, the core
 // grid's formats, instantiated per format; 32 elements per lane, several vectors per warp; the
 // exact shortcuts it takes are explained where they are used) and the generic one (one warp per
@@ -278,9 +278,9 @@ __global__ void __launch_bounds__(kStoreWarps * 32) store_generic_kernel(const S
 // 32 consecutive segment-order elements each (position 32 l + k), so a warp works on 32 / P
 // vectors at once: the FWHT stages h = 1..16 run inside a lane and only h >= 32 cross lanes;
 // the sums of squares, the bucketization and the packing (4 * bits bytes per lane) need no shared
-// memory. Buckets come from the bin tables of bins.cuh (no search). Both lookups and the squared
-// centroid of the norm correction hit tables of at most 16 words or doubles, so random codes never
-// conflict on a bank. Uniform values divide without a division per
+// memory. Buckets come from the bin tables of bins.cuh (no search). Both lookups and the
+// centroid of the norm correction hit tables of at most 16 words, so random codes never conflict on
+// a bank. Uniform values divide without a division per
 // element: q = RN((x - lo) / s) by one remainder correction of RN(d RN(1/s)) (Markstein), which is
 // the correctly rounded quotient. Buckets of TurboQuant codes are taken on the FWHT output before
 // its 1 / sqrt(block), against prescaled thresholds. Same operations otherwise as the generic
