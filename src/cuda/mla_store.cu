@@ -362,6 +362,18 @@ __device__ __forceinline__ int xs_pad(int i) { return i + (i >> 5); }
 __device__ __forceinline__ int cs_pad(int i) { return i + 4 * (i >> 5); }
 constexpr int kXsWords = 1024 + 1024 / 32, kCsBytes = 1024 + 4 * (1024 / 32);
 
+// kvq::sum_squares of a latent of at most 16 blocks with two lanes per block: lane 2 b + h has run
+// chains 2 h and 2 h + 1 of block b into sa, sb (zeros past the last block). Lane h = 0 adds
+// s0 + s1, lane h = 1 s2 + s3; the xor-1 shuffle gives both (s0 + s1) + (s2 + s3), and the butterfly
+// over the remaining lane bits adds the blocks' pairwise tree (bins.cuh's warp_block_tree with the
+// chains on two lanes: half the sequential steps per lane).
+__device__ __forceinline__ float pair_lanes_tree(float sa, float sb) {
+  float t = __fadd_rn(sa, sb);
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) t = __fadd_rn(t, __shfl_xor_sync(0xffffffffu, t, o));
+  return t;
+}
+
 // One Hadamard block of bs = 32 NI dims at offset off: scale, signs, FWHT, codes into cs.
 template <int NI>
 __device__ __forceinline__ void tq_block(const MlaStoreParams& p, const float* xs, std::uint8_t* cs, const detail::StoreTables& T,
@@ -406,7 +418,26 @@ __global__ void __launch_bounds__(256) mla_store_tq_kernel(const __grid_constant
   }
   bad |= rope_nonfinite(rop, dr, lane);
   __syncwarp();
-  const float norm = __fsqrt_rn(detail::warp_sum_squares(dc, lane, [&](int b, int k) { return xs[33 * b + k]; }));
+  // Up to 16 blocks (d_c <= 512): two lanes per block, each two of its chains; beyond, one lane per block.
+  const bool two_lanes = dc <= 512;
+  const int blk = lane >> 1, half = lane & 1;
+  float ss;
+  if (two_lanes) {
+    float sa = 0.0f, sb = 0.0f;
+    if (32 * blk < dc) {
+      const float* xb = xs + 33 * blk + 2 * half;
+#pragma unroll
+      for (int m = 0; m < 8; ++m) {
+        const float a = xb[4 * m], b = xb[4 * m + 1];
+        sa = __fmaf_rn(a, a, sa);
+        sb = __fmaf_rn(b, b, sb);
+      }
+    }
+    ss = pair_lanes_tree(sa, sb);
+  } else {
+    ss = detail::warp_sum_squares(dc, lane, [&](int b, int k) { return xs[33 * b + k]; });
+  }
+  const float norm = __fsqrt_rn(ss);
   const float inv = norm > 0 ? __frcp_rn(norm) : 0.0f;
   constexpr int ne = (1 << B) - 1;
   for (int off = 0, rem = dc; rem > 0;) {  // blocks of the CPU's hadamard_blocks (multiples of 64), largest first
@@ -422,21 +453,39 @@ __global__ void __launch_bounds__(256) mla_store_tq_kernel(const __grid_constant
     rem -= bs;
   }
   __syncwarp();
-  // sum c^2 in the same order: lane b's block of codes is 8 words, each one code per chain.
-  float c4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  if (32 * lane < dc) {  // d_c is a multiple of 64: whole blocks
-    const std::uint32_t* cw = reinterpret_cast<const std::uint32_t*>(cs) + 9 * lane;
+  // sum c^2 in the same order: a block's codes are 8 words, byte j of each the next code of chain j
+  // (d_c is a multiple of 64: whole blocks).
+  float c2;
+  if (two_lanes) {
+    float sa = 0.0f, sb = 0.0f;
+    if (32 * blk < dc) {
+      const std::uint32_t* cw = reinterpret_cast<const std::uint32_t*>(cs) + 9 * blk;  // both lanes: broadcast
 #pragma unroll
-    for (int w = 0; w < 8; ++w) {
-      const std::uint32_t word = cw[w];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float c = T.cent[0][(word >> (8 * j)) & 0xffu];
-        c4[j] = __fmaf_rn(c, c, c4[j]);
+      for (int w = 0; w < 8; ++w) {
+        const std::uint32_t word = cw[w] >> (16 * half);
+        const float a = T.cent[0][word & 0xffu], b = T.cent[0][(word >> 8) & 0xffu];
+        sa = __fmaf_rn(a, a, sa);
+        sb = __fmaf_rn(b, b, sb);
       }
     }
+    c2 = pair_lanes_tree(sa, sb);
+  } else {
+    float c4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (32 * lane < dc) {
+      const std::uint32_t* cw = reinterpret_cast<const std::uint32_t*>(cs) + 9 * lane;
+#pragma unroll
+      for (int w = 0; w < 8; ++w) {
+        const std::uint32_t word = cw[w];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float c = T.cent[0][(word >> (8 * j)) & 0xffu];
+          c4[j] = __fmaf_rn(c, c, c4[j]);
+        }
+      }
+    }
+    c2 = detail::warp_block_tree(c4[0], c4[1], c4[2], c4[3]);
   }
-  const float stored = detail::corrected_norm(norm, detail::warp_block_tree(c4[0], c4[1], c4[2], c4[3]));
+  const float stored = detail::corrected_norm(norm, c2);
   // The CPU refuses a norm beyond fp16 (and non-finite rows): write nothing.
   if (reject_token(p, bad || !(fabsf(stored) <= 65504.0f), lane)) return;
   copy_if_protected(p, t, lat, dc, rop, dr, lane);
