@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "kvq/common.hpp"
 
@@ -131,9 +132,9 @@ KVQ_HD float fp8_e4m3_to_float(std::uint8_t b) {
 // stored norm keeps. Squares that overflow give +inf (the encoders refuse the norm), squares below
 // the smallest subnormal give 0.
 inline constexpr int kSumSquaresBlock = 32;
-inline constexpr int kSumSquaresMaxBlocks = 64;  // n <= 2048
+inline constexpr int kSumSquaresMaxBlocks = 64;  // block sums kept on the stack (n <= 2048); longer rows use the heap
 
-// Adds nb (<= kSumSquaresMaxBlocks) block sums as the padded pairwise tree; overwrites b.
+// Adds nb block sums as the padded pairwise tree; overwrites b.
 inline float sum_blocks_pairwise(float* b, int nb) {
   if (nb <= 0) return 0.0f;
   while (nb > 1) {
@@ -145,14 +146,21 @@ inline float sum_blocks_pairwise(float* b, int nb) {
 }
 
 inline float sum_squares(const float* x, int n) {
-  require(n >= 0 && n <= kSumSquaresBlock * kSumSquaresMaxBlocks, "sum_squares: at most 2048 values");
-  float b[kSumSquaresMaxBlocks];
-  int nb = 0;
-  for (int off = 0; off < n; off += kSumSquaresBlock, ++nb) {
+  require(n >= 0, "sum_squares: negative length");
+  const int nb = (n + kSumSquaresBlock - 1) / kSumSquaresBlock;
+  float stack_blocks[kSumSquaresMaxBlocks];
+  std::vector<float> heap_blocks;
+  float* b = stack_blocks;
+  if (nb > kSumSquaresMaxBlocks) {
+    heap_blocks.resize(static_cast<std::size_t>(nb));
+    b = heap_blocks.data();
+  }
+  for (int j = 0; j < nb; ++j) {
+    const int off = j * kSumSquaresBlock;
     const int len = n - off < kSumSquaresBlock ? n - off : kSumSquaresBlock;
     float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int k = 0; k < len; ++k) s[k & 3] = std::fma(x[off + k], x[off + k], s[k & 3]);
-    b[nb] = (s[0] + s[1]) + (s[2] + s[3]);
+    b[j] = (s[0] + s[1]) + (s[2] + s[3]);
   }
   return sum_blocks_pairwise(b, nb);
 }

@@ -332,7 +332,7 @@ TEST(Numeric, SumSquaresFollowsItsStatedOrder) {
   std::normal_distribution<float> nd(0.0f, 1.0f);
   int rows = 0, sequential_differs = 0;
   for (int n : {0, 1, 2, 3, 4, 7, 31, 32, 33, 63, 64, 65, 96, 100, 127, 128, 129, 160, 192, 255, 256, 288, 384, 512, 576,
-                1000, 1024, 1056, 2047, 2048}) {
+                1000, 1024, 1056, 2047, 2048, 2049, 4096, 5000}) {
     for (int lo : {-3, -40, -80, 50}) {
       std::uniform_int_distribution<int> ex(lo, lo + (lo == 50 ? 16 : lo == -40 ? 60 : 6));
       std::vector<float> x(static_cast<std::size_t>(n));
@@ -352,5 +352,5 @@ TEST(Numeric, SumSquaresFollowsItsStatedOrder) {
   EXPECT_EQ(bits_of(kvq::sum_squares(zeros.data(), 100)), 0u);
   EXPECT_EQ(kvq::sum_squares(huge.data(), 64), std::numeric_limits<float>::infinity());
   EXPECT_EQ(bits_of(kvq::sum_squares(tiny.data(), 64)), 0u);
-  EXPECT_THROW(kvq::sum_squares(zeros.data(), 2049), kvq::Error);
+  EXPECT_THROW(kvq::sum_squares(zeros.data(), -1), kvq::Error);
 }
