@@ -43,15 +43,21 @@ __device__ __forceinline__ int bin_of(float y, float a, float b, float n) {
   return __float_as_int(__fmaf_rd(fma_sat(y, a, b), n, kFloorMagic)) - static_cast<int>(kMagicBits);
 }
 
-// The end of kvq::sum_squares (include/kvq/numeric.hpp) on a warp whose lane b holds the four
-// chains of block b (zeros in lanes past the last block): (s0 + s1) + (s2 + s3), then the
-// xor-butterfly over the 32 lanes, which adds the zero-padded pairwise tree of the block sums
-// (a + b = b + a bit for bit, so every lane returns the same sum).
-__device__ __forceinline__ float warp_block_tree(float s0, float s1, float s2, float s3) {
-  float t = __fadd_rn(__fadd_rn(s0, s1), __fadd_rn(s2, s3));
+// The xor-butterfly over groups of L lanes (L a power of two): with lane j of a group holding the sum of
+// block j, every lane of the group gets the pairwise tree of the L block sums, ((b0 + b1) + (b2 + b3)) + ...,
+// the last step of kvq::sum_squares (include/kvq/numeric.hpp); a + b = b + a bit for bit, so every lane
+// returns the same sum, and lanes past the last block hold +0 (the tree's zero padding).
+template <int L>
+__device__ __forceinline__ float xor_tree(float t) {
 #pragma unroll
-  for (int o = 1; o < 32; o <<= 1) t = __fadd_rn(t, __shfl_xor_sync(0xffffffffu, t, o));
+  for (int o = 1; o < L; o <<= 1) t = __fadd_rn(t, __shfl_xor_sync(0xffffffffu, t, o));
   return t;
+}
+
+// The end of kvq::sum_squares on a warp whose lane b holds the four chains of block b (zeros in
+// lanes past the last block): (s0 + s1) + (s2 + s3), then xor_tree over the 32 lanes.
+__device__ __forceinline__ float warp_block_tree(float s0, float s1, float s2, float s3) {
+  return xor_tree<32>(__fadd_rn(__fadd_rn(s0, s1), __fadd_rn(s2, s3)));
 }
 
 // kvq::sum_squares over a warp, n <= 1024: lane b < ceil(n / 32) runs block b's four chains on
@@ -93,10 +99,7 @@ __device__ __forceinline__ float lanes_sum_squares(const float (&x)[32]) {
   float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
   for (int k = 0; k < 32; ++k) s[k & 3] = __fmaf_rn(x[k], x[k], s[k & 3]);
-  float t = __fadd_rn(__fadd_rn(s[0], s[1]), __fadd_rn(s[2], s[3]));
-#pragma unroll
-  for (int o = 1; o < PS; o <<= 1) t = __fadd_rn(t, __shfl_xor_sync(0xffffffffu, t, o));
-  return t;
+  return xor_tree<PS>(__fadd_rn(__fadd_rn(s[0], s[1]), __fadd_rn(s[2], s[3])));
 }
 
 // TurboQuantMse's stored norm with norm correction: norm / sqrt(sum c^2), each step correctly

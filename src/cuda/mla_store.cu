@@ -367,12 +367,7 @@ constexpr int kXsWords = 1024 + 1024 / 32, kCsBytes = 1024 + 4 * (1024 / 32);
 // s0 + s1, lane h = 1 s2 + s3; the xor-1 shuffle gives both (s0 + s1) + (s2 + s3), and the butterfly
 // over the remaining lane bits adds the blocks' pairwise tree (bins.cuh's warp_block_tree with the
 // chains on two lanes: half the sequential steps per lane).
-__device__ __forceinline__ float pair_lanes_tree(float sa, float sb) {
-  float t = __fadd_rn(sa, sb);
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) t = __fadd_rn(t, __shfl_xor_sync(0xffffffffu, t, o));
-  return t;
-}
+__device__ __forceinline__ float pair_lanes_tree(float sa, float sb) { return detail::xor_tree<32>(__fadd_rn(sa, sb)); }
 
 // One Hadamard block of bs = 32 NI dims at offset off: scale, signs, FWHT, codes into cs.
 template <int NI>
