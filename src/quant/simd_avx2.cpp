@@ -103,24 +103,11 @@ KVQ_AVX2 void fwht_any_avx2(float* x, int n) {
 
 // kvq::sum_squares for n % 4 == 0, n <= 2048: lane r of a block's 4-wide accumulator is its chain r
 // (one FMA per step, k = r, r + 4, ... in order), and two horizontal adds give (s0 + s1) + (s2 + s3):
-// the reference's operations, so its bits. Two whole blocks share a 256-bit register (one per
-// 128-bit half; the horizontal adds stay inside the halves).
+// the reference's operations, so its bits.
 KVQ_AVX2 float sum_squares_avx2(const float* x, int n) {
   float b[kSumSquaresMaxBlocks];
-  int nb = 0, off = 0;
-  for (; off + 2 * kSumSquaresBlock <= n; off += 2 * kSumSquaresBlock, nb += 2) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int k = 0; k < kSumSquaresBlock; k += 4) {
-      const __m256 v = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(x + off + k)),
-                                            _mm_loadu_ps(x + off + kSumSquaresBlock + k), 1);
-      acc = _mm256_fmadd_ps(v, v, acc);
-    }
-    const __m256 h = _mm256_hadd_ps(acc, acc);
-    const __m256 t = _mm256_hadd_ps(h, h);
-    b[nb] = _mm256_cvtss_f32(t);
-    b[nb + 1] = _mm_cvtss_f32(_mm256_extractf128_ps(t, 1));
-  }
-  for (; off < n; off += kSumSquaresBlock, ++nb) {
+  int nb = 0;
+  for (int off = 0; off < n; off += kSumSquaresBlock, ++nb) {
     const int len = n - off < kSumSquaresBlock ? n - off : kSumSquaresBlock;
     __m128 acc = _mm_setzero_ps();
     for (int k = 0; k < len; k += 4) {
