@@ -320,11 +320,6 @@ float sum_squares_spec(const float* x, int n) {
   while (32 * m < n) m *= 2;
   return padded_tree(x, n, 0, m);
 }
-std::uint32_t bits_of(float f) {
-  std::uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
 }  // namespace
 
 TEST(Numeric, SumSquaresFollowsItsStatedOrder) {
@@ -338,19 +333,19 @@ TEST(Numeric, SumSquaresFollowsItsStatedOrder) {
       std::vector<float> x(static_cast<std::size_t>(n));
       for (float& v : x) v = std::ldexp(nd(rng), ex(rng));
       const float got = kvq::sum_squares(x.data(), n), want = sum_squares_spec(x.data(), n);
-      ASSERT_EQ(bits_of(got), bits_of(want)) << "n " << n << " exponents from " << lo;
+      ASSERT_EQ(kvq::f32_bits(got), kvq::f32_bits(want)) << "n " << n << " exponents from " << lo;
       float seq = 0.0f;
       for (float v : x) seq = std::fma(v, v, seq);
-      sequential_differs += bits_of(seq) != bits_of(got);
+      sequential_differs += kvq::f32_bits(seq) != kvq::f32_bits(got);
       ++rows;
     }
   }
   EXPECT_GT(sequential_differs, rows / 4) << "the rows should tell a sequential sum from the stated order";
   // Edges: nothing and zeros give +0, overflowing squares +inf, squares below the subnormals 0.
-  EXPECT_EQ(bits_of(kvq::sum_squares(nullptr, 0)), 0u);
+  EXPECT_EQ(kvq::f32_bits(kvq::sum_squares(nullptr, 0)), 0u);
   const std::vector<float> zeros(100, -0.0f), huge(64, 1e30f), tiny(64, 1e-30f);
-  EXPECT_EQ(bits_of(kvq::sum_squares(zeros.data(), 100)), 0u);
+  EXPECT_EQ(kvq::f32_bits(kvq::sum_squares(zeros.data(), 100)), 0u);
   EXPECT_EQ(kvq::sum_squares(huge.data(), 64), std::numeric_limits<float>::infinity());
-  EXPECT_EQ(bits_of(kvq::sum_squares(tiny.data(), 64)), 0u);
+  EXPECT_EQ(kvq::f32_bits(kvq::sum_squares(tiny.data(), 64)), 0u);
   EXPECT_THROW(kvq::sum_squares(zeros.data(), -1), kvq::Error);
 }

@@ -139,11 +139,6 @@ void run_case(const std::string& name, std::vector<float> edges, int bits, std::
 }
 
 
-std::uint32_t bits_of(float f) {
-  std::uint32_t u = 0;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
 // Gaussian values times 2^e with e uniform in [lo, hi] per element.
 std::vector<float> wide_row(int n, int lo, int hi, std::mt19937& rng) {
   std::normal_distribution<float> nd(0.0f, 1.0f);
@@ -186,11 +181,11 @@ void sum_squares_cases(std::mt19937& rng) {
     cudaFree(d_out);
     for (int r = 0; r < kRows; ++r) {
       const float want = kvq::sum_squares(host[static_cast<std::size_t>(r)].data(), n);
-      order_matters += bits_of(sequential_sum(host[static_cast<std::size_t>(r)], n)) != bits_of(want);
+      order_matters += kvq::f32_bits(sequential_sum(host[static_cast<std::size_t>(r)], n)) != kvq::f32_bits(want);
       for (int l = 0; l < 32; ++l) {
         ++cases;
         const float got = out[static_cast<std::size_t>(32 * r + l)];
-        if (bits_of(got) != bits_of(want)) {
+        if (kvq::f32_bits(got) != kvq::f32_bits(want)) {
           if (wrong < 4) std::printf("  warp_sum_squares n %d row %d lane %d: %.9g, CPU %.9g\n", n, r, l, static_cast<double>(got), static_cast<double>(want));
           ++wrong;
         }
@@ -236,8 +231,8 @@ void lanes_case(std::mt19937& rng) {
       const float want = kvq::sum_squares(x.data() + 32 * PS * g, 32 * PS);
       const float norm = std::sqrt(want);
       const float want_cn = norm > 0 ? norm / std::sqrt(c2[static_cast<std::size_t>(l)]) : norm;
-      wrong += bits_of(out[static_cast<std::size_t>(l)]) != bits_of(want);
-      wrong_cn += bits_of(out[static_cast<std::size_t>(32 + l)]) != bits_of(want_cn);
+      wrong += kvq::f32_bits(out[static_cast<std::size_t>(l)]) != kvq::f32_bits(want);
+      wrong_cn += kvq::f32_bits(out[static_cast<std::size_t>(32 + l)]) != kvq::f32_bits(want_cn);
     }
   }
   const std::string name = "lanes_sum_squares<" + std::to_string(PS) + ">";
