@@ -28,10 +28,11 @@ struct StoreTables {
   float cent[4][16];               // centroids (norm correction); 16 words in 16 banks: lanes never conflict
   float ba[4], bb[4], bn[4];       // bin(y) = floor(sat(y * ba + bb) * bn)
   int ok[4];
-  // The GQA store's (midpoint, base) pair tables: shared address - 8 kMagicBits (build_bin_pairs sets
-  // it, bin_pair_lookup takes it). Read from shared memory, the compiler cannot split the constant back
-  // out of the address (computed in the kernel, it added it per element).
-  std::uint32_t pair_base[4];
+  // The GQA store's (midpoint, base) pair tables: shared address - stride kMagicBits, and the byte
+  // stride of a bin's row (8, or 8 kPairCopies) (build_bin_pairs sets them, bin_pair_lookup takes
+  // them). Read from shared memory, the compiler cannot split the constant back out of the address
+  // (computed in the kernel, it added it per element).
+  std::uint32_t pair_base[4], pair_stride[4];
 };
 
 __device__ __forceinline__ float fma_sat(float a, float b, float c) {
@@ -178,22 +179,38 @@ __device__ __forceinline__ int bin_lookup(const std::uint8_t* base, const float*
   return plus_below(k, mids[k], y);
 }
 // The same lookup from one 8-byte entry per bin, (mids[base] as bits, base): one shared-memory load
-// and no second address (the GQA store's inner loop). Warp-wide: fills pairs[0 .. n] of table t (in
-// shared memory) once build_store_table has returned (a table that works), and T.pair_base[t].
-__device__ inline void build_bin_pairs(StoreTables& T, int t, uint2* pairs, int lane) {
+// and no second address (the GQA store's inner loop). The 32 lanes of a warp look up 32 unrelated
+// bins, and a 64-bit load serves each half-warp in one wavefront only if its 16 lanes hit 16
+// different bank pairs: with one entry per bin, bins k and k + 16 share a bank pair, and the 26 bins
+// of the 4-bit sphere codebook took ~3.1 wavefronts per load for Gaussian y instead of 2. So each
+// bin's entry is stored kPairCopies = 16 times in a row of 128 bytes, and lane l reads copy l mod 16
+// (its own bank pair) -- when the rows fit the caller's capacity, else one copy per bin as before.
+// Warp-wide: fills table t's pairs (in shared memory, `cap` 8-byte entries) once build_store_table has
+// returned (a table that works), and T.pair_base[t] / T.pair_stride[t].
+constexpr int kPairCopies = 16;
+__device__ inline void build_bin_pairs(StoreTables& T, int t, uint2* pairs, int cap, int lane) {
   __syncwarp();
-  if (lane == 0) T.pair_base[t] = static_cast<std::uint32_t>(__cvta_generic_to_shared(pairs)) - (kMagicBits << 3);
+  const int rows = static_cast<int>(T.bn[t]) + 1, copies = rows * kPairCopies <= cap ? kPairCopies : 1;
+  if (lane == 0) {
+    T.pair_stride[t] = 8u * static_cast<std::uint32_t>(copies);
+    T.pair_base[t] = static_cast<std::uint32_t>(__cvta_generic_to_shared(pairs)) - T.pair_stride[t] * kMagicBits;
+  }
   if (!T.ok[t]) return;
-  for (int k = lane; k <= static_cast<int>(T.bn[t]); k += 32) {
-    const int b = T.base[t][k];
-    pairs[k] = make_uint2(__float_as_uint(T.edges[t][b]), static_cast<std::uint32_t>(b));
+  for (int i = lane; i < rows * copies; i += 32) {
+    const int b = T.base[t][i / copies];
+    pairs[i] = make_uint2(__float_as_uint(T.edges[t][b]), static_cast<std::uint32_t>(b));
   }
 }
+// The lane's base for bin_pair_lookup: T.pair_base[t] plus the offset of its copy.
+__device__ __forceinline__ std::uint32_t pair_lane_base(const StoreTables& T, int t, int lane) {
+  return T.pair_base[t] + (T.pair_stride[t] > 8u ? 8u * static_cast<std::uint32_t>(lane & (kPairCopies - 1)) : 0u);
+}
 // The bucket of y from the pairs: the entry's shared-memory address is taken from the bits of the
-// round-down FMA (magic + bin) by one multiply-add with `pbase` = T.pair_base[t] (the table's shared
-// address - 8 kMagicBits, mod 2^32), which the caller reads once.
-__device__ __forceinline__ int bin_pair_lookup(std::uint32_t pbase, float a, float b, float n, float y) {
-  const std::uint32_t addr = __float_as_uint(__fmaf_rd(fma_sat(y, a, b), n, kFloorMagic)) * 8u + pbase;
+// round-down FMA (magic + bin) by one multiply-add with the row stride and `pbase` = pair_lane_base
+// (the table's shared address - stride x kMagicBits + the lane's copy, mod 2^32), which the caller
+// reads once.
+__device__ __forceinline__ int bin_pair_lookup(std::uint32_t pbase, std::uint32_t stride, float a, float b, float n, float y) {
+  const std::uint32_t addr = __float_as_uint(__fmaf_rd(fma_sat(y, a, b), n, kFloorMagic)) * stride + pbase;
   std::uint32_t mid, base;
   asm("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(mid), "=r"(base) : "r"(addr));
   return plus_below(static_cast<int>(base), __uint_as_float(mid), y);

@@ -448,8 +448,9 @@ __global__ void __launch_bounds__(256) mla_store_tq_kernel(const __grid_constant
     rem -= bs;
   }
   __syncwarp();
-  // sum c^2 in the same order: a block's codes are 8 words, byte j of each the next code of chain j
-  // (d_c is a multiple of 64: whole blocks).
+  // sum c^2 in the same order (d_c is a multiple of 64: whole blocks). Two lanes per block: a block's
+  // codes are 8 words, byte j of each the next code of chain j, lane 2 b + h taking bytes 2 h and 2 h + 1;
+  // beyond 16 blocks warp_sum_squares reads the codes byte by byte.
   float c2;
   if (two_lanes) {
     float sa = 0.0f, sb = 0.0f;
@@ -465,20 +466,7 @@ __global__ void __launch_bounds__(256) mla_store_tq_kernel(const __grid_constant
     }
     c2 = pair_lanes_tree(sa, sb);
   } else {
-    float c4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    if (32 * lane < dc) {
-      const std::uint32_t* cw = reinterpret_cast<const std::uint32_t*>(cs) + 9 * lane;
-#pragma unroll
-      for (int w = 0; w < 8; ++w) {
-        const std::uint32_t word = cw[w];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float c = T.cent[0][(word >> (8 * j)) & 0xffu];
-          c4[j] = __fmaf_rn(c, c, c4[j]);
-        }
-      }
-    }
-    c2 = detail::warp_block_tree(c4[0], c4[1], c4[2], c4[3]);
+    c2 = detail::warp_sum_squares(dc, lane, [&](int b, int k) { return T.cent[0][cs[cs_pad(32 * b + k)]]; });
   }
   const float stored = detail::corrected_norm(norm, c2);
   // The CPU refuses a norm beyond fp16 (and non-finite rows): write nothing.

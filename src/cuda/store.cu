@@ -519,9 +519,9 @@ __device__ __forceinline__ void tq_encode32(const StoreTables& T, int t, int sg,
   if (T.ok[t]) {
     const float ba = T.ba[t], bb = T.bb[t], bn = T.bn[t];
     if constexpr (kPairs) {  // (midpoint, base) pairs (build_bin_pairs): one load per code
-      const std::uint32_t pbase = T.pair_base[t];
+      const std::uint32_t pbase = pair_lane_base(T, t, static_cast<int>(threadIdx.x & 31)), pstride = T.pair_stride[t];
 #pragma unroll
-      for (int k = 0; k < kLaneElems; ++k) c[k] = static_cast<std::uint32_t>(bin_pair_lookup(pbase, ba, bb, bn, v[k]));
+      for (int k = 0; k < kLaneElems; ++k) c[k] = static_cast<std::uint32_t>(bin_pair_lookup(pbase, pstride, ba, bb, bn, v[k]));
     } else {
       const std::uint8_t* bins = T.base[t];
       const float* mids = T.edges[t];
@@ -556,7 +556,10 @@ template <int D, class F>
 __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const StoreParams p, int tok_shift, bool use_masks,
                                                                       bool use_smean) {
   __shared__ StoreTables T;
-  __shared__ uint2 BP[4][kMaxBins];  // the tables' (midpoint, base) pairs per bin (one-segment formats)
+  // The (midpoint, base) pairs of the one-segment formats' two tables (key segment 0 = table 0, value
+  // segment 0 = table 2), in the 8 KB the four one-copy tables took: 16 copies of each bin up to 32 bins
+  // (the sphere codebooks' tables at 3 and 4 bits), one copy beyond.
+  __shared__ uint2 BP[2][2 * kMaxBins];
   // [warp][stage][side] staged rows (kStagingBytes), then, when the launcher gives the space, the
   // sign masks (4 H D bytes) and for the split formats the channel offsets (4 H D bytes).
   extern __shared__ uint4 dsm[];
@@ -578,7 +581,7 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
       build_store_table(T, w, (side ? f.value_thresholds : f.key_thresholds) + seg * kMaxCodebook,
                         (side ? f.value_centroids : f.key_centroids) + seg * kMaxCodebook,
                         side ? (seg ? F::VB1 : F::VB0) : (seg ? F::KB1 : F::KB0), lane);
-      if constexpr (kPairs) build_bin_pairs(T, w, BP[w], lane);
+      if constexpr (kPairs) build_bin_pairs(T, w, BP[w >> 1], 2 * kMaxBins, lane);
     }
   }
   const int H = f.kv_heads;

@@ -30,23 +30,29 @@ namespace kc = kvq::cuda::detail;
 
 namespace {
 
-// One warp: builds table 0 from the edges (and centroids), then buckets every y both ways; -1 where
-// the table does not work (ok = 0, the kernels' binary-search fallback).
-__global__ void bucket_kernel(const float* edges, const float* cents, int bits, const float* ys, int n, int* by_pairs,
-                              int* by_bytes, int* ok) {
+// One warp: builds table 0 from the edges (and centroids), its (midpoint, base) pairs in `cap` entries
+// (16 copies per bin where they fit, as in the store; each lane reads its own copy), then buckets every
+// y both ways; -1 where the table does not work (ok = 0, the kernels' binary-search fallback). info[0]:
+// ok, info[1]: the pairs' row stride in bytes.
+__global__ void bucket_kernel(const float* edges, const float* cents, int bits, const float* ys, int n, int cap, int* by_pairs,
+                              int* by_bytes, int* info) {
   __shared__ kc::StoreTables T;
-  __shared__ uint2 pairs[kc::kMaxBins];
+  __shared__ uint2 pairs[2 * kc::kMaxBins];
   const int lane = threadIdx.x;
   kc::build_store_table(T, 0, edges, cents, bits, lane);
-  kc::build_bin_pairs(T, 0, pairs, lane);
+  kc::build_bin_pairs(T, 0, pairs, cap, lane);
   __syncwarp();
-  if (lane == 0) *ok = T.ok[0];
+  if (lane == 0) {
+    info[0] = T.ok[0];
+    info[1] = static_cast<int>(T.pair_stride[0]);
+  }
+  const std::uint32_t pbase = kc::pair_lane_base(T, 0, lane);
   for (int i = lane; i < n; i += 32) {
     if (!T.ok[0]) {
       by_pairs[i] = by_bytes[i] = -1;
       continue;
     }
-    by_pairs[i] = kc::bin_pair_lookup(T.pair_base[0], T.ba[0], T.bb[0], T.bn[0], ys[i]);
+    by_pairs[i] = kc::bin_pair_lookup(pbase, T.pair_stride[0], T.ba[0], T.bb[0], T.bn[0], ys[i]);
     by_bytes[i] = kc::bin_lookup(T.base[0], T.edges[0], T.ba[0], T.bb[0], T.bn[0], ys[i]);
   }
 }
@@ -69,7 +75,9 @@ __global__ void lanes_sumsq_kernel(const float* x, const float* c2, float* out, 
   cn[lane] = kc::corrected_norm(__fsqrt_rn(ss), c2[lane]);
 }
 
-void run_case(const std::string& name, std::vector<float> edges, int bits, std::mt19937& rng) {
+// expect_copies: the sphere codebooks' tables must get 16 copies per bin in the store's 512 entries (the
+// conflict-free layout is what the store is tuned for; a table grown past 32 bins would silently lose it).
+void run_case(const std::string& name, std::vector<float> edges, int bits, std::mt19937& rng, bool expect_copies = false) {
   const int ne = (1 << bits) - 1;
   std::vector<float> cents(16, 0.0f);
   for (int i = 0; i < (1 << bits); ++i) cents[static_cast<std::size_t>(i)] = static_cast<float>(i);  // not used by the buckets
@@ -107,35 +115,43 @@ void run_case(const std::string& name, std::vector<float> edges, int bits, std::
   float* d_edges = upload(edges);
   float* d_cents = upload(cents);
   float* d_ys = upload(ys);
-  int* d_out = upload(std::vector<int>(2 * ys.size() + 1, 0));  // pairs, byte table, ok
-  bucket_kernel<<<1, 32>>>(d_edges, d_cents, bits, d_ys, n, d_out, d_out + n, d_out + 2 * n);
-  KVQ_CUDA_OK(cudaGetLastError());
-  const std::vector<int> out = download(d_out, 2 * ys.size() + 1);
+  // Pair capacities: the store's 512 entries (16 copies per bin up to 32 bins), and 256, with which tables of
+  // more than 16 bins (the 4-bit codebooks) keep one copy per bin: both layouts are checked.
+  for (const int cap : {2 * kc::kMaxBins, kc::kMaxBins}) {
+    int* d_out = upload(std::vector<int>(2 * ys.size() + 2, 0));  // pairs, byte table, ok, stride
+    bucket_kernel<<<1, 32>>>(d_edges, d_cents, bits, d_ys, n, cap, d_out, d_out + n, d_out + 2 * n);
+    KVQ_CUDA_OK(cudaGetLastError());
+    const std::vector<int> out = download(d_out, 2 * ys.size() + 2);
+    cudaFree(d_out);
+    const int* by_pairs = out.data();
+    const int* by_bytes = out.data() + n;
+    const int ok = out[2 * ys.size()], stride = out[2 * ys.size() + 1];
+    const std::string label = name + (stride == 8 ? " [1 copy]" : " [16 copies]");
+    if (!kvq::cudatest::check(ok == 1, name + ": the bin table works for this codebook")) break;
+    kvq::cudatest::check(stride == 8 || stride == 8 * kc::kPairCopies, label + ": pair row stride 8 or 128 bytes");
+    if (expect_copies && cap == 2 * kc::kMaxBins)
+      kvq::cudatest::check(stride == 8 * kc::kPairCopies, label + ": 16 copies per bin in the store's capacity");
+    int wrong_pairs = 0, wrong_bytes = 0;
+    for (int i = 0; i < n; ++i) {
+      const float y = ys[static_cast<std::size_t>(i)];
+      const int want = kvq::bucketize(edges.data(), ne, y);
+      const bool bp = by_pairs[i] != want, bb = by_bytes[i] != want;
+      if ((bp || bb) && wrong_pairs + wrong_bytes < 4) {
+        std::uint32_t bits_y = 0;
+        std::memcpy(&bits_y, &y, sizeof bits_y);
+        std::printf("  %s: y = %.9g (bits %08x): pairs %d, bytes %d, CPU %d\n", name.c_str(), static_cast<double>(y),
+                    static_cast<unsigned>(bits_y), by_pairs[i], by_bytes[i], want);
+      }
+      wrong_pairs += bp;
+      wrong_bytes += bb;
+  }
+  std::printf("  %-56s %6d values: %d / %d differ (pairs / byte table)\n", label.c_str(), n, wrong_pairs, wrong_bytes);
+  kvq::cudatest::check(wrong_pairs == 0, label + ": (midpoint, base) pairs equal the CPU's buckets");
+  kvq::cudatest::check(wrong_bytes == 0, label + ": byte table equals the CPU's buckets");
+  }
   cudaFree(d_edges);
   cudaFree(d_cents);
   cudaFree(d_ys);
-  cudaFree(d_out);
-  const int* by_pairs = out.data();
-  const int* by_bytes = out.data() + n;
-  const int ok = out[2 * ys.size()];
-  if (!kvq::cudatest::check(ok == 1, name + ": the bin table works for this codebook")) return;
-  int wrong_pairs = 0, wrong_bytes = 0;
-  for (int i = 0; i < n; ++i) {
-    const float y = ys[static_cast<std::size_t>(i)];
-    const int want = kvq::bucketize(edges.data(), ne, y);
-    const bool bp = by_pairs[i] != want, bb = by_bytes[i] != want;
-    if ((bp || bb) && wrong_pairs + wrong_bytes < 4) {
-      std::uint32_t bits_y = 0;
-      std::memcpy(&bits_y, &y, sizeof bits_y);
-      std::printf("  %s: y = %.9g (bits %08x): pairs %d, bytes %d, CPU %d\n", name.c_str(), static_cast<double>(y),
-                  static_cast<unsigned>(bits_y), by_pairs[i], by_bytes[i], want);
-    }
-    wrong_pairs += bp;
-    wrong_bytes += bb;
-  }
-  std::printf("  %-44s %6d values: %d / %d differ (pairs / byte table)\n", name.c_str(), n, wrong_pairs, wrong_bytes);
-  kvq::cudatest::check(wrong_pairs == 0, name + ": (midpoint, base) pairs equal the CPU's buckets");
-  kvq::cudatest::check(wrong_bytes == 0, name + ": byte table equals the CPU's buckets");
 }
 
 
@@ -249,10 +265,10 @@ int main() {
   const float scale = 1.0f / std::sqrt(128.0f);
   for (int bits = 1; bits <= 4; ++bits) {
     const kvq::Codebook& cb = kvq::sphere_codebook(128, bits);
-    run_case("sphere d128 b" + std::to_string(bits) + " midpoints", cb.edges_f, bits, rng);
+    run_case("sphere d128 b" + std::to_string(bits) + " midpoints", cb.edges_f, bits, rng, true);
     std::vector<float> pre;
     for (float e : cb.edges_f) pre.push_back(kvq::prescale_threshold(e, scale));
-    run_case("sphere d128 b" + std::to_string(bits) + " prescaled thresholds", pre, bits, rng);
+    run_case("sphere d128 b" + std::to_string(bits) + " prescaled thresholds", pre, bits, rng, true);
   }
   run_case("synthetic, a -0 midpoint", {-0.5f, -0.0f, 0.25f}, 2, rng);
   run_case("synthetic, a +0 midpoint", {-0.25f, 0.0f, 0.125f}, 2, rng);
