@@ -492,7 +492,7 @@ struct FastFmt {
 // 32 PS; bits B0 for segment 0, B1 for segment 1), the sign diagonal already applied to v. Packs this
 // lane's codes into pw (the caller stores them once the record is accepted); returns the segment's
 // norm and the norm-correction sum of squared centroids (the same in every lane of the segment).
-template <int PS, int B0, int B1, bool kPairs>
+template <int PS, int B0, int B1>
 __device__ __forceinline__ void tq_encode32(const StoreTables& T, int t, int sg, float (&v)[kLaneElems], std::uint32_t (&pw)[4],
                                             int ls, float& norm_out, float& c2_out) {
   const float ss = lanes_sum_squares<PS>(v);
@@ -518,16 +518,10 @@ __device__ __forceinline__ void tq_encode32(const StoreTables& T, int t, int sg,
   std::uint32_t c[kLaneElems];
   if (T.ok[t]) {
     const float ba = T.ba[t], bb = T.bb[t], bn = T.bn[t];
-    if constexpr (kPairs) {  // (midpoint, base) pairs (build_bin_pairs): one load per code
-      const std::uint32_t pbase = pair_lane_base(T, t, static_cast<int>(threadIdx.x & 31)), pstride = T.pair_stride[t];
+    // (midpoint, base) pairs (build_bin_pairs): one load per code, from the lane's own copy.
+    const std::uint32_t pbase = pair_lane_base(T, t, static_cast<int>(threadIdx.x & 31)), pstride = T.pair_stride[t];
 #pragma unroll
-      for (int k = 0; k < kLaneElems; ++k) c[k] = static_cast<std::uint32_t>(bin_pair_lookup(pbase, pstride, ba, bb, bn, v[k]));
-    } else {
-      const std::uint8_t* bins = T.base[t];
-      const float* mids = T.edges[t];
-#pragma unroll
-      for (int k = 0; k < kLaneElems; ++k) c[k] = static_cast<std::uint32_t>(bin_lookup(bins, mids, ba, bb, bn, v[k]));
-    }
+    for (int k = 0; k < kLaneElems; ++k) c[k] = static_cast<std::uint32_t>(bin_pair_lookup(pbase, pstride, ba, bb, bn, v[k]));
   } else {
     const int ne = (1 << (sg ? B1 : B0)) - 1;
 #pragma unroll
@@ -556,19 +550,21 @@ template <int D, class F>
 __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const StoreParams p, int tok_shift, bool use_masks,
                                                                       bool use_smean) {
   __shared__ StoreTables T;
-  // The (midpoint, base) pairs of the one-segment formats' two tables (key segment 0 = table 0, value
-  // segment 0 = table 2), in the 8 KB the four one-copy tables took: 16 copies of each bin up to 32 bins
-  // (the sphere codebooks' tables at 3 and 4 bits), one copy beyond.
-  __shared__ uint2 BP[2][2 * kMaxBins];
+  // The tables' (midpoint, base) pairs, through which every format bucketizes (build_bin_pairs: 16 copies
+  // of each bin where they fit, else one; every table has room for one copy of kMaxBins bins). One segment:
+  // tables 0 (keys) and 2 (values), 512 entries each (16 copies up to 32 bins: the sphere codebooks' tables
+  // at 3 and 4 bits). Outlier splits, whose lanes pick one of two tables: segment 0 (b + 1 bits) 448 entries
+  // (28 bins), segment 1 (b bits) 320 (20 bins), per side; the tables start at multiples of 128 bytes, so
+  // lanes reading different tables still hit their own bank pairs. (With one copy per bin the splits'
+  // pairs measured 1-2% slower than the byte table of bins.cuh, which they used until 2026-12-01.)
+  constexpr int kPairEntries = F::NSEG == 2 ? 1536 : 1024;
+  __shared__ uint2 BP[kPairEntries];
   // [warp][stage][side] staged rows (kStagingBytes), then, when the launcher gives the space, the
   // sign masks (4 H D bytes) and for the split formats the channel offsets (4 H D bytes).
   extern __shared__ uint4 dsm[];
   using S = Stage<D>;
   constexpr int P = S::P, V = 32 / P, NSEG = F::NSEG, PS = NSEG == 2 ? P / 2 : P;
   constexpr bool KTQ = F::KK == KeyCode::kTq, VTQ = F::VK == ValueCode::kTq;
-  // One-segment formats bucketize through (midpoint, base) pairs; the outlier splits, whose lanes pick
-  // one of two tables, through the byte table (pairs measured 1-2% slower there).
-  constexpr bool kPairs = NSEG == 1;
   const FormatDesc& f = p.fmt;
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int l = lane & (P - 1), gbase = lane & ~(P - 1), g = lane / P;
@@ -581,7 +577,8 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
       build_store_table(T, w, (side ? f.value_thresholds : f.key_thresholds) + seg * kMaxCodebook,
                         (side ? f.value_centroids : f.key_centroids) + seg * kMaxCodebook,
                         side ? (seg ? F::VB1 : F::VB0) : (seg ? F::KB1 : F::KB0), lane);
-      if constexpr (kPairs) build_bin_pairs(T, w, BP[w >> 1], 2 * kMaxBins, lane);
+      constexpr int c0 = NSEG == 2 ? 448 : 512, c1 = NSEG == 2 ? 320 : 0;  // entries of segment 0 / 1 tables
+      build_bin_pairs(T, w, BP + side * (c0 + c1) + seg * c0, seg ? c1 : c0, lane);
     }
   }
   const int H = f.kv_heads;
@@ -726,7 +723,7 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
         gather32_global<D>(sb, kside + rowb, f.key_perm + hd, f.key_signs + hd, x);
       }
       if (f.key_mean_seg) center32<D>(smean, f.key_mean_seg, 0, vh, H, l, x);
-      tq_encode32<PS, F::KB0, F::KB1, kPairs>(T, sg, sg, x, kw, ls, knorm, kc2);
+      tq_encode32<PS, F::KB0, F::KB1>(T, sg, sg, x, kw, ls, knorm, kc2);
     } else {  // fp8 e4m3 (converted when stored): the CPU refuses non-finite rows
       const Raw32 kr = lds_raw32(sb, kside + own);
 #pragma unroll
@@ -745,7 +742,7 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
         gather32_global<D>(sb, vside + rowb, f.value_perm + hd, f.value_signs + hd, x);
       }
       if (f.value_mean_seg) center32<D>(smean, f.value_mean_seg, 1, vh, H, l, x);
-      tq_encode32<PS, F::VB0, F::VB1, kPairs>(T, 2 + sg, sg, x, vw, ls, vnorm, vc2);
+      tq_encode32<PS, F::VB0, F::VB1>(T, 2 + sg, sg, x, vw, ls, vnorm, vc2);
     } else {  // uniform
       const Raw32 vr = lds_raw32(sb, vside + own);
       constexpr int B = F::VB0, m = (1 << B) - 1;

@@ -1,8 +1,8 @@
 // test_bins.cu: the store's bucketization without a search (src/cuda/bins.cuh) against the CPU's
 // kvq::bucketize (the number of edges strictly below y) on the values where a table lookup can go
 // wrong: every edge itself and its float neighbours, +-0, subnormals, the saturation range, and
-// random values. Both lookups are checked: the (midpoint, base) pairs of the GQA store and the byte
-// table of the outlier splits and the mla-tq writer. Codebooks: the sphere codebooks of head_dim 128
+// random values. Both lookups are checked: the (midpoint, base) pairs of the GQA store (16 copies per
+// bin, each lane reading its own, and one copy) and the byte table of the mla-tq writer. Codebooks: the sphere codebooks of head_dim 128
 // at 1-4 bits, raw and prescaled by 1 / sqrt(128) as the store uses them, and synthetic ones with a
 // -0 or +0 midpoint (the sign test of plus_below needs the tables to hold no -0).
 // Also the norm sums of bins.cuh against kvq::sum_squares (include/kvq/numeric.hpp), bit for bit:
