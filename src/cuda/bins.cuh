@@ -181,10 +181,11 @@ __device__ __forceinline__ int bin_lookup(const std::uint8_t* base, const float*
 // The same lookup from one 8-byte entry per bin, (mids[base] as bits, base): one shared-memory load
 // and no second address (the GQA store's inner loop). The 32 lanes of a warp look up 32 unrelated
 // bins, and a 64-bit load serves each half-warp in one wavefront only if its 16 lanes hit 16
-// different bank pairs: with one entry per bin, bins k and k + 16 share a bank pair, and the 26 bins
-// of the 4-bit sphere codebook took ~3.1 wavefronts per load for Gaussian y instead of 2. So each
-// bin's entry is stored kPairCopies = 16 times in a row of 128 bytes, and lane l reads copy l mod 16
-// (its own bank pair) -- when the rows fit the caller's capacity, else one copy per bin as before.
+// different bank pairs: with one entry per bin, bins k and k + 16 share a bank pair (ncu counted 4.72M
+// bank conflicts in 22.2M shared-load wavefronts per tq-4bit store of 65,536 x 8 rows; the 4-bit sphere
+// codebook's table has 26 bins). So each bin's entry is stored kPairCopies = 16 times in a row of 128
+// bytes, and lane l reads copy l mod 16, its own bank pair (0.25M conflicts) -- when the rows fit the
+// caller's capacity, else one copy per bin.
 // Warp-wide: fills table t's pairs (in shared memory, `cap` 8-byte entries) once build_store_table has
 // returned (a table that works), and T.pair_base[t] / T.pair_stride[t].
 constexpr int kPairCopies = 16;

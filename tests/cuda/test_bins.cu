@@ -2,9 +2,10 @@
 // kvq::bucketize (the number of edges strictly below y) on the values where a table lookup can go
 // wrong: every edge itself and its float neighbours, +-0, subnormals, the saturation range, and
 // random values. Both lookups are checked: the (midpoint, base) pairs of the GQA store (16 copies per
-// bin, each lane reading its own, and one copy) and the byte table of the mla-tq writer. Codebooks: the sphere codebooks of head_dim 128
-// at 1-4 bits, raw and prescaled by 1 / sqrt(128) as the store uses them, and synthetic ones with a
-// -0 or +0 midpoint (the sign test of plus_below needs the tables to hold no -0).
+// bin, each lane reading its own, and one copy per bin) and the byte table of the mla-tq writer.
+// Codebooks: the sphere codebooks of head_dim 128 at 1-4 bits, raw and prescaled by 1 / sqrt(128) as
+// the store uses them, and synthetic ones with a -0 or +0 midpoint (the sign test of plus_below needs
+// the tables to hold no -0).
 // Also the norm sums of bins.cuh against kvq::sum_squares (include/kvq/numeric.hpp), bit for bit:
 // warp_sum_squares at lengths 1..1024 (partial blocks and chains, block counts that are not powers
 // of two) and lanes_sum_squares over 1, 2, 4 and 8 lanes, on rows whose elements span 2^-80 .. 2^60
@@ -139,15 +140,15 @@ void run_case(const std::string& name, std::vector<float> edges, int bits, std::
       if ((bp || bb) && wrong_pairs + wrong_bytes < 4) {
         std::uint32_t bits_y = 0;
         std::memcpy(&bits_y, &y, sizeof bits_y);
-        std::printf("  %s: y = %.9g (bits %08x): pairs %d, bytes %d, CPU %d\n", name.c_str(), static_cast<double>(y),
+        std::printf("  %s: y = %.9g (bits %08x): pairs %d, bytes %d, CPU %d\n", label.c_str(), static_cast<double>(y),
                     static_cast<unsigned>(bits_y), by_pairs[i], by_bytes[i], want);
       }
       wrong_pairs += bp;
       wrong_bytes += bb;
-  }
-  std::printf("  %-56s %6d values: %d / %d differ (pairs / byte table)\n", label.c_str(), n, wrong_pairs, wrong_bytes);
-  kvq::cudatest::check(wrong_pairs == 0, label + ": (midpoint, base) pairs equal the CPU's buckets");
-  kvq::cudatest::check(wrong_bytes == 0, label + ": byte table equals the CPU's buckets");
+    }
+    std::printf("  %-56s %6d values: %d / %d differ (pairs / byte table)\n", label.c_str(), n, wrong_pairs, wrong_bytes);
+    kvq::cudatest::check(wrong_pairs == 0, label + ": (midpoint, base) pairs equal the CPU's buckets");
+    kvq::cudatest::check(wrong_bytes == 0, label + ": byte table equals the CPU's buckets");
   }
   cudaFree(d_edges);
   cudaFree(d_cents);
