@@ -368,6 +368,27 @@ constexpr int kXsWords = 1024 + 1024 / 32, kCsBytes = 1024 + 4 * (1024 / 32);
 // over the remaining lane bits adds the blocks' pairwise tree (bins.cuh's warp_block_tree with the
 // chains on two lanes: half the sequential steps per lane).
 __device__ __forceinline__ float pair_lanes_tree(float sa, float sb) { return detail::xor_tree<32>(__fadd_rn(sa, sb)); }
+// The whole sum over d_c = 32 n values: for n <= 16 two lanes per block, lane 2 b + h reading through
+// pair(b, h, m, a, b') the m-th elements (m = 0..7) of chains 2 h and 2 h + 1 of block b; beyond 16
+// blocks one lane per block, value(b, k) giving element k of block b (warp_sum_squares).
+template <class Pair, class Value>
+__device__ __forceinline__ float latent_sum_squares(int dc, int lane, Pair&& pair, Value&& value) {
+  if (dc <= 512) {
+    const int blk = lane >> 1, half = lane & 1;
+    float sa = 0.0f, sb = 0.0f;
+    if (32 * blk < dc) {
+#pragma unroll
+      for (int m = 0; m < 8; ++m) {
+        float a, b;
+        pair(blk, half, m, a, b);
+        sa = __fmaf_rn(a, a, sa);
+        sb = __fmaf_rn(b, b, sb);
+      }
+    }
+    return pair_lanes_tree(sa, sb);
+  }
+  return detail::warp_sum_squares(dc, lane, value);
+}
 
 // One Hadamard block of bs = 32 NI dims at offset off: scale, signs, FWHT, codes into cs.
 template <int NI>
@@ -414,24 +435,14 @@ __global__ void __launch_bounds__(256) mla_store_tq_kernel(const __grid_constant
   bad |= rope_nonfinite(rop, dr, lane);
   __syncwarp();
   // Up to 16 blocks (d_c <= 512): two lanes per block, each two of its chains; beyond, one lane per block.
-  const bool two_lanes = dc <= 512;
-  const int blk = lane >> 1, half = lane & 1;
-  float ss;
-  if (two_lanes) {
-    float sa = 0.0f, sb = 0.0f;
-    if (32 * blk < dc) {
-      const float* xb = xs + 33 * blk + 2 * half;
-#pragma unroll
-      for (int m = 0; m < 8; ++m) {
-        const float a = xb[4 * m], b = xb[4 * m + 1];
-        sa = __fmaf_rn(a, a, sa);
-        sb = __fmaf_rn(b, b, sb);
-      }
-    }
-    ss = pair_lanes_tree(sa, sb);
-  } else {
-    ss = detail::warp_sum_squares(dc, lane, [&](int b, int k) { return xs[33 * b + k]; });
-  }
+  const float ss = latent_sum_squares(
+      dc, lane,
+      [&](int b, int h, int m, float& x0, float& x1) {
+        const float* xb = xs + 33 * b + 2 * h + 4 * m;
+        x0 = xb[0];
+        x1 = xb[1];
+      },
+      [&](int b, int k) { return xs[33 * b + k]; });
   const float norm = __fsqrt_rn(ss);
   const float inv = norm > 0 ? __frcp_rn(norm) : 0.0f;
   constexpr int ne = (1 << B) - 1;
@@ -451,23 +462,14 @@ __global__ void __launch_bounds__(256) mla_store_tq_kernel(const __grid_constant
   // sum c^2 in the same order (d_c is a multiple of 64: whole blocks). Two lanes per block: a block's
   // codes are 8 words, byte j of each the next code of chain j, lane 2 b + h taking bytes 2 h and 2 h + 1;
   // beyond 16 blocks warp_sum_squares reads the codes byte by byte.
-  float c2;
-  if (two_lanes) {
-    float sa = 0.0f, sb = 0.0f;
-    if (32 * blk < dc) {
-      const std::uint32_t* cw = reinterpret_cast<const std::uint32_t*>(cs) + 9 * blk;  // both lanes: broadcast
-#pragma unroll
-      for (int w = 0; w < 8; ++w) {
-        const std::uint32_t word = cw[w] >> (16 * half);
-        const float a = T.cent[0][word & 0xffu], b = T.cent[0][(word >> 8) & 0xffu];
-        sa = __fmaf_rn(a, a, sa);
-        sb = __fmaf_rn(b, b, sb);
-      }
-    }
-    c2 = pair_lanes_tree(sa, sb);
-  } else {
-    c2 = detail::warp_sum_squares(dc, lane, [&](int b, int k) { return T.cent[0][cs[cs_pad(32 * b + k)]]; });
-  }
+  const float c2 = latent_sum_squares(
+      dc, lane,
+      [&](int b, int h, int m, float& x0, float& x1) {
+        const std::uint32_t word = reinterpret_cast<const std::uint32_t*>(cs)[9 * b + m] >> (16 * h);  // both lanes: broadcast
+        x0 = T.cent[0][word & 0xffu];
+        x1 = T.cent[0][(word >> 8) & 0xffu];
+      },
+      [&](int b, int k) { return T.cent[0][cs[cs_pad(32 * b + k)]]; });
   const float stored = detail::corrected_norm(norm, c2);
   // The CPU refuses a norm beyond fp16 (and non-finite rows): write nothing.
   if (reject_token(p, bad || !(fabsf(stored) <= 65504.0f), lane)) return;
