@@ -103,6 +103,19 @@ __device__ __forceinline__ float lanes_sum_squares(const float (&x)[32]) {
   return xor_tree<PS>(__fadd_rn(__fadd_rn(s[0], s[1]), __fadd_rn(s[2], s[3])));
 }
 
+// The same for 64 elements per lane (lane ls holding elements 64 ls .. 64 ls + 63, blocks 2 ls and
+// 2 ls + 1): each block's four chains and (s0 + s1) + (s2 + s3), the two blocks' sum (their node of
+// the blocks' pairwise tree), then the butterfly over the PS lanes.
+template <int PS>
+__device__ __forceinline__ float lanes_sum_squares64(const float (&x)[64]) {
+  float s[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+  for (int k = 0; k < 64; ++k) s[4 * (k >> 5) + (k & 3)] = __fmaf_rn(x[k], x[k], s[4 * (k >> 5) + (k & 3)]);
+  const float b0 = __fadd_rn(__fadd_rn(s[0], s[1]), __fadd_rn(s[2], s[3]));
+  const float b1 = __fadd_rn(__fadd_rn(s[4], s[5]), __fadd_rn(s[6], s[7]));
+  return xor_tree<PS>(__fadd_rn(b0, b1));
+}
+
 // TurboQuantMse's stored norm with norm correction: norm / sqrt(sum c^2), each step correctly
 // rounded as on the CPU (a zero norm stays 0: the zero vector).
 __device__ __forceinline__ float corrected_norm(float norm, float c2) {

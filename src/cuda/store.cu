@@ -6,10 +6,11 @@
 // operation; this file is compiled with --fmad=false so that no product is contracted into an
 // FMA (the FMAs it wants are explicit), and records match the CPU's bit for bit: the sums of
 // squares add in kvq::sum_squares's order (bins.cuh), which tests/cuda/test_bins.cu checks.
-// Three kernels: a coalesced copy for the bf16 cache; the fast one (head_dim 64/128/256, the core
+// Four kernels: a coalesced copy for the bf16 cache; the fast one (head_dim 64/128/256, the core
 // grid's formats, instantiated per format; 32 elements per lane, several vectors per warp; the
-// exact shortcuts it takes are explained where they are used) and the generic one (one warp per
-// (token, KV head), any supported shape).
+// exact shortcuts it takes are explained where they are used); its paired form for one-segment
+// formats with TurboQuant keys and values (keys in one half-warp, values in the other, 64 elements
+// per lane); and the generic one (one warp per (token, KV head), any supported shape).
 #include <algorithm>
 #include <cfloat>
 #include <cstdint>
@@ -546,6 +547,66 @@ constexpr int kStagingBytes = kFastWarps * 2 * kStageBytes;      // two stages p
 // Work item = (block of V consecutive tokens, KV head): a warp's V vectors are one head's, so the
 // sign masks and channel offsets it reads are the same for all of them (broadcast), and the codes
 // and metadata of consecutive slots it writes are adjacent in the page ([head][token] layout).
+// The fast kernels' shared-memory setup, CTA-wide, ending with a barrier: the bin tables and their
+// (midpoint, base) pairs (warps 0-3: keys / values x segment 0 / 1; tables 0, 1 are the keys', VT and
+// VT + 1 the values'), the split formats' channel offsets (as S::chan_off byte offsets) and the centered
+// formats' means where the launcher gave the space, the sign masks. soff / smean: the offsets and the
+// means in shared memory, nullptr where there are none.
+template <int D, class F, class S, int VT = 2>
+__device__ __forceinline__ void fast_setup(StoreTables& T, uint2* BP, uint4* dsm, const StoreParams& p, bool use_masks,
+                                           bool use_smean, std::uint16_t*& soff, const uint4*& smean) {
+  constexpr int NSEG = F::NSEG;
+  constexpr bool KTQ = F::KK == KeyCode::kTq, VTQ = F::VK == ValueCode::kTq;
+  const FormatDesc& f = p.fmt;
+  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (w < 4) {
+    const int side = w >> 1, seg = w & 1;
+    const bool tq = side == 0 ? KTQ : VTQ;
+    if (tq && seg < NSEG) {
+      const int t = side ? VT + seg : seg;
+      build_store_table(T, t, (side ? f.value_thresholds : f.key_thresholds) + seg * kMaxCodebook,
+                        (side ? f.value_centroids : f.key_centroids) + seg * kMaxCodebook,
+                        side ? (seg ? F::VB1 : F::VB0) : (seg ? F::KB1 : F::KB0), lane);
+      constexpr int c0 = NSEG == 2 ? 448 : 512, c1 = NSEG == 2 ? 320 : 0;  // entries of segment 0 / 1 tables
+      build_bin_pairs(T, t, BP + side * (c0 + c1) + seg * c0, seg ? c1 : c0, lane);
+    }
+  }
+  const int H = f.kv_heads;
+  constexpr int D8 = D / 8;
+  soff = nullptr;
+  if constexpr (NSEG == 2) {
+    if (use_masks) {
+      soff = reinterpret_cast<std::uint16_t*>(dsm + kStagingBytes / 16) + 2 * H * D;
+      for (int i = threadIdx.x; i < 2 * H * D; i += kFastThreads)
+        soff[i] = static_cast<std::uint16_t>(
+            S::chan_off(static_cast<std::uint32_t>((i < H * D ? f.key_perm : f.value_perm)[i < H * D ? i : i - H * D])));
+    }
+  }
+  // Centered formats, when the launcher gave the space: the signed segment-order means after the
+  // masks and channel offsets, [side][head][D / 4] 16-byte units swizzled like the masks.
+  constexpr int D4 = D / 4;
+  smean = use_smean ? dsm + kStagingBytes / 16 + (NSEG == 2 ? 8 : 4) * H * D / 16 : nullptr;
+  if (use_smean) {
+    uint4* mm = const_cast<uint4*>(smean);
+    for (int i = threadIdx.x; i < 2 * H * D4; i += kFastThreads) {
+      const int side = i / (H * D4), rem = i % (H * D4);
+      mm[mask_unit(side, rem / D4, H, D4, rem % D4)] =
+          reinterpret_cast<const uint4*>(side ? f.value_mean_seg : f.key_mean_seg)[rem];
+    }
+  }
+  if (use_masks) {
+    std::uint32_t* mw = reinterpret_cast<std::uint32_t*>(dsm + kStagingBytes / 16);
+    for (int i = threadIdx.x; i < 2 * H * (D / 2); i += kFastThreads) {
+      const int side = i / (H * (D / 2)), rem = i % (H * (D / 2)), head = rem / (D / 2), j = rem % (D / 2);
+      if (side == 0 ? !KTQ : !VTQ) continue;
+      const float* sg2 = (side ? f.value_signs : f.key_signs) + static_cast<std::size_t>(head) * D + 2 * j;
+      mw[4 * mask_unit(side, head, H, D8, j >> 2) + (j & 3)] =
+          ((__float_as_uint(sg2[0]) >> 16) & 0x8000u) | (__float_as_uint(sg2[1]) & 0x80000000u);
+    }
+  }
+  __syncthreads();
+}
+
 template <int D, class F>
 __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const StoreParams p, int tok_shift, bool use_masks,
                                                                       bool use_smean) {
@@ -570,49 +631,11 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
   const int l = lane & (P - 1), gbase = lane & ~(P - 1), g = lane / P;
   char* sb = reinterpret_cast<char*>(dsm);
   const uint4* smask = dsm + kStagingBytes / 16;
-  if (w < 4) {
-    const int side = w >> 1, seg = w & 1;
-    const bool tq = side == 0 ? KTQ : VTQ;
-    if (tq && seg < NSEG) {
-      build_store_table(T, w, (side ? f.value_thresholds : f.key_thresholds) + seg * kMaxCodebook,
-                        (side ? f.value_centroids : f.key_centroids) + seg * kMaxCodebook,
-                        side ? (seg ? F::VB1 : F::VB0) : (seg ? F::KB1 : F::KB0), lane);
-      constexpr int c0 = NSEG == 2 ? 448 : 512, c1 = NSEG == 2 ? 320 : 0;  // entries of segment 0 / 1 tables
-      build_bin_pairs(T, w, BP + side * (c0 + c1) + seg * c0, seg ? c1 : c0, lane);
-    }
-  }
   const int H = f.kv_heads;
   constexpr int D8 = D / 8;
   std::uint16_t* soff = nullptr;  // split formats: channel offsets [side][head][D] after the masks
-  if (NSEG == 2 && use_masks) {
-    soff = reinterpret_cast<std::uint16_t*>(dsm + kStagingBytes / 16) + 2 * H * D;
-    for (int i = threadIdx.x; i < 2 * H * D; i += kFastThreads)
-      soff[i] = static_cast<std::uint16_t>(
-          S::chan_off(static_cast<std::uint32_t>((i < H * D ? f.key_perm : f.value_perm)[i < H * D ? i : i - H * D])));
-  }
-  // Centered formats, when the launcher gave the space: the signed segment-order means after the
-  // masks and channel offsets, [side][head][D / 4] 16-byte units swizzled like the masks.
-  constexpr int D4 = D / 4;
-  const uint4* smean = use_smean ? dsm + kStagingBytes / 16 + (NSEG == 2 ? 8 : 4) * H * D / 16 : nullptr;
-  if (use_smean) {
-    uint4* mm = const_cast<uint4*>(smean);
-    for (int i = threadIdx.x; i < 2 * H * D4; i += kFastThreads) {
-      const int side = i / (H * D4), rem = i % (H * D4);
-      mm[mask_unit(side, rem / D4, H, D4, rem % D4)] =
-          reinterpret_cast<const uint4*>(side ? f.value_mean_seg : f.key_mean_seg)[rem];
-    }
-  }
-  if (use_masks) {
-    std::uint32_t* mw = reinterpret_cast<std::uint32_t*>(dsm + kStagingBytes / 16);
-    for (int i = threadIdx.x; i < 2 * H * (D / 2); i += kFastThreads) {
-      const int side = i / (H * (D / 2)), rem = i % (H * (D / 2)), head = rem / (D / 2), j = rem % (D / 2);
-      if (side == 0 ? !KTQ : !VTQ) continue;
-      const float* sg2 = (side ? f.value_signs : f.key_signs) + static_cast<std::size_t>(head) * D + 2 * j;
-      mw[4 * mask_unit(side, head, H, D8, j >> 2) + (j & 3)] =
-          ((__float_as_uint(sg2[0]) >> 16) & 0x8000u) | (__float_as_uint(sg2[1]) & 0x80000000u);
-    }
-  }
-  __syncthreads();
+  const uint4* smean = nullptr;   // centered formats: the signed segment-order means after those
+  fast_setup<D, F, S>(T, BP, dsm, p, use_masks, use_smean, soff, smean);
   const PageLayout& pg = f.page;
   const std::int64_t ks = p.key_token_stride ? p.key_token_stride : static_cast<std::int64_t>(H) * D;
   const std::int64_t vs = p.value_token_stride ? p.value_token_stride : static_cast<std::int64_t>(H) * D;
@@ -870,6 +893,312 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
   cp_async_wait<0>();
 }
 
+// ---- paired fast path ---------------------------------------------------------------------
+// Formats whose keys and values are both TurboQuant with the same bit width and one segment
+// (tq-4bit, tq-3bit, centered or not; head_dim 64, 128, 256): lanes 0-15 encode the keys of the
+// warp's V vectors and lanes 16-31 their values, in the same instructions (both sides take the same
+// operations; their tables, masks and means are found through the side). Lane 16 s + P2 g + l2
+// (P2 = D / 64 lanes per vector and side) holds elements 64 l2 .. 64 l2 + 63 of side s of vector g:
+// twice store_fast_kernel's 32, so the FWHT has one stage across lanes fewer (h = 64 at head_dim
+// 128, none at 64), and the per-vector steps (norm, its square root and reciprocal, the corrected
+// norm, the record's checks) serve 64 elements per lane instead of 32. Items (V tokens of one KV
+// head), staging and copies are store_fast_kernel's; only the staged chunks' places differ (Stage2).
+// The value side's bin table is table 1 (fast_setup's VT), whose centroids lie in the 16 banks
+// next to the keys': the two half-warps' centroid loads never meet on a bank (with table 2 every
+// key lane whose code equals a value lane's conflicted: 4.45M conflicts per tq-4bit store of
+// 65,536 x 8 rows). The arithmetic is the same operation by operation (the sums of squares in
+// kvq::sum_squares's order: lanes_sum_squares64), so the records are the CPU's bit for bit.
+// (Outlier splits keep store_fast_kernel: with both sides gathered in one instruction and four
+// centroid tables in 32 banks, the paired layout measured 0.95-0.97x for tq-3.5bit / tq-2.5bit.)
+template <int D>
+struct Stage2 {
+  static constexpr int P2 = D / 64, CPR = D / 8;
+  // Chunk q of a side (row q / CPR) is stored at q ^ ((q >> 3) & 7): the XOR moves a chunk inside its
+  // run of 8 (128 bytes), and the copy (consecutive lanes, consecutive chunks) writes 8 bank groups per
+  // phase, and lane (g, l2) reads its run r = P2 g + l2 as chunks i ^ (r & 7): in an LDS.128 phase, 8
+  // lanes of 8 consecutive runs, 8 bank groups.
+  __host__ __device__ static constexpr std::uint32_t pos(std::uint32_t q) { return q ^ ((q >> 3) & 7u); }
+};
+
+constexpr int kPairElems = 64;
+
+// The lane's 64 signed elements from the staged run at byte offset a (chunk i at a ^ 16 i). Masks: units
+// 8 l2 + i of (side, head), whose swizzled places are mask_unit(.., 8 l2) XOR i (8 l2 is a multiple of 8).
+__device__ __forceinline__ void unpack_signed64(const char* sb, std::uint32_t a, const uint4* sm, bool use_masks, int side,
+                                                int head, int H, int D8, int l2, const float* __restrict__ signs,
+                                                float (&x)[kPairElems]) {
+  const std::uint32_t mb = 16u * static_cast<std::uint32_t>(mask_unit(side, head, H, D8, 8 * l2));
+  const char* smc = reinterpret_cast<const char*>(sm);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const uint4 r = *reinterpret_cast<const uint4*>(sb + (a ^ (16u * j)));
+    const std::uint32_t rw[4] = {r.x, r.y, r.z, r.w};
+    std::uint32_t mw[4] = {0, 0, 0, 0};
+    if (use_masks) {
+      const uint4 m = *reinterpret_cast<const uint4*>(smc + (mb ^ (16u * j)));
+      mw[0] = m.x;
+      mw[1] = m.y;
+      mw[2] = m.z;
+      mw[3] = m.w;
+    }
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const std::uint32_t w = rw[k] ^ mw[k];
+      x[8 * j + 2 * k] = bf16_lo(w);
+      x[8 * j + 2 * k + 1] = bf16_hi(w);
+    }
+  }
+  if (!use_masks) {
+    const float4* sp = reinterpret_cast<const float4*>(signs);
+#pragma unroll
+    for (int j = 0; j < kPairElems / 4; ++j) {
+      const float4 s4 = __ldg(sp + j);
+      x[4 * j] *= s4.x;
+      x[4 * j + 1] *= s4.y;
+      x[4 * j + 2] *= s4.z;
+      x[4 * j + 3] *= s4.w;
+    }
+  }
+}
+// Centered formats: x -= the lane's 64 signed, segment-order means: from shared memory (units 16 l2 + j
+// of (side, head): two runs of 8, each at mask_unit(.. its first) XOR j), else from global memory.
+__device__ __forceinline__ void center64(const uint4* __restrict__ sm, const float* __restrict__ gm, int side, int head,
+                                         int H, int D4, int l2, float (&x)[kPairElems]) {
+  const char* smc = reinterpret_cast<const char*>(sm);
+  const float4* g4 = reinterpret_cast<const float4*>(gm + static_cast<std::size_t>(head) * 4 * D4 + kPairElems * l2);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const std::uint32_t mb = sm ? 16u * static_cast<std::uint32_t>(mask_unit(side, head, H, D4, 16 * l2 + 8 * h)) : 0u;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float4 v = sm ? *reinterpret_cast<const float4*>(smc + (mb ^ (16u * j))) : __ldg(g4 + 8 * h + j);
+      float* xx = x + 32 * h + 4 * j;
+      xx[0] -= v.x;
+      xx[1] -= v.y;
+      xx[2] -= v.z;
+      xx[3] -= v.w;
+    }
+  }
+}
+
+// TurboQuant of 64 elements per lane (tq_encode32's steps): vectors of 64 PS elements held by PS lanes
+// (lane ls of them), the sign diagonal applied. Packs the lane's B-bit codes into pw and returns the norm
+// and the norm-correction sum of its vector (the same in its PS lanes). The bucket, centroid, square and
+// packing of each element are one step (64 codes held at once spilled registers); the eight chains of
+// the sum run in lanes_sum_squares64's order.
+template <int PS, int B>
+__device__ __forceinline__ void tq_encode64(const StoreTables& T, int t, float (&v)[kPairElems], std::uint32_t (&pw)[2 * B],
+                                            int ls, float& norm_out, float& c2_out) {
+  const float ss = lanes_sum_squares64<PS>(v);
+  const float norm = __fsqrt_rn(ss);
+  const float inv = norm > 0 ? __frcp_rn(norm) : 0.0f;
+#pragma unroll
+  for (int k = 0; k < kPairElems; ++k) v[k] = v[k] * inv;  // signs already applied: RN(s x inv) = s RN(x inv)
+  inlane_fwht(v);
+  // Across lanes (PS > 1): lower lane a + b, upper lane b - a, as fma(+-1, v, o) (tq_encode32).
+#pragma unroll
+  for (int m = 1; m < PS; m <<= 1) {
+    const float sgn = (ls & m) == 0 ? 1.0f : -1.0f;
+#pragma unroll
+    for (int k = 0; k < kPairElems; ++k) {
+      const float o = __shfl_xor_sync(0xffffffffu, v[k], m);
+      v[k] = __fmaf_rn(v[k], sgn, o);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 2 * B; ++i) pw[i] = 0u;
+  float s[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  auto step = [&](int k, std::uint32_t c) {  // centroid, square and packing of code c of element k
+    const float cv = T.cent[t][c];
+    s[4 * (k >> 5) + (k & 3)] = __fmaf_rn(cv, cv, s[4 * (k >> 5) + (k & 3)]);
+    const int pos = B * k, i = pos >> 5, o = pos & 31;  // pack_fields' order
+    pw[i] += c << o;
+    if (o + B > 32) pw[i + 1] += c >> (32 - o);
+  };
+  // Buckets against the prescaled thresholds (tq_encode32): from the pairs, or by the binary search
+  // where the table does not work.
+  if (T.ok[t]) {
+    const float ba = T.ba[t], bb = T.bb[t], bn = T.bn[t];
+    const std::uint32_t pbase = pair_lane_base(T, t, static_cast<int>(threadIdx.x & 31)), pstride = T.pair_stride[t];
+#pragma unroll
+    for (int k = 0; k < kPairElems; ++k) step(k, static_cast<std::uint32_t>(bin_pair_lookup(pbase, pstride, ba, bb, bn, v[k])));
+  } else {
+#pragma unroll
+    for (int k = 0; k < kPairElems; ++k) step(k, static_cast<std::uint32_t>(count_below<false>(T.edges[t], (1 << B) - 1, v[k])));
+  }
+  const float b0 = __fadd_rn(__fadd_rn(s[0], s[1]), __fadd_rn(s[2], s[3]));
+  const float b1 = __fadd_rn(__fadd_rn(s[4], s[5]), __fadd_rn(s[6], s[7]));
+  c2_out = xor_tree<PS>(__fadd_rn(b0, b1));
+  norm_out = norm;
+}
+
+// Stores NW packed words (4 NW bytes, 4-byte aligned destination), as wide as the address allows.
+template <int NW>
+__device__ __forceinline__ void store_words_n(const std::uint32_t (&w)[NW], std::uint8_t* dst) {
+  const std::uintptr_t a = reinterpret_cast<std::uintptr_t>(dst);
+  if constexpr (NW % 4 == 0) {
+    if ((a & 15) == 0) {
+#pragma unroll
+      for (int i = 0; i < NW; i += 4) reinterpret_cast<uint4*>(dst)[i / 4] = make_uint4(w[i], w[i + 1], w[i + 2], w[i + 3]);
+      return;
+    }
+  }
+  if constexpr (NW % 2 == 0) {
+    if ((a & 7) == 0) {
+#pragma unroll
+      for (int i = 0; i < NW; i += 2) reinterpret_cast<uint2*>(dst)[i / 2] = make_uint2(w[i], w[i + 1]);
+      return;
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < NW; ++i) reinterpret_cast<std::uint32_t*>(dst)[i] = w[i];
+}
+
+// Whether the paired kernel serves format F at head_dim D.
+template <int D, class F>
+constexpr bool kPairedFast = F::KK == KeyCode::kTq && F::VK == ValueCode::kTq && F::NSEG == 1 && F::KB0 == F::VB0 &&
+                             D >= kPairElems && D <= 256;
+
+template <int D, class F>
+__global__ void __launch_bounds__(kFastThreads, 2) store_pair_kernel(const StoreParams p, int tok_shift, bool use_masks,
+                                                                     bool use_smean) {
+  static_assert(kPairedFast<D, F>, "paired store: both sides TurboQuant, one segment, equal widths");
+  __shared__ StoreTables T;
+  __shared__ uint2 BP[1024];  // store_fast_kernel's pair tables (keys: table 0, values: table 1)
+  extern __shared__ uint4 dsm[];
+  using S = Stage2<D>;
+  constexpr int P2 = S::P2, V = 16 / P2, B = F::KB0;
+  const FormatDesc& f = p.fmt;
+  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int side = lane >> 4, l16 = lane & 15, g = l16 / P2, l2 = l16 % P2;
+  char* sb = reinterpret_cast<char*>(dsm);
+  const uint4* smask = dsm + kStagingBytes / 16;
+  const int H = f.kv_heads;
+  constexpr int D8 = D / 8, D4 = D / 4;
+  std::uint16_t* soff = nullptr;
+  const uint4* smean = nullptr;
+  fast_setup<D, F, S, 1>(T, BP, dsm, p, use_masks, use_smean, soff, smean);
+  const PageLayout& pg = f.page;
+  const std::int64_t ks = p.key_token_stride ? p.key_token_stride : static_cast<std::int64_t>(H) * D;
+  const std::int64_t vs = p.value_token_stride ? p.value_token_stride : static_cast<std::int64_t>(H) * D;
+  const int mu = static_cast<int>(pg.meta_bytes / 2);
+  const bool protect = p.protect_rows && p.positions && p.seq_ids;
+  constexpr int NU = 2;  // metadata units: the key norm, then the value norm
+
+  // Staging as in store_fast_kernel; the lane's run of 8 chunks (its 64 elements) at own ^ 16 i in its side.
+  const std::uint32_t wstage = static_cast<std::uint32_t>(w) * 2u * kStageBytes;
+  const std::uint32_t run = static_cast<std::uint32_t>(P2 * g + l2);
+  const std::uint32_t own = static_cast<std::uint32_t>(side) * kSideBytes + ((128u * run) ^ ((run & 7u) << 4));
+  const std::uint32_t sbase = static_cast<std::uint32_t>(__cvta_generic_to_shared(sb));
+  constexpr int CPR = D / 8, RJ = 32 / CPR;
+  static_assert(32 % CPR == 0 && 3 * RJ + 32 / CPR - 1 < V, "a lane's four copied chunks are rows of one item");
+  const int cg0 = lane / CPR, ce0 = 8 * (lane % CPR);
+  std::uint32_t cdst[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) cdst[j] = S::pos(static_cast<std::uint32_t>(lane + 32 * j)) << 4;
+
+  const int n = p.n_tokens;
+  const long nblk = (static_cast<long>(n) + V - 1) / V;
+  const long nitems = nblk * H;
+  const long stride = static_cast<long>(gridDim.x) * kFastWarps;
+  const int dtb = static_cast<int>(stride / H), dh = static_cast<int>(stride % H);
+  long it = static_cast<long>(blockIdx.x) * kFastWarps + w;
+  int tb = static_cast<int>(it / H), head = static_cast<int>(it % H);
+  // store_fast_kernel's copies (the same chunks to Stage2's places); returns this lane's slot (-1: none).
+  auto issue = [&](int st, int tb_, int h_) -> std::int64_t {
+    const std::uint32_t kdst = sbase + wstage + static_cast<std::uint32_t>(st) * kStageBytes;
+    const std::int64_t hoff = static_cast<std::int64_t>(h_) * D + ce0;
+    const int t0 = tb_ * V + cg0;
+    if (tb_ * V + V <= n) {
+      const std::uint16_t* ksrc = p.key + t0 * ks + hoff;
+      const std::uint16_t* vsrc = p.value + t0 * vs + hoff;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        cp_async16(kdst + cdst[j], ksrc + j * RJ * ks);
+        cp_async16(kdst + kSideBytes + cdst[j], vsrc + j * RJ * vs);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int t = t0 + j * RJ;
+        const bool ok = t < n;
+        const std::int64_t tt = ok ? t : 0;
+        cp_async16_zfill(kdst + cdst[j], p.key + tt * ks + hoff, ok);
+        cp_async16_zfill(kdst + kSideBytes + cdst[j], p.value + tt * vs + hoff, ok);
+      }
+    }
+    const int t = tb_ * V + g;
+    return t < n ? p.slot_mapping[t] : -1;
+  };
+  std::int64_t slot_next = -1;
+  if (it < nitems) slot_next = issue(0, tb, head);
+  cp_async_commit();
+  int cur = 0;
+  for (; it < nitems; it += stride) {  // warp-uniform: every lane takes part in the shuffles
+    int ntb = tb + dtb, nh = head + dh;
+    if (nh >= H) {
+      nh -= H;
+      ++ntb;
+    }
+    const std::int64_t slot = slot_next;
+    if (it + stride < nitems) slot_next = issue(cur ^ 1, ntb, nh);
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncwarp();
+
+    const int tok = tb * V + g;
+    const bool valid = tok < n;
+    const bool write = slot >= 0;
+    const int vt = valid ? tok : 0, vh = head;
+    const std::uint32_t stage = wstage + static_cast<std::uint32_t>(cur) * kStageBytes;
+    const std::size_t hd = static_cast<std::size_t>(vh) * D + kPairElems * l2;
+
+    float x[kPairElems];
+    unpack_signed64(sb, stage + own, smask, use_masks, side, vh, H, D8, l2, (side ? f.value_signs : f.key_signs) + hd, x);
+    if (const float* mg = side ? f.value_mean_seg : f.key_mean_seg) center64(smean, mg, side, vh, H, D4, l2, x);
+    float norm = 0.0f, c2 = 0.0f;
+    std::uint32_t pw[2 * B];  // the lane's packed codes
+    tq_encode64<P2, B>(T, side, x, pw, l2, norm, c2);
+    // The record: unit `side` from the vector's first lane. TurboQuantMse refuses a stored norm beyond
+    // fp16 (NaN / inf rows end here too); a record refused on one side is written on neither.
+    const float fv = corrected_norm(norm, c2);
+    bool bad = !(fabsf(fv) <= 65504.0f);
+#pragma unroll
+    for (int o = 1; o < P2; o <<= 1) bad |= __shfl_xor_sync(0xffffffffu, bad, o);
+    bad |= __shfl_xor_sync(0xffffffffu, bad, 16);
+    if (bad && valid && lane == P2 * g && p.rejected) atomicAdd(p.rejected, 1u);
+    if (write && !bad) {
+      const std::int64_t sl = slot;
+      const std::size_t page = tok_shift >= 0 ? static_cast<std::size_t>(sl >> tok_shift) : static_cast<std::size_t>(sl / pg.tokens);
+      const int off = tok_shift >= 0 ? static_cast<int>(sl & ((1 << tok_shift) - 1)) : static_cast<int>(sl % pg.tokens);
+      std::uint8_t* base = p.pool + page * pg.page_bytes;
+      store_words_n<2 * B>(pw, base + (side ? pg.value_code(vh, off) : pg.key_code(vh, off)) + 8u * B * l2);
+      std::uint16_t* meta = reinterpret_cast<std::uint16_t*>(base + pg.key_meta(vh, off));
+      if (l2 == 0) meta[side] = fp16_bits(fv);
+      for (int u = NU + side * P2 + l2; u < mu; u += 2 * P2) meta[u] = 0;
+    }
+    // ---- protected bf16 rows: the lane's 64 elements of its side ----
+    if (protect && valid && !bad) {
+      const std::int32_t pos = p.positions[vt];
+      const std::int32_t psl = p.protect.slot(pos);
+      const bool keep = pos < p.protect.sinks || !p.protect_seq_lens ||
+                        pos >= p.protect_seq_lens[p.seq_ids[vt]] - p.protect.window;
+      if (psl >= 0 && keep) {
+        std::uint16_t* dst = p.protect_rows + p.protect.row(p.seq_ids[vt], vh, psl) + side * D + kPairElems * l2;
+        // The staged run is the row in channel order (outlier splits too): channels 64 l2 .. 64 l2 + 63.
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          reinterpret_cast<uint4*>(dst)[j] = *reinterpret_cast<const uint4*>(sb + ((stage + own) ^ (16u * j)));
+      }
+    }
+    __syncwarp();  // every lane is done with stage cur before the next iteration copies into it
+    cur ^= 1;
+    tb = ntb;
+    head = nh;
+  }
+  cp_async_wait<0>();
+}
+
 // bf16 cache: a copy. Thread i moves 16-byte chunk i % (D / 8) of key and value row i / (D / 8)
 // (consecutive threads, consecutive bytes of a row), and the protected rows. A record's D / 8
 // threads are consecutive lanes of one warp (D / 8 divides 32), which vote on its finiteness first.
@@ -956,9 +1285,14 @@ constexpr int kMaskBytes = 32 << 10;
 
 template <int D, class F>
 cudaError_t launch_store_fast(const StoreParams& p, cudaStream_t stream) {
+  // Both sides TurboQuant of equal widths: the paired kernel (keys and values in the two half-warps).
+  constexpr auto kernel = [] {
+    if constexpr (kPairedFast<D, F>) return store_pair_kernel<D, F>;
+    else return store_fast_kernel<D, F>;
+  }();
   unsigned max_blocks = 0;
-  cudaError_t e = smem_limit_once<store_fast_kernel<D, F>>(kStagingBytes + kMaskBytes);
-  if (e == cudaSuccess) e = resident_ctas<store_fast_kernel<D, F>>(kFastThreads, kStagingBytes + kMaskBytes, max_blocks);
+  cudaError_t e = smem_limit_once<kernel>(kStagingBytes + kMaskBytes);
+  if (e == cudaSuccess) e = resident_ctas<kernel>(kFastThreads, kStagingBytes + kMaskBytes, max_blocks);
   if (e != cudaSuccess) return e;
   std::size_t mask_bytes = (F::NSEG == 2 ? 8u : 4u) * static_cast<std::size_t>(p.fmt.kv_heads) * D;
   const bool use_masks = p.fmt.kv_heads * D <= 4096;
@@ -970,8 +1304,8 @@ cudaError_t launch_store_fast(const StoreParams& p, cudaStream_t stream) {
   const long nitems = (static_cast<long>(p.n_tokens) + V - 1) / V * p.fmt.kv_heads;  // (V-token block, head) per warp
   const long want = (nitems + kFastWarps - 1) / kFastWarps;
   const unsigned blocks = static_cast<unsigned>(std::min<long>(want, max_blocks));
-  store_fast_kernel<D, F><<<blocks, kFastThreads, kStagingBytes + (use_masks ? mask_bytes : 0), stream>>>(
-      p, page_shift(p.fmt.page.tokens), use_masks, use_smean);
+  kernel<<<blocks, kFastThreads, kStagingBytes + (use_masks ? mask_bytes : 0), stream>>>(p, page_shift(p.fmt.page.tokens),
+                                                                                        use_masks, use_smean);
   return cudaGetLastError();
 }
 

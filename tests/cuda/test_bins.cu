@@ -8,7 +8,7 @@
 // the tables to hold no -0).
 // Also the norm sums of bins.cuh against kvq::sum_squares (include/kvq/numeric.hpp), bit for bit:
 // warp_sum_squares at lengths 1..1024 (partial blocks and chains, block counts that are not powers
-// of two) and lanes_sum_squares over 1, 2, 4 and 8 lanes, on rows whose elements span 2^-80 .. 2^60
+// of two), lanes_sum_squares over 1, 2, 4 and 8 lanes and lanes_sum_squares64 over 1, 2 and 4, on rows whose elements span 2^-80 .. 2^60
 // (subnormal and overflowing squares included) and zero rows, and corrected_norm against the CPU's
 // norm / sqrt(c2). A sequential float sum differs from kvq::sum_squares on many of these rows, so a
 // kernel that added in another order would fail.
@@ -63,15 +63,18 @@ __global__ void warp_sumsq_kernel(const float* rows, int n, float* out) {
   const float* x = rows + 1024 * blockIdx.x;
   out[32 * blockIdx.x + threadIdx.x] = kc::warp_sum_squares(n, threadIdx.x, [&](int b, int k) { return x[32 * b + k]; });
 }
-// One warp, 32 / PS vectors of 32 PS floats; lane l holds elements 32 (l % PS) .. + 31 of vector l / PS.
-// out[lane] = lanes_sum_squares<PS>; cn[lane] = corrected_norm(sqrt(out), c2[lane]).
-template <int PS>
+// One warp, 32 / PS vectors of E PS floats (E = 32 or 64 per lane); lane l holds elements E (l % PS) ..
+// + E - 1 of vector l / PS. out[lane] = lanes_sum_squares<PS> (E = 32, the store's fast kernel) or
+// lanes_sum_squares64<PS> (E = 64, its paired kernel); cn[lane] = corrected_norm(sqrt(out), c2[lane]).
+template <int PS, int E>
 __global__ void lanes_sumsq_kernel(const float* x, const float* c2, float* out, float* cn) {
   const int lane = threadIdx.x;
-  float v[32];
+  float v[E];
 #pragma unroll
-  for (int k = 0; k < 32; ++k) v[k] = x[32 * lane + k];
-  const float ss = kc::lanes_sum_squares<PS>(v);
+  for (int k = 0; k < E; ++k) v[k] = x[E * lane + k];
+  float ss;
+  if constexpr (E == 64) ss = kc::lanes_sum_squares64<PS>(v);
+  else ss = kc::lanes_sum_squares<PS>(v);
   out[lane] = ss;
   cn[lane] = kc::corrected_norm(__fsqrt_rn(ss), c2[lane]);
 }
@@ -215,28 +218,28 @@ void sum_squares_cases(std::mt19937& rng) {
   check(order_matters > 100, "the rows tell the summation orders apart");
 }
 
-template <int PS>
+template <int PS, int E = 32>
 void lanes_case(std::mt19937& rng) {
   using kvq::cudatest::check;
   using kvq::cudatest::download;
   using kvq::cudatest::upload;
   int wrong = 0, wrong_cn = 0, cases = 0;
   for (int rep = 0; rep < 64; ++rep) {
-    std::vector<float> x(1024), c2(32);
+    std::vector<float> x(32 * E), c2(32);
     for (int g = 0; g < 32 / PS; ++g) {
       const int kind = (rep + g) % 6;
-      const std::vector<float> v = kind == 5 ? std::vector<float>(static_cast<std::size_t>(32 * PS), 0.0f)
-                                   : kind == 4 ? wide_row(32 * PS, -80, -60, rng)
-                                   : kind == 3 ? wide_row(32 * PS, -40, 20, rng)
-                                               : wide_row(32 * PS, -3, 3, rng);
-      std::copy(v.begin(), v.end(), x.begin() + 32 * PS * g);
+      const std::vector<float> v = kind == 5 ? std::vector<float>(static_cast<std::size_t>(E * PS), 0.0f)
+                                   : kind == 4 ? wide_row(E * PS, -80, -60, rng)
+                                   : kind == 3 ? wide_row(E * PS, -40, 20, rng)
+                                               : wide_row(E * PS, -3, 3, rng);
+      std::copy(v.begin(), v.end(), x.begin() + E * PS * g);
     }
     std::uniform_real_distribution<float> uc(0.5f, 2.0f);
     for (float& c : c2) c = uc(rng);
     float* d_x = upload(x);
     float* d_c2 = upload(c2);
     float* d_out = upload(std::vector<float>(64, -1.0f));
-    lanes_sumsq_kernel<PS><<<1, 32>>>(d_x, d_c2, d_out, d_out + 32);
+    lanes_sumsq_kernel<PS, E><<<1, 32>>>(d_x, d_c2, d_out, d_out + 32);
     KVQ_CUDA_OK(cudaGetLastError());
     const std::vector<float> out = download(d_out, 64);
     cudaFree(d_x);
@@ -245,14 +248,14 @@ void lanes_case(std::mt19937& rng) {
     for (int l = 0; l < 32; ++l) {
       ++cases;
       const int g = l / PS;
-      const float want = kvq::sum_squares(x.data() + 32 * PS * g, 32 * PS);
+      const float want = kvq::sum_squares(x.data() + E * PS * g, E * PS);
       const float norm = std::sqrt(want);
       const float want_cn = norm > 0 ? norm / std::sqrt(c2[static_cast<std::size_t>(l)]) : norm;
       wrong += kvq::f32_bits(out[static_cast<std::size_t>(l)]) != kvq::f32_bits(want);
       wrong_cn += kvq::f32_bits(out[static_cast<std::size_t>(32 + l)]) != kvq::f32_bits(want_cn);
     }
   }
-  const std::string name = "lanes_sum_squares<" + std::to_string(PS) + ">";
+  const std::string name = std::string(E == 64 ? "lanes_sum_squares64<" : "lanes_sum_squares<") + std::to_string(PS) + ">";
   std::printf("  %-44s %d lane results: %d differ, corrected_norm %d differ\n", name.c_str(), cases, wrong, wrong_cn);
   check(wrong == 0, name + " equals kvq::sum_squares bit for bit");
   check(wrong_cn == 0, name + ": corrected_norm equals norm / sqrt(c2) on the CPU");
@@ -278,5 +281,8 @@ int main() {
   lanes_case<2>(rng);
   lanes_case<4>(rng);
   lanes_case<8>(rng);
+  lanes_case<1, 64>(rng);
+  lanes_case<2, 64>(rng);
+  lanes_case<4, 64>(rng);
   return kvq::cudatest::finish();
 }
