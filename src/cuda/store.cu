@@ -547,6 +547,82 @@ constexpr int kStagingBytes = kFastWarps * 2 * kStageBytes;      // two stages p
 // Work item = (block of V consecutive tokens, KV head): a warp's V vectors are one head's, so the
 // sign masks and channel offsets it reads are the same for all of them (broadcast), and the codes
 // and metadata of consecutive slots it writes are adjacent in the page ([head][token] layout).
+// Copies the rows of item (tb, h) into the stage at shared address kdst: chunk q = lane + 32 j of a side is
+// row cg0 + j RJ of the item, elements ce0 .. ce0 + 7, stored at kdst + cdst[j] (the kernel's chunk places). A
+// whole item (every row a token: all but the last block) takes one source pointer per side and fixed steps where
+// kWhole (the split formats keep the general path: 0.987x with it); the last block zero-fills the rows past n
+// (nothing read there). Returns the slot of row g (-1: none).
+template <int D, int V, bool kWhole>
+__device__ __forceinline__ std::int64_t stage_item(const StoreParams& p, std::uint32_t kdst, const std::uint32_t (&cdst)[4],
+                                                   int tb, int h, int cg0, int ce0, int g, std::int64_t ks, std::int64_t vs) {
+  constexpr int RJ = 32 / (D / 8);
+  const int n = p.n_tokens;
+  const std::int64_t hoff = static_cast<std::int64_t>(h) * D + ce0;
+  const int t0 = tb * V + cg0;
+  if (kWhole && tb * V + V <= n) {  // warp-uniform
+    const std::uint16_t* ksrc = p.key + t0 * ks + hoff;
+    const std::uint16_t* vsrc = p.value + t0 * vs + hoff;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      cp_async16(kdst + cdst[j], ksrc + j * RJ * ks);
+      cp_async16(kdst + kSideBytes + cdst[j], vsrc + j * RJ * vs);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int t = t0 + j * RJ;
+      const bool ok = t < n;
+      const std::int64_t tt = ok ? t : 0;
+      cp_async16_zfill(kdst + cdst[j], p.key + tt * ks + hoff, ok);
+      cp_async16_zfill(kdst + kSideBytes + cdst[j], p.value + tt * vs + hoff, ok);
+    }
+  }
+  const int t = tb * V + g;
+  return t < n ? p.slot_mapping[t] : -1;
+}
+
+// The fast kernels' item loop: the grid-stride walk over work items (block tb of V tokens, KV head), warp w of
+// CTA b starting at item b kFastWarps + w, (tb, head) carried incrementally; each item's rows are copied into the
+// other stage one iteration ahead (stage_item; the stages at shared addresses stage0 and stage0 + kStageBytes),
+// and body(tb, head, slot, cur) runs on stage cur once its copies have landed. Warp-uniform: every lane takes part.
+template <int D, int V, bool kWhole, class Body>
+__device__ __forceinline__ void for_each_item(const StoreParams& p, int H, int w, std::uint32_t stage0,
+                                              const std::uint32_t (&cdst)[4], int cg0, int ce0, int g, std::int64_t ks,
+                                              std::int64_t vs, Body&& body) {
+  const long nblk = (static_cast<long>(p.n_tokens) + V - 1) / V;
+  const long nitems = nblk * H;
+  const long stride = static_cast<long>(gridDim.x) * kFastWarps;
+  const int dtb = static_cast<int>(stride / H), dh = static_cast<int>(stride % H);
+  long it = static_cast<long>(blockIdx.x) * kFastWarps + w;
+  int tb = static_cast<int>(it / H), head = static_cast<int>(it % H);
+  auto issue = [&](int st, int tb_, int h_) {
+    return stage_item<D, V, kWhole>(p, stage0 + static_cast<std::uint32_t>(st) * kStageBytes, cdst, tb_, h_, cg0, ce0, g, ks,
+                                    vs);
+  };
+  std::int64_t slot_next = -1;
+  if (it < nitems) slot_next = issue(0, tb, head);
+  cp_async_commit();
+  int cur = 0;
+  for (; it < nitems; it += stride) {
+    int ntb = tb + dtb, nh = head + dh;
+    if (nh >= H) {
+      nh -= H;
+      ++ntb;
+    }
+    const std::int64_t slot = slot_next;
+    if (it + stride < nitems) slot_next = issue(cur ^ 1, ntb, nh);
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncwarp();
+    body(tb, head, slot, cur);
+    __syncwarp();  // every lane is done with stage cur before the next iteration copies into it
+    cur ^= 1;
+    tb = ntb;
+    head = nh;
+  }
+  cp_async_wait<0>();
+}
+
 // The fast kernels' shared-memory setup, CTA-wide, ending with a barrier: the bin tables and their
 // (midpoint, base) pairs (warps 0-3: keys / values x segment 0 / 1; tables 0, 1 are the keys', VT and
 // VT + 1 the values'), the split formats' channel offsets (as S::chan_off byte offsets) and the centered
@@ -662,56 +738,8 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
   for (int j = 0; j < 4; ++j) cdst[j] = S::pos(static_cast<std::uint32_t>(lane + 32 * j)) << 4;
 
   const int n = p.n_tokens;
-  const long nblk = (static_cast<long>(n) + V - 1) / V;
-  const long nitems = nblk * H;
-  const long stride = static_cast<long>(gridDim.x) * kFastWarps;
-  const int dtb = static_cast<int>(stride / H), dh = static_cast<int>(stride % H);
-  long it = static_cast<long>(blockIdx.x) * kFastWarps + w;
-  int tb = static_cast<int>(it / H), head = static_cast<int>(it % H);
-  // Copies the rows of item (tb_, h_) into stage st and returns this lane's slot (-1: none). A whole
-  // item (every row a token: all but the last block) takes one source pointer per side and fixed
-  // steps; the last block zero-fills the rows past n (nothing read there).
-  auto issue = [&](int st, int tb_, int h_) -> std::int64_t {
-    const std::uint32_t kdst = sbase + wstage + static_cast<std::uint32_t>(st) * kStageBytes;
-    const std::int64_t hoff = static_cast<std::int64_t>(h_) * D + ce0;
-    const int t0 = tb_ * V + cg0;
-    if (NSEG == 1 && tb_ * V + V <= n) {  // warp-uniform (the split formats keep the general path: 0.987x with it)
-      const std::uint16_t* ksrc = p.key + t0 * ks + hoff;
-      const std::uint16_t* vsrc = p.value + t0 * vs + hoff;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        cp_async16(kdst + cdst[j], ksrc + j * RJ * ks);
-        cp_async16(kdst + kSideBytes + cdst[j], vsrc + j * RJ * vs);
-      }
-    } else {
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int t = t0 + j * RJ;
-        const bool ok = t < n;
-        const std::int64_t tt = ok ? t : 0;
-        cp_async16_zfill(kdst + cdst[j], p.key + tt * ks + hoff, ok);
-        cp_async16_zfill(kdst + kSideBytes + cdst[j], p.value + tt * vs + hoff, ok);
-      }
-    }
-    const int t = tb_ * V + g;
-    return t < n ? p.slot_mapping[t] : -1;
-  };
-  std::int64_t slot_next = -1;
-  if (it < nitems) slot_next = issue(0, tb, head);
-  cp_async_commit();
-  int cur = 0;
-  for (; it < nitems; it += stride) {  // warp-uniform: every lane takes part in the shuffles
-    int ntb = tb + dtb, nh = head + dh;
-    if (nh >= H) {
-      nh -= H;
-      ++ntb;
-    }
-    const std::int64_t slot = slot_next;
-    if (it + stride < nitems) slot_next = issue(cur ^ 1, ntb, nh);
-    cp_async_commit();
-    cp_async_wait<1>();
-    __syncwarp();
-
+  for_each_item<D, V, NSEG == 1>(p, H, w, sbase + wstage, cdst, cg0, ce0, g, ks, vs, [&](int tb, int head, std::int64_t slot,
+                                                                                     int cur) {
     const int tok = tb * V + g;
     const bool valid = tok < n;
     const bool write = slot >= 0;
@@ -885,12 +913,7 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
         store_raw32(lds_raw32(sb, vside + own), reinterpret_cast<std::uint8_t*>(dst + D + kLaneElems * l));
       }
     }
-    __syncwarp();  // every lane is done with stage cur before the next iteration copies into it
-    cur ^= 1;
-    tb = ntb;
-    head = nh;
-  }
-  cp_async_wait<0>();
+  });
 }
 
 // ---- paired fast path ---------------------------------------------------------------------
@@ -1098,54 +1121,8 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_pair_kernel(const Store
   for (int j = 0; j < 4; ++j) cdst[j] = S::pos(static_cast<std::uint32_t>(lane + 32 * j)) << 4;
 
   const int n = p.n_tokens;
-  const long nblk = (static_cast<long>(n) + V - 1) / V;
-  const long nitems = nblk * H;
-  const long stride = static_cast<long>(gridDim.x) * kFastWarps;
-  const int dtb = static_cast<int>(stride / H), dh = static_cast<int>(stride % H);
-  long it = static_cast<long>(blockIdx.x) * kFastWarps + w;
-  int tb = static_cast<int>(it / H), head = static_cast<int>(it % H);
-  // store_fast_kernel's copies (the same chunks to Stage2's places); returns this lane's slot (-1: none).
-  auto issue = [&](int st, int tb_, int h_) -> std::int64_t {
-    const std::uint32_t kdst = sbase + wstage + static_cast<std::uint32_t>(st) * kStageBytes;
-    const std::int64_t hoff = static_cast<std::int64_t>(h_) * D + ce0;
-    const int t0 = tb_ * V + cg0;
-    if (tb_ * V + V <= n) {
-      const std::uint16_t* ksrc = p.key + t0 * ks + hoff;
-      const std::uint16_t* vsrc = p.value + t0 * vs + hoff;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        cp_async16(kdst + cdst[j], ksrc + j * RJ * ks);
-        cp_async16(kdst + kSideBytes + cdst[j], vsrc + j * RJ * vs);
-      }
-    } else {
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int t = t0 + j * RJ;
-        const bool ok = t < n;
-        const std::int64_t tt = ok ? t : 0;
-        cp_async16_zfill(kdst + cdst[j], p.key + tt * ks + hoff, ok);
-        cp_async16_zfill(kdst + kSideBytes + cdst[j], p.value + tt * vs + hoff, ok);
-      }
-    }
-    const int t = tb_ * V + g;
-    return t < n ? p.slot_mapping[t] : -1;
-  };
-  std::int64_t slot_next = -1;
-  if (it < nitems) slot_next = issue(0, tb, head);
-  cp_async_commit();
-  int cur = 0;
-  for (; it < nitems; it += stride) {  // warp-uniform: every lane takes part in the shuffles
-    int ntb = tb + dtb, nh = head + dh;
-    if (nh >= H) {
-      nh -= H;
-      ++ntb;
-    }
-    const std::int64_t slot = slot_next;
-    if (it + stride < nitems) slot_next = issue(cur ^ 1, ntb, nh);
-    cp_async_commit();
-    cp_async_wait<1>();
-    __syncwarp();
-
+  for_each_item<D, V, true>(p, H, w, sbase + wstage, cdst, cg0, ce0, g, ks, vs, [&](int tb, int head, std::int64_t slot,
+                                                                                     int cur) {
     const int tok = tb * V + g;
     const bool valid = tok < n;
     const bool write = slot >= 0;
@@ -1191,12 +1168,7 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_pair_kernel(const Store
           reinterpret_cast<uint4*>(dst)[j] = *reinterpret_cast<const uint4*>(sb + ((stage + own) ^ (16u * j)));
       }
     }
-    __syncwarp();  // every lane is done with stage cur before the next iteration copies into it
-    cur ^= 1;
-    tb = ntb;
-    head = nh;
-  }
-  cp_async_wait<0>();
+  });
 }
 
 // bf16 cache: a copy. Thread i moves 16-byte chunk i % (D / 8) of key and value row i / (D / 8)
