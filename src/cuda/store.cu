@@ -489,18 +489,18 @@ struct FastFmt {
   static constexpr int VMU = VK == ValueCode::kTq ? NSEG : (VK == ValueCode::kUniform ? 2 : 0);
 };
 
-// TurboQuant of one side of P-lane vectors (lane ls of its segment of PS lanes, segment size
-// 32 PS; bits B0 for segment 0, B1 for segment 1), the sign diagonal already applied to v. Packs this
-// lane's codes into pw (the caller stores them once the record is accepted); returns the segment's
-// norm and the norm-correction sum of squared centroids (the same in every lane of the segment).
-template <int PS, int B0, int B1>
-__device__ __forceinline__ void tq_encode32(const StoreTables& T, int t, int sg, float (&v)[kLaneElems], std::uint32_t (&pw)[4],
-                                            int ls, float& norm_out, float& c2_out) {
-  const float ss = lanes_sum_squares<PS>(v);
+// TurboQuant's steps before the buckets, shared by the fast kernels: the norm of the vector (or segment)
+// held by PS lanes with N = 32 or 64 elements each (kvq::sum_squares's order), x / norm (0 for a zero
+// vector), the FWHT stages inside the lane, then those across the PS lanes. Returns the norm.
+template <int PS, int N>
+__device__ __forceinline__ float tq_rotate(float (&v)[N], int ls) {
+  float ss;
+  if constexpr (N == 64) ss = lanes_sum_squares64<PS>(v);
+  else ss = lanes_sum_squares<PS>(v);
   const float norm = __fsqrt_rn(ss);
   const float inv = norm > 0 ? __frcp_rn(norm) : 0.0f;
 #pragma unroll
-  for (int k = 0; k < kLaneElems; ++k) v[k] = v[k] * inv;  // signs already applied: RN(s x inv) = s RN(x inv)
+  for (int k = 0; k < N; ++k) v[k] = v[k] * inv;  // signs already applied: RN(s x inv) = s RN(x inv)
   inlane_fwht(v);
   // Across lanes: lower lane a + b, upper lane b - a, as fma(+-1, v, o): the product is exact,
   // so this is the same single rounding as the sum or difference.
@@ -508,11 +508,22 @@ __device__ __forceinline__ void tq_encode32(const StoreTables& T, int t, int sg,
   for (int m = 1; m < PS; m <<= 1) {
     const float sgn = (ls & m) == 0 ? 1.0f : -1.0f;
 #pragma unroll
-    for (int k = 0; k < kLaneElems; ++k) {
+    for (int k = 0; k < N; ++k) {
       const float o = __shfl_xor_sync(0xffffffffu, v[k], m);
       v[k] = __fmaf_rn(v[k], sgn, o);
     }
   }
+  return norm;
+}
+
+// TurboQuant of one side of P-lane vectors (lane ls of its segment of PS lanes, segment size
+// 32 PS; bits B0 for segment 0, B1 for segment 1), the sign diagonal already applied to v. Packs this
+// lane's codes into pw (the caller stores them once the record is accepted); returns the segment's
+// norm and the norm-correction sum of squared centroids (the same in every lane of the segment).
+template <int PS, int B0, int B1>
+__device__ __forceinline__ void tq_encode32(const StoreTables& T, int t, int sg, float (&v)[kLaneElems], std::uint32_t (&pw)[4],
+                                            int ls, float& norm_out, float& c2_out) {
+  const float norm = tq_rotate<PS>(v, ls);
   // The bucket of y = fl(v / sqrt(block)) against the midpoints is the bucket of v against the
   // tables' thresholds (FormatDesc::key_thresholds: the largest v with fl(v / sqrt(block)) <=
   // midpoint), so the scale is never applied: y is not needed otherwise.
@@ -1012,22 +1023,7 @@ __device__ __forceinline__ void center64(const uint4* __restrict__ sm, const flo
 template <int PS, int B>
 __device__ __forceinline__ void tq_encode64(const StoreTables& T, int t, float (&v)[kPairElems], std::uint32_t (&pw)[2 * B],
                                             int ls, float& norm_out, float& c2_out) {
-  const float ss = lanes_sum_squares64<PS>(v);
-  const float norm = __fsqrt_rn(ss);
-  const float inv = norm > 0 ? __frcp_rn(norm) : 0.0f;
-#pragma unroll
-  for (int k = 0; k < kPairElems; ++k) v[k] = v[k] * inv;  // signs already applied: RN(s x inv) = s RN(x inv)
-  inlane_fwht(v);
-  // Across lanes (PS > 1): lower lane a + b, upper lane b - a, as fma(+-1, v, o) (tq_encode32).
-#pragma unroll
-  for (int m = 1; m < PS; m <<= 1) {
-    const float sgn = (ls & m) == 0 ? 1.0f : -1.0f;
-#pragma unroll
-    for (int k = 0; k < kPairElems; ++k) {
-      const float o = __shfl_xor_sync(0xffffffffu, v[k], m);
-      v[k] = __fmaf_rn(v[k], sgn, o);
-    }
-  }
+  const float norm = tq_rotate<PS>(v, ls);
 #pragma unroll
   for (int i = 0; i < 2 * B; ++i) pw[i] = 0u;
   float s[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
