@@ -594,12 +594,22 @@ __device__ __forceinline__ std::int64_t stage_item(const StoreParams& p, std::ui
 
 // The fast kernels' item loop: the grid-stride walk over work items (block tb of V tokens, KV head), warp w of
 // CTA b starting at item b kFastWarps + w, (tb, head) carried incrementally; each item's rows are copied into the
-// other stage one iteration ahead (stage_item; the stages at shared addresses stage0 and stage0 + kStageBytes),
-// and body(tb, head, slot, cur) runs on stage cur once its copies have landed. Warp-uniform: every lane takes part.
-template <int D, int V, bool kWhole, class Body>
-__device__ __forceinline__ void for_each_item(const StoreParams& p, int H, int w, std::uint32_t stage0,
-                                              const std::uint32_t (&cdst)[4], int cg0, int ce0, int g, std::int64_t ks,
+// other stage one iteration ahead (stage_item; the stages at shared addresses stage0 and stage0 + kStageBytes,
+// chunk q of a side at S::pos(q)), and body(tb, head, slot, cur) runs on stage cur once its copies have landed;
+// slot is the slot of the item's row g. Warp-uniform: every lane takes part.
+template <int D, int V, bool kWhole, class S, class Body>
+__device__ __forceinline__ void for_each_item(const StoreParams& p, int H, int w, std::uint32_t stage0, int g, std::int64_t ks,
                                               std::int64_t vs, Body&& body) {
+  // The chunks this lane copies: chunk q = lane + 32 j of a side is vector cg0 + j RJ of the item, elements ce0 ..
+  // ce0 + 7 (a row's D / 8 chunks divide 32, so the element offset is the same for every j and the source
+  // advances by RJ token strides), stored at the kernel's place S::pos(q).
+  constexpr int CPR = D / 8, RJ = 32 / CPR;
+  static_assert(32 % CPR == 0 && 3 * RJ + 32 / CPR - 1 < V, "a lane's four chunks are rows of one item");
+  const int lane = threadIdx.x & 31;
+  const int cg0 = lane / CPR, ce0 = 8 * (lane % CPR);
+  std::uint32_t cdst[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) cdst[j] = S::pos(static_cast<std::uint32_t>(lane + 32 * j)) << 4;
   const long nblk = (static_cast<long>(p.n_tokens) + V - 1) / V;
   const long nitems = nblk * H;
   const long stride = static_cast<long>(gridDim.x) * kFastWarps;
@@ -733,24 +743,15 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
   const std::uint32_t kdst_off = (sg ? kseg1 : 0u) + 4u * static_cast<std::uint32_t>(sg ? F::KB1 : F::KB0) * ls;
   const std::uint32_t vdst_off = (sg ? vseg1 : 0u) + 4u * static_cast<std::uint32_t>(sg ? F::VB1 : F::VB0) * ls;
 
-  // Staging: this warp's two stages; the lane's own chunks at own ^ 16 i; the row base of its
-  // vector for the gather; the chunks it copies: chunk q = lane + 32 j of a side is vector cg0 + j RJ
-  // of the item, elements ce0 .. ce0 + 7 (a row's D / 8 chunks divide 32, so the element offset is the
-  // same for every j and the source advances by RJ token strides).
+  // Staging (for_each_item): this warp's two stages; the lane's own chunks at own ^ 16 i; the row
+  // base of its vector for the gather.
   const std::uint32_t wstage = static_cast<std::uint32_t>(w) * 2u * kStageBytes;
   const std::uint32_t own = S::pos(4u * static_cast<std::uint32_t>(lane)) << 4;
   const std::uint32_t rowb = static_cast<std::uint32_t>(g) * (2u * D) + ((static_cast<std::uint32_t>(g) & 7u) << 4);
   const std::uint32_t sbase = static_cast<std::uint32_t>(__cvta_generic_to_shared(sb));
-  constexpr int CPR = D / 8, RJ = 32 / CPR;
-  static_assert(32 % CPR == 0 && 3 * RJ + 32 / CPR - 1 < V, "a lane's four chunks are rows of one item");
-  const int cg0 = lane / CPR, ce0 = 8 * (lane % CPR);
-  std::uint32_t cdst[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) cdst[j] = S::pos(static_cast<std::uint32_t>(lane + 32 * j)) << 4;
 
   const int n = p.n_tokens;
-  for_each_item<D, V, NSEG == 1>(p, H, w, sbase + wstage, cdst, cg0, ce0, g, ks, vs, [&](int tb, int head, std::int64_t slot,
-                                                                                     int cur) {
+  for_each_item<D, V, NSEG == 1, S>(p, H, w, sbase + wstage, g, ks, vs, [&](int tb, int head, std::int64_t slot, int cur) {
     const int tok = tb * V + g;
     const bool valid = tok < n;
     const bool write = slot >= 0;
@@ -1109,16 +1110,9 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_pair_kernel(const Store
   const std::uint32_t run = static_cast<std::uint32_t>(P2 * g + l2);
   const std::uint32_t own = static_cast<std::uint32_t>(side) * kSideBytes + ((128u * run) ^ ((run & 7u) << 4));
   const std::uint32_t sbase = static_cast<std::uint32_t>(__cvta_generic_to_shared(sb));
-  constexpr int CPR = D / 8, RJ = 32 / CPR;
-  static_assert(32 % CPR == 0 && 3 * RJ + 32 / CPR - 1 < V, "a lane's four copied chunks are rows of one item");
-  const int cg0 = lane / CPR, ce0 = 8 * (lane % CPR);
-  std::uint32_t cdst[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) cdst[j] = S::pos(static_cast<std::uint32_t>(lane + 32 * j)) << 4;
 
   const int n = p.n_tokens;
-  for_each_item<D, V, true>(p, H, w, sbase + wstage, cdst, cg0, ce0, g, ks, vs, [&](int tb, int head, std::int64_t slot,
-                                                                                     int cur) {
+  for_each_item<D, V, true, S>(p, H, w, sbase + wstage, g, ks, vs, [&](int tb, int head, std::int64_t slot, int cur) {
     const int tok = tb * V + g;
     const bool valid = tok < n;
     const bool write = slot >= 0;
