@@ -373,11 +373,12 @@ __device__ __forceinline__ void load_masks(const uint4* __restrict__ sm, int sid
     m[4 * i + 3] = q.w;
   }
 }
-// x[k] *= signs[k] for the lane's 32 elements (the float signs, used without a mask table).
-__device__ __forceinline__ void mul_signs32(const float* __restrict__ signs, float (&x)[kLaneElems]) {
+// x[k] *= signs[k] for the lane's N elements (the float signs, used without a mask table).
+template <int N>
+__device__ __forceinline__ void mul_signs(const float* __restrict__ signs, float (&x)[N]) {
   const float4* sp = reinterpret_cast<const float4*>(signs);
 #pragma unroll
-  for (int j = 0; j < kLaneElems / 4; ++j) {
+  for (int j = 0; j < N / 4; ++j) {
     const float4 s4 = __ldg(sp + j);
     x[4 * j] *= s4.x;
     x[4 * j + 1] *= s4.y;
@@ -399,7 +400,7 @@ __device__ __forceinline__ void unpack_signed32(const Raw32& r, const uint4* sm,
     }
   } else {
     unpack_raw32(r, x);
-    mul_signs32(signs, x);
+    mul_signs(signs, x);
   }
 }
 // Staged rows. Each warp copies the key and value rows of its V vectors (2 KB a side: 32 lanes x
@@ -442,7 +443,7 @@ __device__ __forceinline__ Raw32 lds_raw32(const char* sb, std::uint32_t a) {
 // the masks: the channel offsets come from shared memory (u16 `soff`, [side][head][D], 64 bytes
 // per lane, the same for every vector of the warp), and the sign is added to the bf16 bits in
 // the high half: bit 31 of d 2^16 + s flips exactly when s = 2^31 (one integer multiply-add per
-// element). Without: channels from global memory, the float signs by mul_signs32.
+// element). Without: channels from global memory, the float signs by mul_signs.
 template <int D>
 __device__ __forceinline__ void gather32_masked(const char* sb, std::uint32_t rb, const std::uint16_t* soff,
                                                 const std::uint32_t (&m)[kLaneElems / 2], float (&x)[kLaneElems]) {
@@ -474,7 +475,7 @@ __device__ __forceinline__ void gather32_global(const char* sb, std::uint32_t rb
       x[4 * j + i] = bf16_bits_to_float(
           *reinterpret_cast<const std::uint16_t*>(sb + (rb ^ Stage<D>::chan_off(static_cast<std::uint32_t>(c[i])))));
   }
-  mul_signs32(signs, x);
+  mul_signs(signs, x);
 }
 
 // Format of the fast kernel, fixed at compile time (the launcher dispatches on the FormatDesc):
@@ -983,17 +984,7 @@ __device__ __forceinline__ void unpack_signed64(const char* sb, std::uint32_t a,
       x[8 * j + 2 * k + 1] = bf16_hi(w);
     }
   }
-  if (!use_masks) {
-    const float4* sp = reinterpret_cast<const float4*>(signs);
-#pragma unroll
-    for (int j = 0; j < kPairElems / 4; ++j) {
-      const float4 s4 = __ldg(sp + j);
-      x[4 * j] *= s4.x;
-      x[4 * j + 1] *= s4.y;
-      x[4 * j + 2] *= s4.z;
-      x[4 * j + 3] *= s4.w;
-    }
-  }
+  if (!use_masks) mul_signs(signs, x);
 }
 // Centered formats: x -= the lane's 64 signed, segment-order means: from shared memory (units 16 l2 + j
 // of (side, head): two runs of 8, each at mask_unit(.. its first) XOR j), else from global memory.
