@@ -91,29 +91,27 @@ __device__ __forceinline__ float warp_sum_squares(int n, int lane, F&& value) {
   return warp_block_tree(s0, s1, s2, s3);
 }
 
-// kvq::sum_squares of a vector held by PS lanes (PS a power of two, the lanes xor-adjacent), lane
-// ls holding elements 32 ls .. 32 ls + 31 in x: the lane's four chains and (s0 + s1) + (s2 + s3),
-// then the butterfly over the PS lanes, which adds the blocks' pairwise tree. Every lane of the
-// group returns the same sum.
-template <int PS>
-__device__ __forceinline__ float lanes_sum_squares(const float (&x)[32]) {
-  float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-  for (int k = 0; k < 32; ++k) s[k & 3] = __fmaf_rn(x[k], x[k], s[k & 3]);
-  return xor_tree<PS>(__fadd_rn(__fadd_rn(s[0], s[1]), __fadd_rn(s[2], s[3])));
+// The end of kvq::sum_squares for the NB = 1 or 2 blocks a lane holds, from their four FMA chains
+// each (s[4 b + j]): each block's (s0 + s1) + (s2 + s3), the two blocks' sum (their node of the
+// blocks' pairwise tree), then the butterfly over the PS lanes (PS a power of two, the lanes
+// xor-adjacent), which adds the rest of the tree. Every lane of the group returns the same sum.
+template <int PS, int NB>
+__device__ __forceinline__ float lane_chains_tree(const float (&s)[4 * NB]) {
+  static_assert(NB == 1 || NB == 2, "one or two blocks per lane");
+  float t = __fadd_rn(__fadd_rn(s[0], s[1]), __fadd_rn(s[2], s[3]));
+  if constexpr (NB == 2) t = __fadd_rn(t, __fadd_rn(__fadd_rn(s[4], s[5]), __fadd_rn(s[6], s[7])));
+  return xor_tree<PS>(t);
 }
-
-// The same for 64 elements per lane (lane ls holding elements 64 ls .. 64 ls + 63, blocks 2 ls and
-// 2 ls + 1): each block's four chains and (s0 + s1) + (s2 + s3), the two blocks' sum (their node of
-// the blocks' pairwise tree), then the butterfly over the PS lanes.
-template <int PS>
-__device__ __forceinline__ float lanes_sum_squares64(const float (&x)[64]) {
-  float s[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+// kvq::sum_squares of a vector held by PS lanes with N = 32 or 64 elements each, lane ls holding
+// elements N ls .. N ls + N - 1 (blocks N ls / 32 ..): four FMA chains per block (element k of the
+// lane in chain k mod 4 of block k / 32), then lane_chains_tree.
+template <int PS, int N>
+__device__ __forceinline__ float lanes_sum_squares(const float (&x)[N]) {
+  static_assert(N == 32 || N == 64, "32 or 64 elements per lane");
+  float s[N / 8] = {};
 #pragma unroll
-  for (int k = 0; k < 64; ++k) s[4 * (k >> 5) + (k & 3)] = __fmaf_rn(x[k], x[k], s[4 * (k >> 5) + (k & 3)]);
-  const float b0 = __fadd_rn(__fadd_rn(s[0], s[1]), __fadd_rn(s[2], s[3]));
-  const float b1 = __fadd_rn(__fadd_rn(s[4], s[5]), __fadd_rn(s[6], s[7]));
-  return xor_tree<PS>(__fadd_rn(b0, b1));
+  for (int k = 0; k < N; ++k) s[4 * (k >> 5) + (k & 3)] = __fmaf_rn(x[k], x[k], s[4 * (k >> 5) + (k & 3)]);
+  return lane_chains_tree<PS, N / 32>(s);
 }
 
 // TurboQuantMse's stored norm with norm correction: norm / sqrt(sum c^2), each step correctly

@@ -495,10 +495,7 @@ struct FastFmt {
 // vector), the FWHT stages inside the lane, then those across the PS lanes. Returns the norm.
 template <int PS, int N>
 __device__ __forceinline__ float tq_rotate(float (&v)[N], int ls) {
-  float ss;
-  if constexpr (N == 64) ss = lanes_sum_squares64<PS>(v);
-  else ss = lanes_sum_squares<PS>(v);
-  const float norm = __fsqrt_rn(ss);
+  const float norm = __fsqrt_rn(lanes_sum_squares<PS>(v));
   const float inv = norm > 0 ? __frcp_rn(norm) : 0.0f;
 #pragma unroll
   for (int k = 0; k < N; ++k) v[k] = v[k] * inv;  // signs already applied: RN(s x inv) = s RN(x inv)
@@ -943,7 +940,7 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
 // next to the keys': the two half-warps' centroid loads never meet on a bank (with table 2 every
 // key lane whose code equals a value lane's conflicted: 4.45M conflicts per tq-4bit store of
 // 65,536 x 8 rows). The arithmetic is the same operation by operation (the sums of squares in
-// kvq::sum_squares's order: lanes_sum_squares64), so the records are the CPU's bit for bit.
+// kvq::sum_squares's order: lanes_sum_squares on 64 elements), so the records are the CPU's bit for bit.
 // (Outlier splits keep store_fast_kernel: with both sides gathered in one instruction and four
 // centroid tables in 32 banks, the paired layout measured 0.95-0.97x for tq-3.5bit / tq-2.5bit.)
 template <int D>
@@ -1011,7 +1008,7 @@ __device__ __forceinline__ void center64(const uint4* __restrict__ sm, const flo
 // (lane ls of them), the sign diagonal applied. Packs the lane's B-bit codes into pw and returns the norm
 // and the norm-correction sum of its vector (the same in its PS lanes). The bucket, centroid, square and
 // packing of each element are one step (64 codes held at once spilled registers); the eight chains of
-// the sum run in lanes_sum_squares64's order.
+// the sum run in lanes_sum_squares's order.
 template <int PS, int B>
 __device__ __forceinline__ void tq_encode64(const StoreTables& T, int t, float (&v)[kPairElems], std::uint32_t (&pw)[2 * B],
                                             int ls, float& norm_out, float& c2_out) {
@@ -1037,9 +1034,7 @@ __device__ __forceinline__ void tq_encode64(const StoreTables& T, int t, float (
 #pragma unroll
     for (int k = 0; k < kPairElems; ++k) step(k, static_cast<std::uint32_t>(count_below<false>(T.edges[t], (1 << B) - 1, v[k])));
   }
-  const float b0 = __fadd_rn(__fadd_rn(s[0], s[1]), __fadd_rn(s[2], s[3]));
-  const float b1 = __fadd_rn(__fadd_rn(s[4], s[5]), __fadd_rn(s[6], s[7]));
-  c2_out = xor_tree<PS>(__fadd_rn(b0, b1));
+  c2_out = lane_chains_tree<PS, 2>(s);
   norm_out = norm;
 }
 
@@ -1126,9 +1121,8 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_pair_kernel(const Store
     bad |= __shfl_xor_sync(0xffffffffu, bad, 16);
     if (bad && valid && lane == P2 * g && p.rejected) atomicAdd(p.rejected, 1u);
     if (write && !bad) {
-      const std::int64_t sl = slot;
-      const std::size_t page = tok_shift >= 0 ? static_cast<std::size_t>(sl >> tok_shift) : static_cast<std::size_t>(sl / pg.tokens);
-      const int off = tok_shift >= 0 ? static_cast<int>(sl & ((1 << tok_shift) - 1)) : static_cast<int>(sl % pg.tokens);
+      const std::size_t page = tok_shift >= 0 ? static_cast<std::size_t>(slot >> tok_shift) : static_cast<std::size_t>(slot / pg.tokens);
+      const int off = tok_shift >= 0 ? static_cast<int>(slot & ((1 << tok_shift) - 1)) : static_cast<int>(slot % pg.tokens);
       std::uint8_t* base = p.pool + page * pg.page_bytes;
       store_words_n<2 * B>(pw, base + (side ? pg.value_code(vh, off) : pg.key_code(vh, off)) + 8u * B * l2);
       std::uint16_t* meta = reinterpret_cast<std::uint16_t*>(base + pg.key_meta(vh, off));

@@ -8,7 +8,7 @@
 // the tables to hold no -0).
 // Also the norm sums of bins.cuh against kvq::sum_squares (include/kvq/numeric.hpp), bit for bit:
 // warp_sum_squares at lengths 1..1024 (partial blocks and chains, block counts that are not powers
-// of two), lanes_sum_squares over 1, 2, 4 and 8 lanes and lanes_sum_squares64 over 1, 2 and 4, on rows whose elements span 2^-80 .. 2^60
+// of two), lanes_sum_squares over 1, 2, 4 and 8 lanes and lanes_sum_squares on 64 elements over 1, 2 and 4, on rows whose elements span 2^-80 .. 2^60
 // (subnormal and overflowing squares included) and zero rows, and corrected_norm against the CPU's
 // norm / sqrt(c2). A sequential float sum differs from kvq::sum_squares on many of these rows, so a
 // kernel that added in another order would fail.
@@ -64,17 +64,15 @@ __global__ void warp_sumsq_kernel(const float* rows, int n, float* out) {
   out[32 * blockIdx.x + threadIdx.x] = kc::warp_sum_squares(n, threadIdx.x, [&](int b, int k) { return x[32 * b + k]; });
 }
 // One warp, 32 / PS vectors of E PS floats (E = 32 or 64 per lane); lane l holds elements E (l % PS) ..
-// + E - 1 of vector l / PS. out[lane] = lanes_sum_squares<PS> (E = 32, the store's fast kernel) or
-// lanes_sum_squares64<PS> (E = 64, its paired kernel); cn[lane] = corrected_norm(sqrt(out), c2[lane]).
+// + E - 1 of vector l / PS. out[lane] = lanes_sum_squares<PS> (E = 32: the store's fast kernel, 64: its
+// paired kernel); cn[lane] = corrected_norm(sqrt(out), c2[lane]).
 template <int PS, int E>
 __global__ void lanes_sumsq_kernel(const float* x, const float* c2, float* out, float* cn) {
   const int lane = threadIdx.x;
   float v[E];
 #pragma unroll
   for (int k = 0; k < E; ++k) v[k] = x[E * lane + k];
-  float ss;
-  if constexpr (E == 64) ss = kc::lanes_sum_squares64<PS>(v);
-  else ss = kc::lanes_sum_squares<PS>(v);
+  const float ss = kc::lanes_sum_squares<PS>(v);
   out[lane] = ss;
   cn[lane] = kc::corrected_norm(__fsqrt_rn(ss), c2[lane]);
 }
@@ -255,7 +253,7 @@ void lanes_case(std::mt19937& rng) {
       wrong_cn += kvq::f32_bits(out[static_cast<std::size_t>(32 + l)]) != kvq::f32_bits(want_cn);
     }
   }
-  const std::string name = std::string(E == 64 ? "lanes_sum_squares64<" : "lanes_sum_squares<") + std::to_string(PS) + ">";
+  const std::string name = "lanes_sum_squares<" + std::to_string(PS) + ", " + std::to_string(E) + ">";
   std::printf("  %-44s %d lane results: %d differ, corrected_norm %d differ\n", name.c_str(), cases, wrong, wrong_cn);
   check(wrong == 0, name + " equals kvq::sum_squares bit for bit");
   check(wrong_cn == 0, name + ": corrected_norm equals norm / sqrt(c2) on the CPU");
