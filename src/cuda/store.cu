@@ -273,6 +273,14 @@ __global__ void __launch_bounds__(kStoreWarps * 32) store_generic_kernel(const S
 }
 
 
+// The page of a slot and the token's offset in it (tok_shift: log2 of the page's tokens, or -1).
+__device__ __forceinline__ std::uint8_t* slot_page(std::uint8_t* pool, const PageLayout& pg, std::int64_t slot, int tok_shift,
+                                                   int& off) {
+  const std::size_t page = tok_shift >= 0 ? static_cast<std::size_t>(slot >> tok_shift) : static_cast<std::size_t>(slot / pg.tokens);
+  off = tok_shift >= 0 ? static_cast<int>(slot & ((1 << tok_shift) - 1)) : static_cast<int>(slot % pg.tokens);
+  return pool + page * pg.page_bytes;
+}
+
 // ---- fast path ---------------------------------------------------------------------------
 // head_dim 64 / 128 / 256, one segment or two equal power-of-two segments, TurboQuant codes of
 // at most 4 bits. A vector (one side of one (token, KV head)) is held by P = head_dim / 32 lanes,
@@ -1121,9 +1129,8 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_pair_kernel(const Store
     bad |= __shfl_xor_sync(0xffffffffu, bad, 16);
     if (bad && valid && lane == P2 * g && p.rejected) atomicAdd(p.rejected, 1u);
     if (write && !bad) {
-      const std::size_t page = tok_shift >= 0 ? static_cast<std::size_t>(slot >> tok_shift) : static_cast<std::size_t>(slot / pg.tokens);
-      const int off = tok_shift >= 0 ? static_cast<int>(slot & ((1 << tok_shift) - 1)) : static_cast<int>(slot % pg.tokens);
-      std::uint8_t* base = p.pool + page * pg.page_bytes;
+      int off = 0;
+      std::uint8_t* base = slot_page(p.pool, pg, slot, tok_shift, off);
       store_words_n<2 * B>(pw, base + (side ? pg.value_code(vh, off) : pg.key_code(vh, off)) + 8u * B * l2);
       std::uint16_t* meta = reinterpret_cast<std::uint16_t*>(base + pg.key_meta(vh, off));
       if (l2 == 0) meta[side] = fp16_bits(fv);
@@ -1182,9 +1189,8 @@ __global__ void __launch_bounds__(256) store_bf16_kernel(const StoreParams p, in
     }
     const std::int64_t slot = p.slot_mapping[tok];
     if (slot >= 0) {
-      const std::size_t page = tok_shift >= 0 ? static_cast<std::size_t>(slot >> tok_shift) : static_cast<std::size_t>(slot / pg.tokens);
-      const int off = tok_shift >= 0 ? static_cast<int>(slot & ((1 << tok_shift) - 1)) : static_cast<int>(slot % pg.tokens);
-      std::uint8_t* base = p.pool + page * pg.page_bytes;
+      int off = 0;
+      std::uint8_t* base = slot_page(p.pool, pg, slot, tok_shift, off);
       reinterpret_cast<uint4*>(base + pg.key_code(head, off))[ch] = kq;
       reinterpret_cast<uint4*>(base + pg.value_code(head, off))[ch] = vq;
       if (ch == 0)
