@@ -302,24 +302,27 @@ __device__ __forceinline__ std::uint16_t fp16_bits(float v) {
   return v != v ? float_to_fp16(v) : __half_as_ushort(__float2half_rn(v));
 }
 
-// Stores the B packed words (4 B bytes, 4-byte aligned destination), as wide as the address allows.
-template <int B>
-__device__ __forceinline__ void store_words(const std::uint32_t (&w)[4], std::uint8_t* dst) {
+// Stores the first NW packed words of w (4 NW bytes, 4-byte aligned destination), as wide as the address
+// allows: 16-byte stores where NW is a multiple of 4, else 8-byte ones where it is even, else words.
+template <int NW, int N>
+__device__ __forceinline__ void store_words(const std::uint32_t (&w)[N], std::uint8_t* dst) {
+  static_assert(NW <= N, "words to store");
   const std::uintptr_t a = reinterpret_cast<std::uintptr_t>(dst);
-  if constexpr (B % 4 == 0) {
+  if constexpr (NW % 4 == 0) {
     if ((a & 15) == 0) {
-      reinterpret_cast<uint4*>(dst)[0] = make_uint4(w[0], w[1], w[2], w[3]);
+#pragma unroll
+      for (int i = 0; i < NW; i += 4) reinterpret_cast<uint4*>(dst)[i / 4] = make_uint4(w[i], w[i + 1], w[i + 2], w[i + 3]);
       return;
     }
-  } else if constexpr (B % 2 == 0) {
+  } else if constexpr (NW % 2 == 0) {
     if ((a & 7) == 0) {
 #pragma unroll
-      for (int i = 0; i < B; i += 2) reinterpret_cast<uint2*>(dst)[i / 2] = make_uint2(w[i], w[i + 1]);
+      for (int i = 0; i < NW; i += 2) reinterpret_cast<uint2*>(dst)[i / 2] = make_uint2(w[i], w[i + 1]);
       return;
     }
   }
 #pragma unroll
-  for (int i = 0; i < B; ++i) reinterpret_cast<std::uint32_t*>(dst)[i] = w[i];
+  for (int i = 0; i < NW; ++i) reinterpret_cast<std::uint32_t*>(dst)[i] = w[i];
 }
 
 // 32 bf16 elements (64 bytes) as 16 words.
@@ -1046,28 +1049,6 @@ __device__ __forceinline__ void tq_encode64(const StoreTables& T, int t, float (
   norm_out = norm;
 }
 
-// Stores NW packed words (4 NW bytes, 4-byte aligned destination), as wide as the address allows.
-template <int NW>
-__device__ __forceinline__ void store_words_n(const std::uint32_t (&w)[NW], std::uint8_t* dst) {
-  const std::uintptr_t a = reinterpret_cast<std::uintptr_t>(dst);
-  if constexpr (NW % 4 == 0) {
-    if ((a & 15) == 0) {
-#pragma unroll
-      for (int i = 0; i < NW; i += 4) reinterpret_cast<uint4*>(dst)[i / 4] = make_uint4(w[i], w[i + 1], w[i + 2], w[i + 3]);
-      return;
-    }
-  }
-  if constexpr (NW % 2 == 0) {
-    if ((a & 7) == 0) {
-#pragma unroll
-      for (int i = 0; i < NW; i += 2) reinterpret_cast<uint2*>(dst)[i / 2] = make_uint2(w[i], w[i + 1]);
-      return;
-    }
-  }
-#pragma unroll
-  for (int i = 0; i < NW; ++i) reinterpret_cast<std::uint32_t*>(dst)[i] = w[i];
-}
-
 // Whether the paired kernel serves format F at head_dim D.
 template <int D, class F>
 constexpr bool kPairedFast = F::KK == KeyCode::kTq && F::VK == ValueCode::kTq && F::NSEG == 1 && F::KB0 == F::VB0 &&
@@ -1131,7 +1112,7 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_pair_kernel(const Store
     if (write && !bad) {
       int off = 0;
       std::uint8_t* base = slot_page(p.pool, pg, slot, tok_shift, off);
-      store_words_n<2 * B>(pw, base + (side ? pg.value_code(vh, off) : pg.key_code(vh, off)) + 8u * B * l2);
+      store_words<2 * B>(pw, base + (side ? pg.value_code(vh, off) : pg.key_code(vh, off)) + 8u * B * l2);
       std::uint16_t* meta = reinterpret_cast<std::uint16_t*>(base + pg.key_meta(vh, off));
       if (l2 == 0) meta[side] = fp16_bits(fv);
       for (int u = NU + side * P2 + l2; u < mu; u += 2 * P2) meta[u] = 0;
