@@ -14,6 +14,9 @@
 #include <algorithm>
 #include <cfloat>
 #include <cstdint>
+#include <cstdlib>
+
+#include <cuda.h>
 
 #include "bins.cuh"
 #include "device.cuh"
@@ -601,14 +604,43 @@ __device__ __forceinline__ std::int64_t stage_item(const StoreParams& p, std::ui
   return t < n ? p.slot_mapping[t] : -1;
 }
 
+// Rows by the tensor memory accelerator (the paired kernel): one tensor map per side over the bf16 rows as
+// [token][head][D / 64][64] (dims innermost first: 64 elements = 128 bytes, D / 64 runs, heads, tokens; strides
+// 128 B, 2 D B, the token stride), boxes of [V tokens][1 head][D / 64][64] = 2 KB, 128-byte swizzle: in a
+// 1024-byte-aligned stage the unit of 16 bytes q lands at q ^ ((q >> 3) & 7), Stage2's place. Tokens past n
+// read as zeros (the map's token extent is n). row_maps (host) builds them.
+struct RowMaps {
+  CUtensorMap key, value;
+};
+// One side's box of item (t0 .. t0 + V - 1, head) into the stage at shared address dst; completes bytes on
+// the mbarrier at shared address bar.
+__device__ __forceinline__ void tma_rows(std::uint32_t dst, const CUtensorMap* map, std::uint32_t bar, int head, int t0) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];"
+      ::"r"(dst), "l"(reinterpret_cast<std::uint64_t>(map)), "r"(0), "r"(0), "r"(head), "r"(t0), "r"(bar)
+      : "memory");
+}
+// Waits for the completion of the given parity of the mbarrier at shared address bar. The copies carry a
+// fixed byte count (the whole box, rows past n included), and a bad address faults the launch instead
+// of leaving the barrier open. (A poll counter with a trap made the kernels spill 8-24 bytes.)
+__device__ __forceinline__ void mbar_wait_parity(std::uint32_t bar, std::uint32_t parity) {
+  asm volatile(
+      "{\n .reg .pred p;\n W:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra W;\n}" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+
 // The fast kernels' item loop: the grid-stride walk over work items (block tb of V tokens, KV head), warp w of
 // CTA b starting at item b kFastWarps + w, (tb, head) carried incrementally; each item's rows are copied into the
-// other stage one iteration ahead (stage_item; the stages at shared addresses stage0 and stage0 + kStageBytes,
-// chunk q of a side at S::pos(q)), and body(tb, head, slot, cur) runs on stage cur once its copies have landed;
-// slot is the slot of the item's row g. Warp-uniform: every lane takes part.
-template <int D, int V, bool kWhole, class S, class Body>
+// other stage one iteration ahead (the stages at shared addresses stage0 and stage0 + kStageBytes, chunk q of a
+// side at S::pos(q)), and body(tb, head, slot, cur) runs on stage cur once its copies have landed; slot is the
+// slot of the item's row g. Warp-uniform: every lane takes part. The copies: cp.async by every lane
+// (stage_item), or with kTma two tensor copies issued by lane 0 (RowMaps; S must be Stage2), which complete
+// on the warp's mbarrier of the stage (shared addresses bar0, bar0 + 8, initialized with count 1).
+template <int D, int V, bool kWhole, class S, bool kTma = false, class Body>
 __device__ __forceinline__ void for_each_item(const StoreParams& p, int H, int w, std::uint32_t stage0, int g, std::int64_t ks,
-                                              std::int64_t vs, Body&& body) {
+                                              std::int64_t vs, Body&& body, const RowMaps* maps = nullptr,
+                                              std::uint32_t bar0 = 0) {
   // The chunks this lane copies: chunk q = lane + 32 j of a side is vector cg0 + j RJ of the item, elements ce0 ..
   // ce0 + 7 (a row's D / 8 chunks divide 32, so the element offset is the same for every j and the source
   // advances by RJ token strides), stored at the kernel's place S::pos(q).
@@ -625,13 +657,27 @@ __device__ __forceinline__ void for_each_item(const StoreParams& p, int H, int w
   const int dtb = static_cast<int>(stride / H), dh = static_cast<int>(stride % H);
   long it = static_cast<long>(blockIdx.x) * kFastWarps + w;
   int tb = static_cast<int>(it / H), head = static_cast<int>(it % H);
-  auto issue = [&](int st, int tb_, int h_) {
-    return stage_item<D, V, kWhole>(p, stage0 + static_cast<std::uint32_t>(st) * kStageBytes, cdst, tb_, h_, cg0, ce0, g, ks,
-                                    vs);
+  auto issue = [&](int st, int tb_, int h_) -> std::int64_t {
+    const std::uint32_t dst = stage0 + static_cast<std::uint32_t>(st) * kStageBytes;
+    if constexpr (kTma) {
+      if (lane == 0) {
+        const std::uint32_t bar = bar0 + 8u * static_cast<std::uint32_t>(st);
+        // The warp's generic reads of this stage (ordered by the __syncwarp after them) before the async writes.
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(kStageBytes) : "memory");
+        tma_rows(dst, &maps->key, bar, h_, tb_ * V);
+        tma_rows(dst + kSideBytes, &maps->value, bar, h_, tb_ * V);
+      }
+      const int t = tb_ * V + g;
+      return t < p.n_tokens ? p.slot_mapping[t] : -1;
+    } else {
+      return stage_item<D, V, kWhole>(p, dst, cdst, tb_, h_, cg0, ce0, g, ks, vs);
+    }
   };
   std::int64_t slot_next = -1;
   if (it < nitems) slot_next = issue(0, tb, head);
-  cp_async_commit();
+  if constexpr (!kTma) cp_async_commit();
+  std::uint32_t phase = 0;  // kTma: bit st = the parity of stage st's next completion
   int cur = 0;
   for (; it < nitems; it += stride) {
     int ntb = tb + dtb, nh = head + dh;
@@ -641,8 +687,13 @@ __device__ __forceinline__ void for_each_item(const StoreParams& p, int H, int w
     }
     const std::int64_t slot = slot_next;
     if (it + stride < nitems) slot_next = issue(cur ^ 1, ntb, nh);
-    cp_async_commit();
-    cp_async_wait<1>();
+    if constexpr (kTma) {
+      mbar_wait_parity(bar0 + 8u * static_cast<std::uint32_t>(cur), (phase >> cur) & 1u);
+      phase ^= 1u << cur;
+    } else {
+      cp_async_commit();
+      cp_async_wait<1>();
+    }
     __syncwarp();
     body(tb, head, slot, cur);
     __syncwarp();  // every lane is done with stage cur before the next iteration copies into it
@@ -650,7 +701,7 @@ __device__ __forceinline__ void for_each_item(const StoreParams& p, int H, int w
     tb = ntb;
     head = nh;
   }
-  cp_async_wait<0>();
+  if constexpr (!kTma) cp_async_wait<0>();
 }
 
 // The fast kernels' shared-memory setup, CTA-wide, ending with a barrier: the bin tables and their
@@ -1054,13 +1105,28 @@ template <int D, class F>
 constexpr bool kPairedFast = F::KK == KeyCode::kTq && F::VK == ValueCode::kTq && F::NSEG == 1 && F::KB0 == F::VB0 &&
                              D >= kPairElems && D <= 256;
 
-template <int D, class F>
+// kTma: the rows come by tensor copies (RowMaps), the dynamic shared memory has kTmaAlign bytes more, and the
+// staging starts at its first 1024-byte boundary (the swizzle's period).
+constexpr int kTmaAlign = 1024;
+template <int D, class F, bool kTma>
 __global__ void __launch_bounds__(kFastThreads, 2) store_pair_kernel(const StoreParams p, int tok_shift, bool use_masks,
-                                                                     bool use_smean) {
+                                                                     bool use_smean, const __grid_constant__ RowMaps maps) {
   static_assert(kPairedFast<D, F>, "paired store: both sides TurboQuant, one segment, equal widths");
   __shared__ StoreTables T;
   __shared__ uint2 BP[1024];  // store_fast_kernel's pair tables (keys: table 0, values: table 1)
-  extern __shared__ uint4 dsm[];
+  __shared__ std::uint64_t tbar[kTma ? kFastWarps * 2 : 1];  // kTma: each warp's two stages' mbarriers
+  extern __shared__ uint4 dsm_raw[];
+  uint4* dsm = dsm_raw;
+  if constexpr (kTma) {
+    const std::uint32_t a = static_cast<std::uint32_t>(__cvta_generic_to_shared(dsm_raw));
+    dsm += ((kTmaAlign - (a & (kTmaAlign - 1))) & (kTmaAlign - 1)) / 16;
+    if ((threadIdx.x & 31) == 0) {
+      const std::uint32_t b = static_cast<std::uint32_t>(__cvta_generic_to_shared(tbar + 2 * (threadIdx.x >> 5)));
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(b) : "memory");
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(b + 8) : "memory");
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+  }
   using S = Stage2<D>;
   constexpr int P2 = S::P2, V = 16 / P2, B = F::KB0;
   const FormatDesc& f = p.fmt;
@@ -1087,7 +1153,8 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_pair_kernel(const Store
   const std::uint32_t sbase = static_cast<std::uint32_t>(__cvta_generic_to_shared(sb));
 
   const int n = p.n_tokens;
-  for_each_item<D, V, true, S>(p, H, w, sbase + wstage, g, ks, vs, [&](int tb, int head, std::int64_t slot, int cur) {
+  const std::uint32_t bar0 = static_cast<std::uint32_t>(__cvta_generic_to_shared(tbar + (kTma ? 2 * w : 0)));
+  for_each_item<D, V, true, S, kTma>(p, H, w, sbase + wstage, g, ks, vs, [&](int tb, int head, std::int64_t slot, int cur) {
     const int tok = tb * V + g;
     const bool valid = tok < n;
     const bool write = slot >= 0;
@@ -1131,7 +1198,7 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_pair_kernel(const Store
           reinterpret_cast<uint4*>(dst)[j] = *reinterpret_cast<const uint4*>(sb + ((stage + own) ^ (16u * j)));
       }
     }
-  });
+  }, &maps, bar0);
 }
 
 // bf16 cache: a copy. Thread i moves 16-byte chunk i % (D / 8) of key and value row i / (D / 8)
@@ -1217,16 +1284,54 @@ cudaError_t resident_ctas(int threads, std::size_t dyn_smem, unsigned& blocks) {
 // the means (8 H D) where all fit.
 constexpr int kMaskBytes = 32 << 10;
 
-template <int D, class F>
-cudaError_t launch_store_fast(const StoreParams& p, cudaStream_t stream) {
-  // Both sides TurboQuant of equal widths: the paired kernel (keys and values in the two half-warps).
+// cuTensorMapEncodeTiled from the driver (nullptr where the driver has none).
+using TensorMapEncoder = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                      const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                      CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+TensorMapEncoder tensor_map_encoder() {
+  static const TensorMapEncoder fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      f = nullptr;
+    return reinterpret_cast<TensorMapEncoder>(f);
+  }();
+  return fn;
+}
+// The paired kernel's RowMaps of p (see there); false where the driver cannot make them, or with
+// KVQ_NO_TMA=1 in the environment (read once; the tests' second path): the kernel then copies by cp.async.
+template <int D>
+bool row_maps(const StoreParams& p, std::int64_t ks, std::int64_t vs, RowMaps& m) {
+  static const bool off = [] {
+    const char* v = std::getenv("KVQ_NO_TMA");
+    return v && v[0] == '1';
+  }();
+  const TensorMapEncoder enc = off ? nullptr : tensor_map_encoder();
+  if (!enc) return false;
+  constexpr int V = 16 / (D / 64);
+  auto one = [&](CUtensorMap& out, const std::uint16_t* rows, std::int64_t ts) {
+    const cuuint64_t dims[4] = {64, D / 64, static_cast<cuuint64_t>(p.fmt.kv_heads), static_cast<cuuint64_t>(p.n_tokens)};
+    const cuuint64_t strides[3] = {128, 2 * D, static_cast<cuuint64_t>(2 * ts)};
+    const cuuint32_t box[4] = {64, D / 64, 1, V};
+    const cuuint32_t unit[4] = {1, 1, 1, 1};
+    return enc(&out, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, const_cast<std::uint16_t*>(rows), dims, strides, box, unit,
+               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  };
+  return one(m.key, p.key, ks) && one(m.value, p.value, vs);
+}
+
+template <int D, class F, bool kTma>
+cudaError_t launch_fast_kernel(const StoreParams& p, const RowMaps& maps, cudaStream_t stream) {
   constexpr auto kernel = [] {
-    if constexpr (kPairedFast<D, F>) return store_pair_kernel<D, F>;
+    if constexpr (kPairedFast<D, F>) return store_pair_kernel<D, F, kTma>;
     else return store_fast_kernel<D, F>;
   }();
+  constexpr std::size_t extra = kTma ? kTmaAlign : 0;
   unsigned max_blocks = 0;
-  cudaError_t e = smem_limit_once<kernel>(kStagingBytes + kMaskBytes);
-  if (e == cudaSuccess) e = resident_ctas<kernel>(kFastThreads, kStagingBytes + kMaskBytes, max_blocks);
+  cudaError_t e = smem_limit_once<kernel>(kStagingBytes + kMaskBytes + extra);
+  if (e == cudaSuccess) e = resident_ctas<kernel>(kFastThreads, kStagingBytes + kMaskBytes + extra, max_blocks);
   if (e != cudaSuccess) return e;
   std::size_t mask_bytes = (F::NSEG == 2 ? 8u : 4u) * static_cast<std::size_t>(p.fmt.kv_heads) * D;
   const bool use_masks = p.fmt.kv_heads * D <= 4096;
@@ -1238,9 +1343,25 @@ cudaError_t launch_store_fast(const StoreParams& p, cudaStream_t stream) {
   const long nitems = (static_cast<long>(p.n_tokens) + V - 1) / V * p.fmt.kv_heads;  // (V-token block, head) per warp
   const long want = (nitems + kFastWarps - 1) / kFastWarps;
   const unsigned blocks = static_cast<unsigned>(std::min<long>(want, max_blocks));
-  kernel<<<blocks, kFastThreads, kStagingBytes + (use_masks ? mask_bytes : 0), stream>>>(p, page_shift(p.fmt.page.tokens),
-                                                                                        use_masks, use_smean);
+  const std::size_t smem = kStagingBytes + (use_masks ? mask_bytes : 0) + extra;
+  if constexpr (kPairedFast<D, F>) {
+    kernel<<<blocks, kFastThreads, smem, stream>>>(p, page_shift(p.fmt.page.tokens), use_masks, use_smean, maps);
+  } else {
+    kernel<<<blocks, kFastThreads, smem, stream>>>(p, page_shift(p.fmt.page.tokens), use_masks, use_smean);
+  }
   return cudaGetLastError();
+}
+template <int D, class F>
+cudaError_t launch_store_fast(const StoreParams& p, cudaStream_t stream) {
+  // Both sides TurboQuant of equal widths: the paired kernel (keys and values in the two half-warps), its
+  // rows by tensor copies where the driver makes the maps.
+  RowMaps maps{};
+  if constexpr (kPairedFast<D, F>) {
+    const std::int64_t ks = p.key_token_stride ? p.key_token_stride : static_cast<std::int64_t>(p.fmt.kv_heads) * D;
+    const std::int64_t vs = p.value_token_stride ? p.value_token_stride : static_cast<std::int64_t>(p.fmt.kv_heads) * D;
+    if (row_maps<D>(p, ks, vs, maps)) return launch_fast_kernel<D, F, true>(p, maps, stream);
+  }
+  return launch_fast_kernel<D, F, false>(p, maps, stream);
 }
 
 template <int D>
