@@ -367,11 +367,12 @@ __device__ __forceinline__ void warp_fwht4(float (&x)[4], int lane, int n) {
   }
 }
 
-// The FWHT stages 1 .. N / 2 over the N values of one lane (in place, lower index a + b, upper a - b).
-template <int N>
+// The FWHT stages 1 .. N / 2 over the N values of one lane (in place, lower index a + b, upper a - b);
+// with HEND, the stages h < HEND only.
+template <int N, int HEND = N>
 __device__ __forceinline__ void inlane_fwht(float (&v)[N]) {
 #pragma unroll
-  for (int h = 1; h < N; h <<= 1) {
+  for (int h = 1; h < HEND; h <<= 1) {
 #pragma unroll
     for (int i = 0; i < N; ++i) {
       if ((i & h) == 0) {

@@ -507,17 +507,50 @@ struct FastFmt {
 // TurboQuant's steps before the buckets, shared by the fast kernels: the norm of the vector (or segment)
 // held by PS lanes with N = 32 or 64 elements each (kvq::sum_squares's order), x / norm (0 for a zero
 // vector), the FWHT stages inside the lane, then those across the PS lanes. Returns the norm.
-template <int PS, int N>
+//
+// kHalves (PS >= 2; the paired kernel): the first stage across lanes exchanges half a lane, not all of it.
+// Lane pair (2 j, 2 j + 1) holds A, B (its two N-element parts after the in-lane stages); the stage's
+// outputs are A + B (positions 0 .. N - 1 of the pair) and A - B (N .. 2 N - 1). The odd lane's last
+// in-lane stage writes its halves swapped, the upper one negated: (-B_hi, B_lo), as fma(u, -1, w) and
+// fma(w, 1, u) where the even lane computes fma(u, 1, w) = u + w and fma(w, -1, u) = u - w. Then each
+// lane sends its upper half (A_hi, B_lo) and keeps two outputs per element: the even lane A_lo + B_lo
+// and A_lo - B_lo, the odd one A_hi + B_hi = A_hi - (-B_hi) and A_hi - B_hi. Every value is the same
+// rounded sum or difference as in the full exchange, up to an exact sign (only the sign of a zero can
+// differ, which no bucket tells apart: plus_below), and the lane then holds positions 32 q + i (i < 32)
+// of its vector for q = q1 = 4 (ls >> 1) + (ls & 1) in v[0 .. 31] and q1 + 2 in v[32 .. 63] (N = 64;
+// lane_halves_tree sums them in kvq::sum_squares's order), with half the shuffles. (The exchange runs from
+// the last element down: in the other order ptxas spilled 16 bytes in the head_dim-128 4-bit kernel.)
+template <int PS, int N, bool kHalves = false>
 __device__ __forceinline__ float tq_rotate(float (&v)[N], int ls) {
   const float norm = __fsqrt_rn(lanes_sum_squares<PS>(v));
   const float inv = norm > 0 ? __frcp_rn(norm) : 0.0f;
 #pragma unroll
   for (int k = 0; k < N; ++k) v[k] = v[k] * inv;  // signs already applied: RN(s x inv) = s RN(x inv)
-  inlane_fwht(v);
+  constexpr int H2 = N / 2;
+  if constexpr (kHalves) {
+    static_assert(PS >= 2, "the half exchange needs a lane pair");
+    inlane_fwht<N, H2>(v);  // all in-lane stages but the last
+    const float s = (ls & 1) == 0 ? 1.0f : -1.0f;
+#pragma unroll
+    for (int i = 0; i < H2; ++i) {
+      const float u = v[i], w = v[i + H2];
+      v[i] = __fmaf_rn(u, s, w);
+      v[i + H2] = __fmaf_rn(w, -s, u);
+    }
+#pragma unroll
+    for (int i = H2 - 1; i >= 0; --i) {
+      const float o = __shfl_xor_sync(0xffffffffu, v[i + H2], 1);
+      const float x = v[i];
+      v[i] = __fmaf_rn(x, s, o);
+      v[i + H2] = __fmaf_rn(o, -s, x);
+    }
+  } else {
+    inlane_fwht(v);
+  }
   // Across lanes: lower lane a + b, upper lane b - a, as fma(+-1, v, o): the product is exact,
   // so this is the same single rounding as the sum or difference.
 #pragma unroll
-  for (int m = 1; m < PS; m <<= 1) {
+  for (int m = kHalves ? 2 : 1; m < PS; m <<= 1) {
     const float sgn = (ls & m) == 0 ? 1.0f : -1.0f;
 #pragma unroll
     for (int k = 0; k < N; ++k) {
@@ -1074,7 +1107,8 @@ __device__ __forceinline__ void center64(const uint4* __restrict__ sm, const flo
 template <int PS, int B>
 __device__ __forceinline__ void tq_encode64(const StoreTables& T, int t, float (&v)[kPairElems], std::uint32_t (&pw)[2 * B],
                                             int ls, float& norm_out, float& c2_out) {
-  const float norm = tq_rotate<PS>(v, ls);
+  constexpr bool kHalves = PS >= 2;  // tq_rotate's half exchange: the lane holds blocks q1 and q1 + 2
+  const float norm = tq_rotate<PS, kPairElems, kHalves>(v, ls);
 #pragma unroll
   for (int i = 0; i < 2 * B; ++i) pw[i] = 0u;
   float s[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
@@ -1096,7 +1130,8 @@ __device__ __forceinline__ void tq_encode64(const StoreTables& T, int t, float (
 #pragma unroll
     for (int k = 0; k < kPairElems; ++k) step(k, static_cast<std::uint32_t>(count_below<false>(T.edges[t], (1 << B) - 1, v[k])));
   }
-  c2_out = lane_chains_tree<PS, 2>(s);
+  if constexpr (kHalves) c2_out = lane_halves_tree<PS>(s);
+  else c2_out = lane_chains_tree<PS, 2>(s);
   norm_out = norm;
 }
 
@@ -1179,7 +1214,18 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_pair_kernel(const Store
     if (write && !bad) {
       int off = 0;
       std::uint8_t* base = slot_page(p.pool, pg, slot, tok_shift, off);
-      store_words<2 * B>(pw, base + (side ? pg.value_code(vh, off) : pg.key_code(vh, off)) + 8u * B * l2);
+      std::uint8_t* codes = base + (side ? pg.value_code(vh, off) : pg.key_code(vh, off));
+      if constexpr (P2 >= 2) {  // blocks q1 and q1 + 2 of the vector (tq_rotate's half exchange), 4 B bytes each
+        const std::uint32_t q1 = 4u * static_cast<std::uint32_t>(l2 >> 1) + static_cast<std::uint32_t>(l2 & 1);
+        std::uint32_t hi[B];
+#pragma unroll
+        for (int i = 0; i < B; ++i) hi[i] = pw[B + i];
+        std::uint8_t* c1 = codes + 4u * B * q1;
+        store_words<B>(pw, c1);
+        store_words<B>(hi, c1 + 8 * B);
+      } else {
+        store_words<2 * B>(pw, codes);
+      }
       std::uint16_t* meta = reinterpret_cast<std::uint16_t*>(base + pg.key_meta(vh, off));
       if (l2 == 0) meta[side] = fp16_bits(fv);
       for (int u = NU + side * P2 + l2; u < mu; u += 2 * P2) meta[u] = 0;
