@@ -30,6 +30,11 @@ namespace detail {
 constexpr int kStoreWarps = 4;
 constexpr int kStoreMaxDim = 256;
 
+// Elements between a side's tokens: the given stride, or (0) the packed [token][head][D] rows.
+__host__ __device__ __forceinline__ std::int64_t token_stride(std::int64_t given, int H, int D) {
+  return given ? given : static_cast<std::int64_t>(H) * D;
+}
+
 __device__ inline void warp_fwht(float* x, int n, int lane) {
   for (int h = 1; h < n; h <<= 1) {
     for (int j = lane; j < n; j += 32) {
@@ -196,8 +201,8 @@ __global__ void __launch_bounds__(kStoreWarps * 32) store_generic_kernel(const S
   if (gid >= static_cast<long>(p.n_tokens) * H) return;
   const int tok = static_cast<int>(gid / H), head = static_cast<int>(gid % H);
   const std::int64_t slot = p.slot_mapping[tok];
-  const std::int64_t ks = p.key_token_stride ? p.key_token_stride : static_cast<std::int64_t>(H) * D;
-  const std::int64_t vs = p.value_token_stride ? p.value_token_stride : static_cast<std::int64_t>(H) * D;
+  const std::int64_t ks = token_stride(p.key_token_stride, H, D);
+  const std::int64_t vs = token_stride(p.value_token_stride, H, D);
   const std::uint16_t* krow = p.key + tok * ks + static_cast<std::int64_t>(head) * D;
   const std::uint16_t* vrow = p.value + tok * vs + static_cast<std::int64_t>(head) * D;
   bool bad = false;
@@ -827,8 +832,8 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
   const uint4* smean = nullptr;   // centered formats: the signed segment-order means after those
   fast_setup<D, F, S>(T, BP, dsm, p, use_masks, use_smean, soff, smean);
   const PageLayout& pg = f.page;
-  const std::int64_t ks = p.key_token_stride ? p.key_token_stride : static_cast<std::int64_t>(H) * D;
-  const std::int64_t vs = p.value_token_stride ? p.value_token_stride : static_cast<std::int64_t>(H) * D;
+  const std::int64_t ks = token_stride(p.key_token_stride, H, D);
+  const std::int64_t vs = token_stride(p.value_token_stride, H, D);
   const int sg = NSEG == 2 ? l / PS : 0, ls = l % PS;  // segment of this lane (two segments: D / 2 each)
   const int mu = static_cast<int>(pg.meta_bytes / 2);
   const bool protect = p.protect_rows && p.positions && p.seq_ids;
@@ -1175,8 +1180,8 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_pair_kernel(const Store
   const uint4* smean = nullptr;
   fast_setup<D, F, S, 1>(T, BP, dsm, p, use_masks, use_smean, soff, smean);
   const PageLayout& pg = f.page;
-  const std::int64_t ks = p.key_token_stride ? p.key_token_stride : static_cast<std::int64_t>(H) * D;
-  const std::int64_t vs = p.value_token_stride ? p.value_token_stride : static_cast<std::int64_t>(H) * D;
+  const std::int64_t ks = token_stride(p.key_token_stride, H, D);
+  const std::int64_t vs = token_stride(p.value_token_stride, H, D);
   const int mu = static_cast<int>(pg.meta_bytes / 2);
   const bool protect = p.protect_rows && p.positions && p.seq_ids;
   constexpr int NU = 2;  // metadata units: the key norm, then the value norm
@@ -1257,8 +1262,8 @@ __global__ void __launch_bounds__(256) store_bf16_kernel(const StoreParams p, in
   const FormatDesc& f = p.fmt;
   const int H = f.kv_heads, lane = threadIdx.x & 31;
   const PageLayout& pg = f.page;
-  const std::int64_t ks = p.key_token_stride ? p.key_token_stride : static_cast<std::int64_t>(H) * D;
-  const std::int64_t vs = p.value_token_stride ? p.value_token_stride : static_cast<std::int64_t>(H) * D;
+  const std::int64_t ks = token_stride(p.key_token_stride, H, D);
+  const std::int64_t vs = token_stride(p.value_token_stride, H, D);
   const long n = static_cast<long>(p.n_tokens) * H * C;
   const long step = static_cast<long>(gridDim.x) * blockDim.x;
   for (long i0 = static_cast<long>(blockIdx.x) * blockDim.x + (threadIdx.x & ~31u); i0 < n; i0 += step) {  // warp-uniform
@@ -1403,8 +1408,8 @@ cudaError_t launch_store_fast(const StoreParams& p, cudaStream_t stream) {
   // rows by tensor copies where the driver makes the maps.
   RowMaps maps{};
   if constexpr (kPairedFast<D, F>) {
-    const std::int64_t ks = p.key_token_stride ? p.key_token_stride : static_cast<std::int64_t>(p.fmt.kv_heads) * D;
-    const std::int64_t vs = p.value_token_stride ? p.value_token_stride : static_cast<std::int64_t>(p.fmt.kv_heads) * D;
+    const std::int64_t ks = token_stride(p.key_token_stride, p.fmt.kv_heads, D);
+    const std::int64_t vs = token_stride(p.value_token_stride, p.fmt.kv_heads, D);
     if (row_maps<D>(p, ks, vs, maps)) return launch_fast_kernel<D, F, true>(p, maps, stream);
   }
   return launch_fast_kernel<D, F, false>(p, maps, stream);
