@@ -1035,7 +1035,8 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
 // twice store_fast_kernel's 32, so the FWHT has one stage across lanes fewer (h = 64 at head_dim
 // 128, none at 64), and the per-vector steps (norm, its square root and reciprocal, the corrected
 // norm, the record's checks) serve 64 elements per lane instead of 32. Items (V tokens of one KV
-// head), staging and copies are store_fast_kernel's; only the staged chunks' places differ (Stage2).
+// head) and staging are store_fast_kernel's; the staged chunks' places differ (Stage2), and the rows
+// come by tensor copies where the launcher could make the maps (kTma), else by its cp.async.
 // The value side's bin table is table 1 (fast_setup's VT), whose centroids lie in the 16 banks
 // next to the keys': the two half-warps' centroid loads never meet on a bank (with table 2 every
 // key lane whose code equals a value lane's conflicted: 4.45M conflicts per tq-4bit store of
@@ -1186,7 +1187,8 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_pair_kernel(const Store
   const bool protect = p.protect_rows && p.positions && p.seq_ids;
   constexpr int NU = 2;  // metadata units: the key norm, then the value norm
 
-  // Staging as in store_fast_kernel; the lane's run of 8 chunks (its 64 elements) at own ^ 16 i in its side.
+  // Staging as in store_fast_kernel (filled by tensor copies with kTma); the lane's run of 8 chunks (its 64
+  // elements) at own ^ 16 i in its side.
   const std::uint32_t wstage = static_cast<std::uint32_t>(w) * 2u * kStageBytes;
   const std::uint32_t run = static_cast<std::uint32_t>(P2 * g + l2);
   const std::uint32_t own = static_cast<std::uint32_t>(side) * kSideBytes + ((128u * run) ^ ((run & 7u) << 4));
