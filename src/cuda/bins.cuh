@@ -91,15 +91,17 @@ __device__ __forceinline__ float warp_sum_squares(int n, int lane, F&& value) {
   return warp_block_tree(s0, s1, s2, s3);
 }
 
+// A block's sum from its four FMA chains s[0 .. 3]: (s0 + s1) + (s2 + s3), as kvq::sum_squares adds them.
+__device__ __forceinline__ float chains_sum(const float* s) { return __fadd_rn(__fadd_rn(s[0], s[1]), __fadd_rn(s[2], s[3])); }
 // The end of kvq::sum_squares for the NB = 1 or 2 blocks a lane holds, from their four FMA chains
-// each (s[4 b + j]): each block's (s0 + s1) + (s2 + s3), the two blocks' sum (their node of the
-// blocks' pairwise tree), then the butterfly over the PS lanes (PS a power of two, the lanes
+// each (s[4 b + j]): each block's chains_sum, the two blocks' sum (their node of the blocks'
+// pairwise tree), then the butterfly over the PS lanes (PS a power of two, the lanes
 // xor-adjacent), which adds the rest of the tree. Every lane of the group returns the same sum.
 template <int PS, int NB>
 __device__ __forceinline__ float lane_chains_tree(const float (&s)[4 * NB]) {
   static_assert(NB == 1 || NB == 2, "one or two blocks per lane");
-  float t = __fadd_rn(__fadd_rn(s[0], s[1]), __fadd_rn(s[2], s[3]));
-  if constexpr (NB == 2) t = __fadd_rn(t, __fadd_rn(__fadd_rn(s[4], s[5]), __fadd_rn(s[6], s[7])));
+  float t = chains_sum(s);
+  if constexpr (NB == 2) t = __fadd_rn(t, chains_sum(s + 4));
   return xor_tree<PS>(t);
 }
 // The same sum where lanes hold their vector's blocks as the GQA store's half exchange leaves them
@@ -110,8 +112,7 @@ __device__ __forceinline__ float lane_chains_tree(const float (&s)[4 * NB]) {
 template <int PS>
 __device__ __forceinline__ float lane_halves_tree(const float (&s)[8]) {
   static_assert(PS >= 2, "a lane pair");
-  const float t0 = __fadd_rn(__fadd_rn(s[0], s[1]), __fadd_rn(s[2], s[3]));
-  const float t1 = __fadd_rn(__fadd_rn(s[4], s[5]), __fadd_rn(s[6], s[7]));
+  const float t0 = chains_sum(s), t1 = chains_sum(s + 4);
   const float p0 = __fadd_rn(t0, __shfl_xor_sync(0xffffffffu, t0, 1));
   const float p1 = __fadd_rn(t1, __shfl_xor_sync(0xffffffffu, t1, 1));
   float t = __fadd_rn(p0, p1);

@@ -8,9 +8,8 @@
 // the tables to hold no -0).
 // Also the norm sums of bins.cuh against kvq::sum_squares (include/kvq/numeric.hpp), bit for bit:
 // warp_sum_squares at lengths 1..1024 (partial blocks and chains, block counts that are not powers
-// of two), lanes_sum_squares over 1, 2, 4 and 8 lanes and lanes_sum_squares on 64 elements over 1, 2 and 4,
-// lane_halves_tree (the paired store's blocks after its half exchange) over 2 and 4, on rows whose elements span
-// 2^-80 .. 2^60
+// of two), lanes_sum_squares over 1, 2, 4 and 8 lanes and on 64 elements over 1, 2 and 4, lane_halves_tree
+// (the paired store's blocks after its half exchange) over 2 and 4, on rows whose elements span 2^-80 .. 2^60
 // (subnormal and overflowing squares included) and zero rows, and corrected_norm against the CPU's
 // norm / sqrt(c2). A sequential float sum differs from kvq::sum_squares on many of these rows, so a
 // kernel that added in another order would fail.
