@@ -488,7 +488,7 @@ std::vector<std::pair<float, std::vector<float>>> near_half_pairs(int m) {
 // rows spanning 2^-60 .. 2^8 (squares from 2^-120 to 2^16 in one sum); values on a quarter
 // grid with lo = -7.5 and hi = 7.5, so that the uniform quotients (x - lo) / s land exactly on
 // k + 1/2 (4-bit: s = 1); values whose quotients fall just below k - 1/2 (near_half_pairs); large
-// (x 300) and tiny (x 1e-20) Gaussian rows; typical rows. Tokens
+// (x 300) and tiny (x 1e-20) Gaussian rows; TurboQuant rows whose rotation is one spike; typical rows. Tokens
 // go to shuffled slots; a stride wider than the row and a token count that leaves the last
 // warp partly empty.
 // centered: kvq's calibrated formats with per-channel means (bf16 values, so that the zero rows,
@@ -510,43 +510,6 @@ void test_store_edges(const std::string& fmt, int D, int H, int n_tok, unsigned 
   const auto near_half = near_half_pairs(vm);
   check(!near_half.empty(), fmt + ": no near-half uniform quotients found for m = " + std::to_string(vm));
   const int stride = H * D + 8;  // elements between tokens
-  std::vector<float> K(static_cast<std::size_t>(n_tok) * stride, 0.0f), Vv(K.size(), 0.0f);
-  for (int t = 0; t < n_tok; ++t)
-    for (int h = 0; h < H; ++h) {
-      float* k = &K[static_cast<std::size_t>(t) * stride + static_cast<std::size_t>(h) * D];
-      float* v = &Vv[static_cast<std::size_t>(t) * stride + static_cast<std::size_t>(h) * D];
-      const int kind = (t * H + h) % 8;
-      const auto& nh = near_half[static_cast<std::size_t>(t * H + h) % near_half.size()];
-      for (int d = 0; d < D; ++d) {
-        float a = nd(rng), b = nd(rng);
-        switch (kind) {
-          case 0: a = kmean(h, d); b = vmean(h, d); break;
-          case 1: a = d == (t % D) ? 1.5f : 0.0f; b = 0.75f; break;
-          case 2: {
-            const float e = std::ldexp(1.0f + 0.1f * std::fabs(a), -60 + (d * 68) / D);
-            a = (d % 3 ? e : -e);
-            b = std::ldexp(b, (d * 17) / D - 8);
-            break;
-          }
-          case 3: b = d == 0 ? -7.5f : (d == 1 ? 7.5f : 0.25f * static_cast<float>(grid(rng))); break;
-          case 4: a *= 300.0f; b *= 300.0f; break;
-          case 5: a *= 1e-20f; b *= 1e-20f; break;
-          case 6: b = d == 0 ? 0.0f : (d == 1 ? nh.first : nh.second[static_cast<std::size_t>(d) % nh.second.size()]); break;
-          default: break;
-        }
-        k[d] = round_bf16(a);
-        v[d] = round_bf16(b);
-      }
-      // Records the encoders refuse: NaN in the key, +inf in the value, a value of 70000 (beyond
-      // fp16: the uniform max, the TurboQuant norm), keys of 8000 (a TurboQuant norm beyond fp16;
-      // fp8 keys saturate and keep them).
-      const int pk = (t * H + h) % 13;
-      if (poison && pk == 2) k[(t + h) % D] = std::numeric_limits<float>::quiet_NaN();
-      if (poison && pk == 5) v[(3 * t + h) % D] = std::numeric_limits<float>::infinity();
-      if (poison && pk == 7) v[(t + 2 * h) % D] = 70144.0f;  // a bf16 value
-      if (poison && pk == 11)
-        for (int d = 0; d < D; ++d) k[d] = 8000.0f;
-    }
   OutlierChannels oc;
   if (f.kind == FormatKind::kTqSplit) {
     const int cnt = split_outlier_count(f, D);
@@ -578,6 +541,57 @@ void test_store_edges(const std::string& fmt, int D, int H, int n_tok, unsigned 
   }
   std::vector<QuantizerPair> qp;
   for (int h = 0; h < H; ++h) qp.push_back(make_quantizers(f, g, 0, h, &oc));
+  std::vector<float> K(static_cast<std::size_t>(n_tok) * stride, 0.0f), Vv(K.size(), 0.0f);
+  for (int t = 0; t < n_tok; ++t)
+    for (int h = 0; h < H; ++h) {
+      float* k = &K[static_cast<std::size_t>(t) * stride + static_cast<std::size_t>(h) * D];
+      float* v = &Vv[static_cast<std::size_t>(t) * stride + static_cast<std::size_t>(h) * D];
+      const int kind = (t * H + h) % 9;
+      const auto& nh = near_half[static_cast<std::size_t>(t * H + h) % near_half.size()];
+      for (int d = 0; d < D; ++d) {
+        float a = nd(rng), b = nd(rng);
+        switch (kind) {
+          case 0: a = kmean(h, d); b = vmean(h, d); break;
+          case 1: a = d == (t % D) ? 1.5f : 0.0f; b = 0.75f; break;
+          case 2: {
+            const float e = std::ldexp(1.0f + 0.1f * std::fabs(a), -60 + (d * 68) / D);
+            a = (d % 3 ? e : -e);
+            b = std::ldexp(b, (d * 17) / D - 8);
+            break;
+          }
+          case 3: b = d == 0 ? -7.5f : (d == 1 ? 7.5f : 0.25f * static_cast<float>(grid(rng))); break;
+          case 4: a *= 300.0f; b *= 300.0f; break;
+          case 5: a *= 1e-20f; b *= 1e-20f; break;
+          case 6: b = d == 0 ? 0.0f : (d == 1 ? nh.first : nh.second[static_cast<std::size_t>(d) % nh.second.size()]); break;
+          default: break;
+        }
+        k[d] = round_bf16(a);
+        v[d] = round_bf16(b);
+      }
+      // Kind 7: TurboQuant rows (centered: minus the means) whose rotation is one spike of norm 2 (+-2 at j): the
+      // largest FWHT output a unit vector has, |y| = sqrt(D) before the 1 / sqrt(D), far past the last midpoint (the
+      // bin tables' saturated range), and zeros up to rounding elsewhere.
+      if (kind == 7)
+        for (int side = 0; side < 2; ++side) {
+          const auto* tq = dynamic_cast<const TurboQuantMse*>(side ? qp[static_cast<std::size_t>(h)].value.get()
+                                                                   : qp[static_cast<std::size_t>(h)].key.get());
+          if (!tq) continue;
+          std::vector<float> y(static_cast<std::size_t>(D), 0.0f), x(static_cast<std::size_t>(D));
+          y[static_cast<std::size_t>((t + 5 * h + side) % D)] = (t + side) % 2 ? -2.0f : 2.0f;
+          tq->rotation().inverse(y.data(), x.data());
+          float* row = side ? v : k;
+          for (int d = 0; d < D; ++d) row[d] = round_bf16(x[static_cast<std::size_t>(d)] + (side ? vmean(h, d) : kmean(h, d)));
+        }
+      // Records the encoders refuse: NaN in the key, +inf in the value, a value of 70000 (beyond
+      // fp16: the uniform max, the TurboQuant norm), keys of 8000 (a TurboQuant norm beyond fp16;
+      // fp8 keys saturate and keep them).
+      const int pk = (t * H + h) % 13;
+      if (poison && pk == 2) k[(t + h) % D] = std::numeric_limits<float>::quiet_NaN();
+      if (poison && pk == 5) v[(3 * t + h) % D] = std::numeric_limits<float>::infinity();
+      if (poison && pk == 7) v[(t + 2 * h) % D] = 70144.0f;  // a bf16 value
+      if (poison && pk == 11)
+        for (int d = 0; d < D; ++d) k[d] = 8000.0f;
+    }
   const PageLayout pl = page_layout(f, g);
   const int n_pages = (n_tok + 63) / 64 + 1;
   std::vector<std::int64_t> slots(static_cast<std::size_t>(n_tok));
