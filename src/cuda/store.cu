@@ -189,6 +189,17 @@ __device__ void encode_uniform(int D, int bits, const std::uint16_t* row, float*
   hi_out = hi;
 }
 
+// The protected bf16 row (key row, then value row) of token t and KV head `head` in the side buffer, or nullptr
+// where the token's position is not protected: a sink (pos < S), or in the last W positions of its sequence (where
+// the launch gives protect_seq_lens; without them every ring slot is written). The caller has checked that the
+// launch protects rows at all (protect_rows, positions and seq_ids given).
+__device__ __forceinline__ std::uint16_t* protected_row(const StoreParams& p, int t, int head) {
+  const std::int32_t pos = p.positions[t];
+  const std::int32_t sl = p.protect.slot(pos);
+  const bool keep = pos < p.protect.sinks || !p.protect_seq_lens || pos >= p.protect_seq_lens[p.seq_ids[t]] - p.protect.window;
+  return sl >= 0 && keep ? p.protect_rows + p.protect.row(p.seq_ids[t], head, sl) : nullptr;
+}
+
 // One warp per (token, KV head); every check before any write (the record is refused whole, as
 // by the CPU encoders: non-finite rows, TurboQuant stored norms and uniform min / max beyond fp16).
 __global__ void __launch_bounds__(kStoreWarps * 32) store_generic_kernel(const StoreParams p) {
@@ -266,12 +277,7 @@ __global__ void __launch_bounds__(kStoreWarps * 32) store_generic_kernel(const S
     for (std::uint32_t i = pg.key_meta_bytes + pg.value_meta_bytes + lane; i < pg.meta_bytes; i += 32) km[i] = 0;
   }
   if (p.protect_rows && p.positions && p.seq_ids) {
-    const std::int32_t pos = p.positions[tok];
-    const std::int32_t sl = p.protect.slot(pos);
-    const bool keep = pos < p.protect.sinks || !p.protect_seq_lens ||
-                      pos >= p.protect_seq_lens[p.seq_ids[tok]] - p.protect.window;
-    if (sl >= 0 && keep) {
-      std::uint16_t* dst = p.protect_rows + p.protect.row(p.seq_ids[tok], head, sl);
+    if (std::uint16_t* dst = protected_row(p, tok, head)) {
       for (int i = lane; i < D; i += 32) {
         dst[i] = krow[i];
         dst[D + i] = vrow[i];
@@ -1013,12 +1019,7 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
     }
     // ---- protected bf16 rows ----
     if (protect && valid && !bad) {
-      const std::int32_t pos = p.positions[vt];
-      const std::int32_t psl = p.protect.slot(pos);
-      const bool keep = pos < p.protect.sinks || !p.protect_seq_lens ||
-                        pos >= p.protect_seq_lens[p.seq_ids[vt]] - p.protect.window;
-      if (psl >= 0 && keep) {
-        std::uint16_t* dst = p.protect_rows + p.protect.row(p.seq_ids[vt], vh, psl);
+      if (std::uint16_t* dst = protected_row(p, vt, vh)) {
         store_raw32(lds_raw32(sb, kside + own), reinterpret_cast<std::uint8_t*>(dst + kLaneElems * l));
         store_raw32(lds_raw32(sb, vside + own), reinterpret_cast<std::uint8_t*>(dst + D + kLaneElems * l));
       }
@@ -1239,12 +1240,8 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_pair_kernel(const Store
     }
     // ---- protected bf16 rows: the lane's 64 elements of its side ----
     if (protect && valid && !bad) {
-      const std::int32_t pos = p.positions[vt];
-      const std::int32_t psl = p.protect.slot(pos);
-      const bool keep = pos < p.protect.sinks || !p.protect_seq_lens ||
-                        pos >= p.protect_seq_lens[p.seq_ids[vt]] - p.protect.window;
-      if (psl >= 0 && keep) {
-        std::uint16_t* dst = p.protect_rows + p.protect.row(p.seq_ids[vt], vh, psl) + side * D + kPairElems * l2;
+      if (std::uint16_t* row = protected_row(p, vt, vh)) {
+        std::uint16_t* dst = row + side * D + kPairElems * l2;
         // The staged run is the row in channel order (outlier splits too): channels 64 l2 .. 64 l2 + 63.
 #pragma unroll
         for (int j = 0; j < 8; ++j)
@@ -1298,12 +1295,7 @@ __global__ void __launch_bounds__(256) store_bf16_kernel(const StoreParams p, in
         for (std::uint32_t u = 0; u < pg.meta_bytes / 2; ++u) reinterpret_cast<std::uint16_t*>(base + pg.key_meta(head, off))[u] = 0;
     }
     if (p.protect_rows && p.positions && p.seq_ids) {
-      const std::int32_t pos = p.positions[tok];
-      const std::int32_t psl = p.protect.slot(pos);
-      const bool keep = pos < p.protect.sinks || !p.protect_seq_lens ||
-                        pos >= p.protect_seq_lens[p.seq_ids[tok]] - p.protect.window;
-      if (psl >= 0 && keep) {
-        std::uint16_t* dst = p.protect_rows + p.protect.row(p.seq_ids[tok], head, psl);
+      if (std::uint16_t* dst = protected_row(p, tok, head)) {
         reinterpret_cast<uint4*>(dst)[ch] = kq;
         reinterpret_cast<uint4*>(dst + D)[ch] = vq;
       }
