@@ -755,7 +755,7 @@ __device__ __forceinline__ void for_each_item(const StoreParams& p, int H, int w
 // means in shared memory, nullptr where there are none.
 template <int D, class F, class S, int VT = 2>
 __device__ __forceinline__ void fast_setup(StoreTables& T, uint2* BP, uint4* dsm, const StoreParams& p, bool use_masks,
-                                           bool use_smean, std::uint16_t*& soff, const uint4*& smean) {
+                                           bool use_smean, bool search, std::uint16_t*& soff, const uint4*& smean) {
   constexpr int NSEG = F::NSEG;
   constexpr bool KTQ = F::KK == KeyCode::kTq, VTQ = F::VK == ValueCode::kTq;
   const FormatDesc& f = p.fmt;
@@ -768,6 +768,7 @@ __device__ __forceinline__ void fast_setup(StoreTables& T, uint2* BP, uint4* dsm
       build_store_table(T, t, (side ? f.value_thresholds : f.key_thresholds) + seg * kMaxCodebook,
                         (side ? f.value_centroids : f.key_centroids) + seg * kMaxCodebook,
                         side ? (seg ? F::VB1 : F::VB0) : (seg ? F::KB1 : F::KB0), lane);
+      if (search && lane == 0) T.ok[t] = 0;  // the binary search instead of the table (KVQ_STORE_SEARCH=1: tests)
       constexpr int c0 = NSEG == 2 ? 448 : 512, c1 = NSEG == 2 ? 320 : 0;  // entries of segment 0 / 1 tables
       build_bin_pairs(T, t, BP + side * (c0 + c1) + seg * c0, seg ? c1 : c0, lane);
     }
@@ -810,7 +811,7 @@ __device__ __forceinline__ void fast_setup(StoreTables& T, uint2* BP, uint4* dsm
 
 template <int D, class F>
 __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const StoreParams p, int tok_shift, bool use_masks,
-                                                                      bool use_smean) {
+                                                                      bool use_smean, bool search) {
   __shared__ StoreTables T;
   // The tables' (midpoint, base) pairs, through which every format bucketizes (build_bin_pairs: 16 copies
   // of each bin where they fit, else one; every table has room for one copy of kMaxBins bins). One segment:
@@ -836,7 +837,7 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
   constexpr int D8 = D / 8;
   std::uint16_t* soff = nullptr;  // split formats: channel offsets [side][head][D] after the masks
   const uint4* smean = nullptr;   // centered formats: the signed segment-order means after those
-  fast_setup<D, F, S>(T, BP, dsm, p, use_masks, use_smean, soff, smean);
+  fast_setup<D, F, S>(T, BP, dsm, p, use_masks, use_smean, search, soff, smean);
   const PageLayout& pg = f.page;
   const std::int64_t ks = token_stride(p.key_token_stride, H, D);
   const std::int64_t vs = token_stride(p.value_token_stride, H, D);
@@ -1152,7 +1153,8 @@ constexpr bool kPairedFast = F::KK == KeyCode::kTq && F::VK == ValueCode::kTq &&
 constexpr int kTmaAlign = 1024;
 template <int D, class F, bool kTma>
 __global__ void __launch_bounds__(kFastThreads, 2) store_pair_kernel(const StoreParams p, int tok_shift, bool use_masks,
-                                                                     bool use_smean, const __grid_constant__ RowMaps maps) {
+                                                                     bool use_smean, bool search,
+                                                                     const __grid_constant__ RowMaps maps) {
   static_assert(kPairedFast<D, F>, "paired store: both sides TurboQuant, one segment, equal widths");
   __shared__ StoreTables T;
   __shared__ uint2 BP[1024];  // store_fast_kernel's pair tables (keys: table 0, values: table 1)
@@ -1180,7 +1182,7 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_pair_kernel(const Store
   constexpr int D8 = D / 8, D4 = D / 4;
   std::uint16_t* soff = nullptr;
   const uint4* smean = nullptr;
-  fast_setup<D, F, S, 1>(T, BP, dsm, p, use_masks, use_smean, soff, smean);
+  fast_setup<D, F, S, 1>(T, BP, dsm, p, use_masks, use_smean, search, soff, smean);
   const PageLayout& pg = f.page;
   const std::int64_t ks = token_stride(p.key_token_stride, H, D);
   const std::int64_t vs = token_stride(p.value_token_stride, H, D);
@@ -1344,6 +1346,16 @@ TensorMapEncoder tensor_map_encoder() {
   }();
   return fn;
 }
+// KVQ_STORE_SEARCH=1 in the environment (read once; the tests' third path): the fast and paired kernels bucketize
+// by the binary search, the route of a codebook whose bin table does not work (no preset's), instead of the table.
+bool store_search_forced() {
+  static const bool on = [] {
+    const char* v = std::getenv("KVQ_STORE_SEARCH");
+    return v && v[0] == '1';
+  }();
+  return on;
+}
+
 // The paired kernel's RowMaps of p (see there); false where the driver cannot make them, or with
 // KVQ_NO_TMA=1 in the environment (read once; the tests' second path): the kernel then copies by cp.async.
 template <int D>
@@ -1369,6 +1381,7 @@ bool row_maps(const StoreParams& p, std::int64_t ks, std::int64_t vs, RowMaps& m
 
 template <int D, class F, bool kTma>
 cudaError_t launch_fast_kernel(const StoreParams& p, const RowMaps& maps, cudaStream_t stream) {
+  const bool search = store_search_forced();
   constexpr auto kernel = [] {
     if constexpr (kPairedFast<D, F>) return store_pair_kernel<D, F, kTma>;
     else return store_fast_kernel<D, F>;
@@ -1390,9 +1403,9 @@ cudaError_t launch_fast_kernel(const StoreParams& p, const RowMaps& maps, cudaSt
   const unsigned blocks = static_cast<unsigned>(std::min<long>(want, max_blocks));
   const std::size_t smem = kStagingBytes + (use_masks ? mask_bytes : 0) + extra;
   if constexpr (kPairedFast<D, F>) {
-    kernel<<<blocks, kFastThreads, smem, stream>>>(p, page_shift(p.fmt.page.tokens), use_masks, use_smean, maps);
+    kernel<<<blocks, kFastThreads, smem, stream>>>(p, page_shift(p.fmt.page.tokens), use_masks, use_smean, search, maps);
   } else {
-    kernel<<<blocks, kFastThreads, smem, stream>>>(p, page_shift(p.fmt.page.tokens), use_masks, use_smean);
+    kernel<<<blocks, kFastThreads, smem, stream>>>(p, page_shift(p.fmt.page.tokens), use_masks, use_smean, search);
   }
   return cudaGetLastError();
 }
