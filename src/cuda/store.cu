@@ -752,7 +752,8 @@ __device__ __forceinline__ void for_each_item(const StoreParams& p, int H, int w
 // (midpoint, base) pairs (warps 0-3: keys / values x segment 0 / 1; tables 0, 1 are the keys', VT and
 // VT + 1 the values'), the split formats' channel offsets (as S::chan_off byte offsets) and the centered
 // formats' means where the launcher gave the space, the sign masks. soff / smean: the offsets and the
-// means in shared memory, nullptr where there are none.
+// means in shared memory, nullptr where there are none. search: every table's `ok` cleared, so that the kernel
+// bucketizes by the binary search (store_search_forced).
 template <int D, class F, class S, int VT = 2>
 __device__ __forceinline__ void fast_setup(StoreTables& T, uint2* BP, uint4* dsm, const StoreParams& p, bool use_masks,
                                            bool use_smean, bool search, std::uint16_t*& soff, const uint4*& smean) {
