@@ -48,10 +48,11 @@ __device__ __forceinline__ int bin_of(float y, float a, float b, float n) {
 // block j, every lane of the group gets the pairwise tree of the L block sums, ((b0 + b1) + (b2 + b3)) + ...,
 // the last step of kvq::sum_squares (include/kvq/numeric.hpp); a + b = b + a bit for bit, so every lane
 // returns the same sum, and lanes past the last block hold +0 (the tree's zero padding).
-template <int L>
+// O0 > 1: the butterfly's steps from lane distance O0 on (the groups of O0 lanes already agree).
+template <int L, int O0 = 1>
 __device__ __forceinline__ float xor_tree(float t) {
 #pragma unroll
-  for (int o = 1; o < L; o <<= 1) t = __fadd_rn(t, __shfl_xor_sync(0xffffffffu, t, o));
+  for (int o = O0; o < L; o <<= 1) t = __fadd_rn(t, __shfl_xor_sync(0xffffffffu, t, o));
   return t;
 }
 
@@ -109,16 +110,14 @@ __device__ __forceinline__ float lane_chains_tree(const float (&s)[4 * NB]) {
 // their chains s[0 .. 3] and s[4 .. 7]. The lane pair swaps both block sums and adds
 // (b_q + b_q+1) + (b_q+2 + b_q+3), q = 4 (ls >> 1) (a + b = b + a bit for bit: both lanes agree), the node of
 // the blocks' pairwise tree over four blocks; the butterfly over the pairs adds the rest.
+__host__ __device__ constexpr int halves_first_block(int ls) { return 4 * (ls >> 1) + (ls & 1); }  // q1 above
 template <int PS>
 __device__ __forceinline__ float lane_halves_tree(const float (&s)[8]) {
   static_assert(PS >= 2, "a lane pair");
   const float t0 = chains_sum(s), t1 = chains_sum(s + 4);
   const float p0 = __fadd_rn(t0, __shfl_xor_sync(0xffffffffu, t0, 1));
   const float p1 = __fadd_rn(t1, __shfl_xor_sync(0xffffffffu, t1, 1));
-  float t = __fadd_rn(p0, p1);
-#pragma unroll
-  for (int o = 2; o < PS; o <<= 1) t = __fadd_rn(t, __shfl_xor_sync(0xffffffffu, t, o));
-  return t;
+  return xor_tree<PS, 2>(__fadd_rn(p0, p1));
 }
 // kvq::sum_squares of a vector held by PS lanes with N = 32 or 64 elements each, lane ls holding
 // elements N ls .. N ls + N - 1 (blocks N ls / 32 ..): four FMA chains per block (element k of the

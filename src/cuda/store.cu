@@ -1227,7 +1227,7 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_pair_kernel(const Store
       std::uint8_t* base = slot_page(p.pool, pg, slot, tok_shift, off);
       std::uint8_t* codes = base + (side ? pg.value_code(vh, off) : pg.key_code(vh, off));
       if constexpr (P2 >= 2) {  // blocks q1 and q1 + 2 of the vector (tq_rotate's half exchange), 4 B bytes each
-        const std::uint32_t q1 = 4u * static_cast<std::uint32_t>(l2 >> 1) + static_cast<std::uint32_t>(l2 & 1);
+        const std::uint32_t q1 = static_cast<std::uint32_t>(halves_first_block(l2));
         std::uint32_t hi[B];
 #pragma unroll
         for (int i = 0; i < B; ++i) hi[i] = pw[B + i];

@@ -83,7 +83,7 @@ __global__ void lanes_sumsq_kernel(const float* x, const float* c2, float* out, 
 // lane_halves_tree<PS>, cn[lane] as in lanes_sumsq_kernel.
 template <int PS>
 __global__ void halves_sumsq_kernel(const float* x, const float* c2, float* out, float* cn) {
-  const int lane = threadIdx.x, ls = lane % PS, q1 = 4 * (ls >> 1) + (ls & 1);
+  const int lane = threadIdx.x, ls = lane % PS, q1 = kc::halves_first_block(ls);
   const float* v = x + 64 * PS * (lane / PS);
   float s[8] = {};
   for (int h = 0; h < 2; ++h)
