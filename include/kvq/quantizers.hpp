@@ -19,6 +19,7 @@
 #pragma once
 
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "kvq/codebook.hpp"
@@ -93,9 +94,22 @@ class TurboQuantProd final : public VectorQuantizer {
   std::vector<float> s_;  // QJL matrix, d x d row-major, N(0, 1) entries
 };
 
+// The element orders of an outlier split's two instances (each instance's channels, in the order
+// its rotation takes them; also the GPU formats' channel permutation, hi then lo). `outliers`:
+// sorted, distinct, < dim. Two halves of 64, 128 or 256 channels: the GPU store kernel gathers the
+// element k of every lane of a vector in one shared-memory load, and a channel's bank there is
+// fixed by its `split_bank_class` (docs/formats.md "Outlier split"); the hi instance takes its
+// channels class by class, the lo instance per element k the classes the hi channels at k left
+// free, so that the lanes of that load meet no bank twice. Other splits: ascending channels.
+std::pair<std::vector<int>, std::vector<int>> outlier_split_order(int dim, const std::vector<int>& outliers);
+// The class of channel c in the GPU store's staged rows at head_dim dim (64, 128, 256): channels
+// of different classes read by the lanes of one load never share a bank; -1 for other dims.
+int split_bank_class(int dim, int c);
+
 class OutlierSplit final : public VectorQuantizer {
  public:
-  // `outliers`: sorted distinct channel indices that get `bits_hi`; the rest get `bits_lo`.
+  // `outliers`: sorted distinct channel indices that get `bits_hi`; the rest get `bits_lo`. The
+  // instances take them in outlier_split_order.
   // offset: empty or dim floats (centering, as TurboQuantMse), split between the instances.
   OutlierSplit(int dim, std::vector<int> outliers, int bits_hi, int bits_lo, bool randomize_signs,
                std::uint64_t key_hi, std::uint64_t key_lo, bool norm_correction, std::vector<float> offset = {});
@@ -111,12 +125,16 @@ class OutlierSplit final : public VectorQuantizer {
   float score(const float* qp, const std::uint8_t* codes, const std::uint8_t* meta) const override;
   void accumulate(float w, const std::uint8_t* codes, const std::uint8_t* meta, float* acc) const override;
   void finish(const float* acc, float* out) const override;
-  const std::vector<int>& outliers() const { return hi_idx_; }
+  const std::vector<int>& outliers() const { return hi_idx_; }  // sorted
+  // The instances' element orders (outlier_split_order): hi_order()[i] is element i of hi().
+  const std::vector<int>& hi_order() const { return hi_ord_; }
+  const std::vector<int>& lo_order() const { return lo_ord_; }
   const TurboQuantMse& hi() const { return *hi_; }
   const TurboQuantMse& lo() const { return *lo_; }
 
  private:
   std::vector<int> hi_idx_, lo_idx_;
+  std::vector<int> hi_ord_, lo_ord_;
   std::unique_ptr<TurboQuantMse> hi_, lo_;
 };
 

@@ -20,6 +20,7 @@
 
 #include "bins.cuh"
 #include "device.cuh"
+#include "stage.cuh"
 #include "kvq/numeric.hpp"
 #include "kvq_cuda.hpp"
 
@@ -309,7 +310,7 @@ __device__ __forceinline__ std::uint8_t* slot_page(std::uint8_t* pool, const Pag
 // its 1 / sqrt(block), against prescaled thresholds. Same operations otherwise as the generic
 // kernel above.
 constexpr int kFastThreads = 256;
-constexpr int kLaneElems = 32;
+
 // float_to_fp16 (round to nearest even, overflow to Inf, subnormals) by the conversion
 // instruction; NaN through the software path for its payload.
 __device__ __forceinline__ std::uint16_t fp16_bits(float v) {
@@ -428,33 +429,6 @@ __device__ __forceinline__ void unpack_signed32(const Raw32& r, const uint4* sm,
     mul_signs(signs, x);
   }
 }
-// Staged rows. Each warp copies the key and value rows of its V vectors (2 KB a side: 32 lanes x
-// 32 bf16) to shared memory with cp.async, one iteration ahead of their use. 16-byte chunk
-// q = 4 lane + i of a side is chunk i of the lane's 32 elements (vector g = lane / P owns chunks
-// g D / 8 .. (g + 1) D / 8 - 1); it is stored at chunk q ^ f(q >> 3), f(r) = ((r >> LR) ^
-// ((r & (R - 1)) << (2 - LR))) & 7 with R = D / 64 = 2^LR groups of 8 chunks per vector. The XOR
-// only moves a chunk inside its vector's row, and:
-//  - the copy (lane copies chunks lane + 32 j: consecutive lanes, consecutive bytes of a row) and
-//    the lane's own reads (chunks 4 lane + i) put the 8 lanes of each 16-byte access phase on 8
-//    different bank groups (f's two low bits run through 0..3 with the two low bits of r);
-//  - one channel of the warp's 8 (D = 128) or 4 (D = 256) vectors lies in as many different
-//    bank groups (for a fixed chunk of the row, f runs through g), so the outlier-split gather,
-//    where the vectors of a warp are one head's and read the same channels, conflicts only
-//    between the lanes of one vector whose channels share a word position in their chunks.
-template <int D>
-struct Stage {
-  static constexpr int P = D / kLaneElems, R = D / 64, LR = R == 1 ? 0 : (R == 2 ? 1 : 2);
-  __host__ __device__ static constexpr std::uint32_t f(std::uint32_t r) {
-    return ((r >> LR) ^ ((r & (R - 1)) << (2 - LR))) & 7u;
-  }
-  __host__ __device__ static constexpr std::uint32_t pos(std::uint32_t q) { return q ^ f(q >> 3); }
-  // Byte offset of channel c in vector g's row is g 2 D + (chan_off(c) ^ 16 (g & 7)).
-  __host__ __device__ static constexpr std::uint32_t chan_off(std::uint32_t c) {
-    const std::uint32_t c8 = c >> 3;
-    return ((c8 ^ ((c8 >> 3) << (2 - LR))) << 4) | ((c & 7u) << 1);
-  }
-};
-
 // The lane's 32 staged elements: chunks at a, a ^ 16, a ^ 32, a ^ 48 (byte offsets into sb).
 __device__ __forceinline__ Raw32 lds_raw32(const char* sb, std::uint32_t a) {
   Raw32 r;
@@ -853,7 +827,7 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
   // base of its vector for the gather.
   const std::uint32_t wstage = static_cast<std::uint32_t>(w) * 2u * kStageBytes;
   const std::uint32_t own = S::pos(4u * static_cast<std::uint32_t>(lane)) << 4;
-  const std::uint32_t rowb = static_cast<std::uint32_t>(g) * (2u * D) + ((static_cast<std::uint32_t>(g) & 7u) << 4);
+  const std::uint32_t rowb = S::row_base(static_cast<std::uint32_t>(g));
   const std::uint32_t sbase = static_cast<std::uint32_t>(__cvta_generic_to_shared(sb));
 
   const int n = p.n_tokens;

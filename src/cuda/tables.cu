@@ -113,18 +113,13 @@ LayerTables::LayerTables(const FormatSpec& f, const CacheGeometry& g, int layer,
       for (int i = 0; i < d; ++i) order[static_cast<std::size_t>(i)] = i;
       float* mean = (which == 0 ? km.data() : vm.data()) + static_cast<std::size_t>(head) * d;
       if (const auto* os = dynamic_cast<const OutlierSplit*>(&q)) {
-        // Each instance holds the means of its channels, in the order of its channels.
+        // Each instance holds the means of its channels, in the order of its elements; the segment
+        // order is the instances' (outlier_split_order), hi then lo.
         const std::vector<float>& mh = os->hi().offset();
         const std::vector<float>& ml = os->lo().offset();
-        std::vector<char> hi(static_cast<std::size_t>(d), 0);
-        int k = 0;
-        for (int c : os->outliers()) {
-          hi[static_cast<std::size_t>(c)] = 1;
-          order[static_cast<std::size_t>(k++)] = c;
-        }
-        require(k == n_hi, "LayerTables: outlier count differs from the format's");
-        for (int c = 0; c < d; ++c)
-          if (!hi[static_cast<std::size_t>(c)]) order[static_cast<std::size_t>(k++)] = c;
+        require(static_cast<int>(os->hi_order().size()) == n_hi, "LayerTables: outlier count differs from the format's");
+        std::copy(os->hi_order().begin(), os->hi_order().end(), order.begin());
+        std::copy(os->lo_order().begin(), os->lo_order().end(), order.begin() + n_hi);
         if (!mh.empty() || !ml.empty()) {
           require(mh.size() == static_cast<std::size_t>(n_hi) && ml.size() == static_cast<std::size_t>(d - n_hi),
                   "LayerTables: outlier-split means do not cover both instances");

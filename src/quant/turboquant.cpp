@@ -1,9 +1,12 @@
 // TurboQuant quantizers (TurboQuant chapter, sections 3, 6, 7, 8): MSE with optional norm
 // correction, the inner-product variant with a QJL residual sketch, and the outlier split.
 // Scalar references; the AVX2 batch paths live in simd_avx2.cpp.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "kvq/bitpack.hpp"
@@ -238,6 +241,69 @@ float TurboQuantProd::score(const float* qp, const std::uint8_t* codes, const st
 
 // ---- OutlierSplit --------------------------------------------------------------------------
 
+int split_bank_class(int dim, int c) {
+  // The fast store kernel stages a vector's bf16 row with its 16-byte chunks XOR-swizzled by the row
+  // (Stage<D> in src/cuda/store.cu). The lanes of one gather load read 8 rows (head_dim 64: 16; 256: 4)
+  // at one channel per lane column; a channel's bank is 4 (chunk ^ row mod 8) + its 32-bit word in the
+  // chunk, so two columns meet on a bank only where their words in the chunk agree (head_dim 256, four
+  // rows: and their chunks' bit 2, channel bit 5).
+  switch (dim) {
+    case 64:
+    case 128: return (c >> 1) & 3;
+    case 256: return ((c >> 5) & 1) * 4 + ((c >> 1) & 3);
+    default: return -1;
+  }
+}
+
+std::pair<std::vector<int>, std::vector<int>> outlier_split_order(int dim, const std::vector<int>& outliers) {
+  std::vector<char> is_hi(static_cast<std::size_t>(dim), 0);
+  for (int c : outliers) {
+    require(c >= 0 && c < dim && !is_hi[static_cast<std::size_t>(c)], "outlier_split_order: outliers must be distinct and < dim");
+    is_hi[static_cast<std::size_t>(c)] = 1;
+  }
+  std::vector<int> hi, lo;
+  for (int c = 0; c < dim; ++c) (is_hi[static_cast<std::size_t>(c)] ? hi : lo).push_back(c);
+  if (2 * static_cast<int>(hi.size()) != dim || split_bank_class(dim, 0) < 0) return {hi, lo};
+  // Halves of dim / 2: element i of an instance is element i % 32 of lane column i / 32 (32 per lane),
+  // so the columns' loads of element k read elements k, k + 32, ... of both instances.
+  const int nc = dim == 256 ? 8 : 4, cols = dim / 64;
+  auto cls = [&](int c) { return split_bank_class(dim, c); };
+  std::stable_sort(hi.begin(), hi.end(), [&](int a, int b) { return cls(a) < cls(b); });  // class by class
+  if (cols == 1) {
+    // Head_dim 64: one column each, four classes of 16 channels. The lo channels by descending class:
+    // class w's hi run [S, S + n_w) and lo run [16 (3 - w) - T, 16 (4 - w) - T - n_w) (S, T: the hi channels
+    // of the classes below and above w; S + n_w + T = 32) are disjoint, the lo run ending first for w >= 2.
+    std::stable_sort(lo.begin(), lo.end(), [&](int a, int b) { return cls(a) > cls(b); });
+    return {hi, lo};
+  }
+  // Each class holds at most 32 hi channels, so the hi elements k, k + 32, ... are of distinct classes.
+  // The lo elements at k take the classes left free (as many as there are columns), each class as many
+  // times as it has lo channels: a class with n hi channels has 32 - n lo ones and is free at 32 - n
+  // elements k.
+  std::vector<std::vector<int>> pool(static_cast<std::size_t>(nc));  // lo channels by class, ascending
+  for (int c : lo) pool[static_cast<std::size_t>(cls(c))].push_back(c);
+  std::vector<std::size_t> next(static_cast<std::size_t>(nc), 0);
+  std::vector<int> out(lo.size());
+  for (int k = 0; k < 32; ++k) {
+    std::vector<char> used(static_cast<std::size_t>(nc), 0);
+    for (int j = 0; j < cols; ++j) used[static_cast<std::size_t>(cls(hi[static_cast<std::size_t>(32 * j + k)]))] = 1;
+    std::vector<int> pick;  // the free classes, ascending
+    for (int j = 0; j < cols; ++j) {
+      int w = 0;
+      while (w < nc && used[static_cast<std::size_t>(w)]) ++w;
+      require(w < nc && next[static_cast<std::size_t>(w)] < pool[static_cast<std::size_t>(w)].size(),
+              "outlier_split_order: no free class");  // not reached (the counts above)
+      used[static_cast<std::size_t>(w)] = 1;
+      pick.push_back(w);
+    }
+    for (int j = 0; j < cols; ++j) {
+      const std::size_t w = static_cast<std::size_t>(pick[static_cast<std::size_t>(j)]);
+      out[static_cast<std::size_t>(32 * j + k)] = pool[w][next[w]++];
+    }
+  }
+  return {hi, out};
+}
+
 OutlierSplit::OutlierSplit(int dim, std::vector<int> outliers, int bits_hi, int bits_lo, bool randomize_signs,
                            std::uint64_t key_hi, std::uint64_t key_lo, bool norm_correction, std::vector<float> offset)
     : VectorQuantizer(dim), hi_idx_(std::move(outliers)) {
@@ -253,10 +319,11 @@ OutlierSplit::OutlierSplit(int dim, std::vector<int> outliers, int bits_hi, int 
     if (!is_hi[static_cast<std::size_t>(c)]) lo_idx_.push_back(c);
   const int nh = static_cast<int>(hi_idx_.size()), nl = static_cast<int>(lo_idx_.size());
   require(nh >= 3 && nl >= 3, "OutlierSplit: each channel subset needs at least 3 channels");
+  std::tie(hi_ord_, lo_ord_) = outlier_split_order(dim, hi_idx_);
   std::vector<float> oh, ol;
   if (!offset.empty()) {
-    for (int c : hi_idx_) oh.push_back(offset[static_cast<std::size_t>(c)]);
-    for (int c : lo_idx_) ol.push_back(offset[static_cast<std::size_t>(c)]);
+    for (int c : hi_ord_) oh.push_back(offset[static_cast<std::size_t>(c)]);
+    for (int c : lo_ord_) ol.push_back(offset[static_cast<std::size_t>(c)]);
   }
   hi_ = std::make_unique<TurboQuantMse>(nh, bits_hi, std::make_shared<HadamardRotation>(nh, randomize_signs, key_hi),
                                         norm_correction, nullptr, std::move(oh));
@@ -276,8 +343,8 @@ double OutlierSplit::code_bits() const {
 void OutlierSplit::encode(const float* x, std::uint8_t* codes, std::uint8_t* meta) const {
   check_finite(x);
   std::vector<float> h(hi_idx_.size()), l(lo_idx_.size());
-  for (std::size_t i = 0; i < h.size(); ++i) h[i] = x[hi_idx_[i]];
-  for (std::size_t i = 0; i < l.size(); ++i) l[i] = x[lo_idx_[i]];
+  for (std::size_t i = 0; i < h.size(); ++i) h[i] = x[hi_ord_[i]];
+  for (std::size_t i = 0; i < l.size(); ++i) l[i] = x[lo_ord_[i]];
   hi_->encode(h.data(), codes, meta);
   lo_->encode(l.data(), codes + hi_->code_bytes(), meta + 2);
 }
@@ -286,14 +353,14 @@ void OutlierSplit::decode(const std::uint8_t* codes, const std::uint8_t* meta, f
   std::vector<float> h(hi_idx_.size()), l(lo_idx_.size());
   hi_->decode(codes, meta, h.data());
   lo_->decode(codes + hi_->code_bytes(), meta + 2, l.data());
-  for (std::size_t i = 0; i < h.size(); ++i) x[hi_idx_[i]] = h[i];
-  for (std::size_t i = 0; i < l.size(); ++i) x[lo_idx_[i]] = l[i];
+  for (std::size_t i = 0; i < h.size(); ++i) x[hi_ord_[i]] = h[i];
+  for (std::size_t i = 0; i < l.size(); ++i) x[lo_ord_[i]] = l[i];
 }
 
 void OutlierSplit::prepare_query(const float* q, float* qp) const {
   std::vector<float> h(hi_idx_.size()), l(lo_idx_.size());
-  for (std::size_t i = 0; i < h.size(); ++i) h[i] = q[hi_idx_[i]];
-  for (std::size_t i = 0; i < l.size(); ++i) l[i] = q[lo_idx_[i]];
+  for (std::size_t i = 0; i < h.size(); ++i) h[i] = q[hi_ord_[i]];
+  for (std::size_t i = 0; i < l.size(); ++i) l[i] = q[lo_ord_[i]];
   hi_->prepare_query(h.data(), qp);
   lo_->prepare_query(l.data(), qp + hi_->query_dim());
 }
@@ -311,8 +378,8 @@ void OutlierSplit::finish(const float* acc, float* out) const {
   std::vector<float> h(hi_idx_.size()), l(lo_idx_.size());
   hi_->finish(acc, h.data());
   lo_->finish(acc + hi_->acc_dim(), l.data());
-  for (std::size_t i = 0; i < h.size(); ++i) out[hi_idx_[i]] = h[i];
-  for (std::size_t i = 0; i < l.size(); ++i) out[lo_idx_[i]] = l[i];
+  for (std::size_t i = 0; i < h.size(); ++i) out[hi_ord_[i]] = h[i];
+  for (std::size_t i = 0; i < l.size(); ++i) out[lo_ord_[i]] = l[i];
 }
 
 }  // namespace kvq

@@ -13,6 +13,9 @@
 // (subnormal and overflowing squares included) and zero rows, and corrected_norm against the CPU's
 // norm / sqrt(c2). A sequential float sum differs from kvq::sum_squares on many of these rows, so a
 // kernel that added in another order would fail.
+// Host only, before the GPU cases (so it runs without a GPU): the outlier split's segment order
+// (kvq::outlier_split_order) against the fast store kernel's staged-row layout (stage.cuh): every gather
+// load of the split formats' store takes one shared-memory wavefront (head_dim 64: two).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -24,6 +27,7 @@
 
 #include "bins.cuh"
 #include "harness.hpp"
+#include "stage.cuh"
 #include "kvq/codebook.hpp"
 #include "kvq/numeric.hpp"
 #include "kvq/quantizers.hpp"
@@ -283,8 +287,92 @@ void lanes_case(std::mt19937& rng) {
 
 }  // namespace
 
+// Host only (runs without a GPU too): the outlier split's segment order against the fast store kernel's staged
+// rows (stage.cuh). Element k of every lane of a warp is one shared-memory load (gather32_masked): lane (g, l),
+// g < 32 / P the vector, l < P = D / 32 its lane, reads channel order[32 l + k] (hi then lo) of row g at
+// row_base(g) ^ chan_off(c). The load takes as many wavefronts as the most distinct words any bank holds.
+template <int D>
+int gather_wavefronts(const std::vector<int>& hi, const std::vector<int>& lo, int k) {
+  using S = kc::Stage<D>;
+  constexpr int P = D / 32, V = 32 / P;
+  std::vector<std::vector<std::uint32_t>> words(32);
+  for (int l = 0; l < P; ++l) {
+    const int c = l < P / 2 ? hi[static_cast<std::size_t>(32 * l + k)] : lo[static_cast<std::size_t>(32 * (l - P / 2) + k)];
+    for (int g = 0; g < V; ++g) {
+      const std::uint32_t word = (S::row_base(static_cast<std::uint32_t>(g)) ^ S::chan_off(static_cast<std::uint32_t>(c))) >> 2;
+      auto& b = words[word & 31u];
+      if (std::find(b.begin(), b.end(), word) == b.end()) b.push_back(word);
+    }
+  }
+  std::size_t m = 0;
+  for (const auto& b : words) m = std::max(m, b.size());
+  return static_cast<int>(m);
+}
+
+// Random and skewed outlier sets of D / 2 channels: the order is the two channel sets (hi: the outliers), and
+// its loads take one wavefront (D = 64: two, since its 16 rows share 8 bank groups; four where a load's two
+// channels share a class), while the ascending order, on the same sets, takes more: the check can fail.
+template <int D>
+void split_order_case(std::mt19937& rng) {
+  int worst = 0, worst_sorted = 0, sets = 0;
+  bool perm_ok = true;
+  auto one = [&](std::vector<int> out) {
+    std::sort(out.begin(), out.end());
+    const auto [hi, lo] = kvq::outlier_split_order(D, out);
+    std::vector<int> hs = hi, ls = lo, rest;
+    std::sort(hs.begin(), hs.end());
+    std::sort(ls.begin(), ls.end());
+    for (int c = 0; c < D; ++c)
+      if (!std::binary_search(out.begin(), out.end(), c)) rest.push_back(c);
+    perm_ok = perm_ok && hs == out && ls == rest;
+    for (int k = 0; k < 32; ++k) {
+      worst = std::max(worst, gather_wavefronts<D>(hi, lo, k));
+      worst_sorted = std::max(worst_sorted, gather_wavefronts<D>(out, rest, k));
+    }
+    ++sets;
+  };
+  std::vector<int> all(D);
+  for (int c = 0; c < D; ++c) all[static_cast<std::size_t>(c)] = c;
+  for (int t = 0; t < 200; ++t) {
+    std::shuffle(all.begin(), all.end(), rng);
+    one(std::vector<int>(all.begin(), all.begin() + D / 2));
+  }
+  std::vector<int> first, evens, two_classes, high_half;
+  for (int c = 0; c < D; ++c) {
+    if (c < D / 2) first.push_back(c);
+    if (c % 2 == 0) evens.push_back(c);
+    if ((c & 7) < 4) two_classes.push_back(c);  // classes 0 and 1 of split_bank_class only
+    if (c >= D / 2) high_half.push_back(c);
+  }
+  for (const auto& v : {first, evens, two_classes, high_half}) one(v);
+  const int want = D == 64 ? 2 : 1;
+  kvq::cudatest::check(perm_ok, "outlier_split_order d" + std::to_string(D) + ": the two channel sets");
+  kvq::cudatest::check(worst == want, "outlier_split_order d" + std::to_string(D) + ": gather loads take " +
+                                          std::to_string(worst) + " wavefronts at most over " + std::to_string(sets) +
+                                          " sets (want " + std::to_string(want) + ")");
+  kvq::cudatest::check(worst_sorted > want, "ascending order d" + std::to_string(D) + ": " + std::to_string(worst_sorted) +
+                                                " wavefronts at most (the checker must see conflicts)");
+  std::printf("outlier_split_order d%d: %d sets, gather wavefronts <= %d (ascending order: <= %d)\n", D, sets, worst,
+              worst_sorted);
+}
+
+void split_order_cases() {
+  std::mt19937 rng(20261202);
+  split_order_case<64>(rng);
+  split_order_case<128>(rng);
+  split_order_case<256>(rng);
+  // Other splits keep ascending channels.
+  const auto [h96, l96] = kvq::outlier_split_order(96, {1, 5, 7, 40, 41, 90});
+  const auto [h32, l32] = kvq::outlier_split_order(128, {3, 4, 9, 20, 70, 71, 99});
+  kvq::cudatest::check(std::is_sorted(h96.begin(), h96.end()) && std::is_sorted(l96.begin(), l96.end()) &&
+                           std::is_sorted(h32.begin(), h32.end()) && std::is_sorted(l32.begin(), l32.end()) &&
+                           h96.size() == 6 && l96.size() == 90 && h32.size() == 7 && l32.size() == 121,
+                       "outlier_split_order: other splits in ascending channel order");
+}
+
 int main() {
-  if (!kvq::cudatest::gpu_present()) return 0;
+  split_order_cases();
+  if (!kvq::cudatest::gpu_present()) return kvq::cudatest::finish();
   std::mt19937 rng(20261201);
   const float scale = 1.0f / std::sqrt(128.0f);
   for (int bits = 1; bits <= 4; ++bits) {
