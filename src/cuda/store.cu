@@ -439,17 +439,20 @@ __device__ __forceinline__ Raw32 lds_raw32(const char* sb, std::uint32_t a) {
 
 // Outlier split: the lane's 32 segment-order elements x[k] = sign_k row[perm[k]], gathered from
 // the staged row (byte offset rb ^ chan_off(perm[k]), rb = the row's base with its XOR term). With
-// the masks: the channel offsets come from shared memory (u16 `soff`, [side][head][D], 64 bytes
-// per lane, the same for every vector of the warp), and the sign is added to the bf16 bits in
-// the high half: bit 31 of d 2^16 + s flips exactly when s = 2^31 (one integer multiply-add per
-// element). Without: channels from global memory, the float signs by mul_signs.
+// the masks: the channel offsets come from shared memory (u16 `soff`, [side][head][D] in 16-byte
+// units of 8 swizzled like the masks, so that the P lanes of a vector, whose units 4 l + j are the
+// same for every vector of the warp, hit P bank groups: in order, lanes l and l + 2 met on one and
+// took 2.1M extra wavefronts per tq-3.5bit store of 65,536 x 8 rows), and the sign is added to the
+// bf16 bits in the high half: bit 31 of d 2^16 + s flips exactly when s = 2^31 (one integer
+// multiply-add per element). Without: channels from global memory, the float signs by mul_signs.
 template <int D>
-__device__ __forceinline__ void gather32_masked(const char* sb, std::uint32_t rb, const std::uint16_t* soff,
-                                                const std::uint32_t (&m)[kLaneElems / 2], float (&x)[kLaneElems]) {
+__device__ __forceinline__ void gather32_masked(const char* sb, std::uint32_t rb, const std::uint16_t* soff, int side,
+                                                int head, int H, int l, const std::uint32_t (&m)[kLaneElems / 2],
+                                                float (&x)[kLaneElems]) {
   const uint4* pp = reinterpret_cast<const uint4*>(soff);
 #pragma unroll
   for (int j = 0; j < kLaneElems / 8; ++j) {
-    const uint4 q = pp[j];
+    const uint4 q = pp[mask_unit(side, head, H, D / 8, 4 * l + j)];
     const std::uint32_t wv[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -754,9 +757,11 @@ __device__ __forceinline__ void fast_setup(StoreTables& T, uint2* BP, uint4* dsm
   if constexpr (NSEG == 2) {
     if (use_masks) {
       soff = reinterpret_cast<std::uint16_t*>(dsm + kStagingBytes / 16) + 2 * H * D;
-      for (int i = threadIdx.x; i < 2 * H * D; i += kFastThreads)
-        soff[i] = static_cast<std::uint16_t>(
-            S::chan_off(static_cast<std::uint32_t>((i < H * D ? f.key_perm : f.value_perm)[i < H * D ? i : i - H * D])));
+      for (int i = threadIdx.x; i < 2 * H * D; i += kFastThreads) {
+        const int side = i / (H * D), rem = i % (H * D), e = rem % D;
+        soff[8 * mask_unit(side, rem / D, H, D8, e >> 3) + (e & 7)] =
+            static_cast<std::uint16_t>(S::chan_off(static_cast<std::uint32_t>((side ? f.value_perm : f.key_perm)[rem])));
+      }
     }
   }
   // Centered formats, when the launcher gave the space: the signed segment-order means after the
@@ -810,7 +815,7 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
   const uint4* smask = dsm + kStagingBytes / 16;
   const int H = f.kv_heads;
   constexpr int D8 = D / 8;
-  std::uint16_t* soff = nullptr;  // split formats: channel offsets [side][head][D] after the masks
+  std::uint16_t* soff = nullptr;  // split formats: channel offsets [side][head][D] after the masks (swizzled units)
   const uint4* smean = nullptr;   // centered formats: the signed segment-order means after those
   fast_setup<D, F, S>(T, BP, dsm, p, use_masks, use_smean, search, soff, smean);
   const PageLayout& pg = f.page;
@@ -861,7 +866,7 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
       } else if (soff) {
         std::uint32_t m[kLaneElems / 2];
         load_masks(smask, 0, vh, H, D8, l, m);
-        gather32_masked<D>(sb, kside + rowb, soff + hd, m, x);
+        gather32_masked<D>(sb, kside + rowb, soff, 0, vh, H, l, m, x);
       } else {
         gather32_global<D>(sb, kside + rowb, f.key_perm + hd, f.key_signs + hd, x);
       }
@@ -880,7 +885,7 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
       } else if (soff) {
         std::uint32_t m[kLaneElems / 2];
         load_masks(smask, 1, vh, H, D8, l, m);
-        gather32_masked<D>(sb, vside + rowb, soff + H * D + hd, m, x);
+        gather32_masked<D>(sb, vside + rowb, soff, 1, vh, H, l, m, x);
       } else {
         gather32_global<D>(sb, vside + rowb, f.value_perm + hd, f.value_signs + hd, x);
       }
