@@ -11,13 +11,16 @@ kvq_gpu_configure() {
     -DCMAKE_CUDA_ARCHITECTURES=90a "$@"
 }
 
-# kvq_copy_tree ROOT DEST: the tracked files of ROOT (the whole tree without its build dirs outside a git
-# checkout, as on the GPU host), and its .deps, into the existing directory DEST. tar keeps the files'
-# times, so a build of an earlier copy recompiles only what changed.
+# kvq_copy_tree ROOT DEST: the files of ROOT that git tracks or would track (untracked ones that are not
+# ignored too: a new source file before its commit, or a checkout whose index lags its files, as on a GPU
+# host; the whole tree without its build dirs outside a git checkout), and its .deps, into the existing
+# directory DEST. tar keeps the files' times, so a build of an earlier copy recompiles only what changed.
 kvq_copy_tree() {
   local root=$1 dest=$2
   if git -C "$root" rev-parse --is-inside-work-tree >/dev/null 2>&1; then
-    (cd "$root" && git ls-files -z | tar --null -cf - -T -) | tar -xf - -C "$dest"
+    (cd "$root" && git ls-files -z --cached --others --exclude-standard |
+      while IFS= read -r -d '' f; do if [ -e "$f" ]; then printf '%s\0' "$f"; fi; done | tar --null -cf - -T -) |
+      tar -xf - -C "$dest"
   else
     (cd "$root" && tar --exclude='./build*' -cf - .) | tar -xf - -C "$dest"
   fi
