@@ -1,8 +1,10 @@
 // TurboQuant quantizers: round-trip distortion against the Lloyd-Max model, rotated-domain
 // scoring and value accumulation against dequantize-then-compute, QJL unbiasedness, the sign
-// diagonal on Walsh-aligned inputs, the outlier split, zero vectors and non-finite input.
+// diagonal on Walsh-aligned inputs, the outlier split and its element order, zero vectors and
+// non-finite input.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <memory>
@@ -197,6 +199,74 @@ TEST(TurboQuant, OutlierSplitBitsAndQuality) {
   EXPECT_LT(e_split, e2);
   EXPECT_GT(e_split, e3);
   EXPECT_THROW(OutlierSplit(d, {5, 3, 9}, 3, 2, true, 1, 2, true), Error);
+}
+
+// outlier_split_order on halves of 64 / 128 / 256 channels: each instance gets its channel set, and the channels that
+// the GPU store's lanes gather in one load (element k of every 32-element lane column of both instances) have
+// distinct split_bank_class (tests/cuda/test_bins.cu checks the classes against the kernel's staged-row layout).
+// Ascending order, on the same sets, repeats classes (so the check can fail). Other splits stay ascending, and
+// OutlierSplit takes the order (its encode then reads x in that order: a permuted hi set changes the codes).
+TEST(TurboQuant, OutlierSplitOrderSpreadsBankClasses) {
+  std::mt19937 rng(7);
+  for (int d : {64, 128, 256}) {
+    std::vector<int> all(static_cast<std::size_t>(d));
+    for (int c = 0; c < d; ++c) all[static_cast<std::size_t>(c)] = c;
+    int ascending_repeats = 0;
+    for (int t = 0; t < 300; ++t) {
+      std::vector<int> out;
+      if (t == 0) {
+        for (int c = 0; c < d / 2; ++c) out.push_back(c);
+      } else if (t == 1) {
+        for (int c = 0; c < d; ++c)
+          if ((c & 7) < 4) out.push_back(c);  // two classes only
+      } else {
+        std::shuffle(all.begin(), all.end(), rng);
+        out.assign(all.begin(), all.begin() + d / 2);
+        std::sort(out.begin(), out.end());
+      }
+      const auto [hi, lo] = outlier_split_order(d, out);
+      std::vector<int> hs = hi, ls = lo, rest;
+      std::sort(hs.begin(), hs.end());
+      std::sort(ls.begin(), ls.end());
+      for (int c = 0; c < d; ++c)
+        if (!std::binary_search(out.begin(), out.end(), c)) rest.push_back(c);
+      ASSERT_EQ(hs, out) << "d " << d << " set " << t;
+      ASSERT_EQ(ls, rest) << "d " << d << " set " << t;
+      const int cols = d / 64;
+      for (int k = 0; k < 32; ++k) {
+        std::vector<int> cls, asc;
+        for (int j = 0; j < cols; ++j) {
+          cls.push_back(split_bank_class(d, hi[static_cast<std::size_t>(32 * j + k)]));
+          cls.push_back(split_bank_class(d, lo[static_cast<std::size_t>(32 * j + k)]));
+          asc.push_back(split_bank_class(d, out[static_cast<std::size_t>(32 * j + k)]));
+          asc.push_back(split_bank_class(d, rest[static_cast<std::size_t>(32 * j + k)]));
+        }
+        std::sort(cls.begin(), cls.end());
+        std::sort(asc.begin(), asc.end());
+        EXPECT_TRUE(std::adjacent_find(cls.begin(), cls.end()) == cls.end()) << "d " << d << " set " << t << " k " << k;
+        if (std::adjacent_find(asc.begin(), asc.end()) != asc.end()) ++ascending_repeats;
+      }
+    }
+    EXPECT_GT(ascending_repeats, 0) << "d " << d;
+  }
+  const std::vector<int> odd = {1, 5, 7, 40, 41, 90};
+  const auto [h96, l96] = outlier_split_order(96, odd);
+  EXPECT_EQ(h96, odd);
+  EXPECT_TRUE(std::is_sorted(l96.begin(), l96.end()));
+  EXPECT_EQ(l96.size(), 90u);
+  const auto [h7, l7] = outlier_split_order(128, {3, 4, 9, 20, 70, 71, 99});
+  EXPECT_TRUE(std::is_sorted(h7.begin(), h7.end()) && std::is_sorted(l7.begin(), l7.end()));
+  EXPECT_EQ(split_bank_class(96, 3), -1);
+  std::vector<int> out;
+  for (int c = 0; c < 128; c += 2) out.push_back(c);
+  const OutlierSplit q(128, out, 4, 3, true, 1, 2, true);
+  const auto [hi, lo] = outlier_split_order(128, out);
+  EXPECT_EQ(q.hi_order(), hi);
+  EXPECT_EQ(q.lo_order(), lo);
+  EXPECT_EQ(q.outliers(), out);
+  EXPECT_NE(hi, out);  // not ascending: the order is in use
+  EXPECT_THROW(outlier_split_order(128, {3, 3}), Error);
+  EXPECT_THROW(outlier_split_order(128, {128}), Error);
 }
 
 TEST(TurboQuant, ZeroVectorAndNonFinite) {
