@@ -20,12 +20,14 @@ namespace kvq::cuda::detail {
 __device__ __forceinline__ void grid_dependency_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 // Lets the programmatically launched grid after this one be scheduled before this one ends.
 __device__ __forceinline__ void launch_dependents() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
+// Whether environment variable `name` is set to 1 (the kernels' test switches; callers read it once).
+inline bool env_flag(const char* name) {
+  const char* v = std::getenv(name);
+  return v && v[0] == '1';
+}
 // KVQ_NO_PDL=1 in the environment turns programmatic launches off (read once).
 inline bool pdl_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("KVQ_NO_PDL");
-    return !(v && v[0] == '1');
-  }();
+  static const bool on = !env_flag("KVQ_NO_PDL");
   return on;
 }
 // Launches kernel k; with pdl (and pdl_enabled()) as a programmatic dependent launch: it may start

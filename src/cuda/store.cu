@@ -1329,10 +1329,7 @@ TensorMapEncoder tensor_map_encoder() {
 // KVQ_STORE_SEARCH=1 in the environment (read once; the tests' third path): the fast and paired kernels bucketize
 // by the binary search, the route of a codebook whose bin table does not work (no preset's), instead of the table.
 bool store_search_forced() {
-  static const bool on = [] {
-    const char* v = std::getenv("KVQ_STORE_SEARCH");
-    return v && v[0] == '1';
-  }();
+  static const bool on = env_flag("KVQ_STORE_SEARCH");
   return on;
 }
 
@@ -1340,10 +1337,7 @@ bool store_search_forced() {
 // KVQ_NO_TMA=1 in the environment (read once; the tests' second path): the kernel then copies by cp.async.
 template <int D>
 bool row_maps(const StoreParams& p, std::int64_t ks, std::int64_t vs, RowMaps& m) {
-  static const bool off = [] {
-    const char* v = std::getenv("KVQ_NO_TMA");
-    return v && v[0] == '1';
-  }();
+  static const bool off = env_flag("KVQ_NO_TMA");
   const TensorMapEncoder enc = off ? nullptr : tensor_map_encoder();
   if (!enc) return false;
   constexpr int V = 16 / (D / 64);
