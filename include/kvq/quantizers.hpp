@@ -133,8 +133,8 @@ class OutlierSplit final : public VectorQuantizer {
   const TurboQuantMse& lo() const { return *lo_; }
 
  private:
-  std::vector<int> hi_idx_, lo_idx_;
-  std::vector<int> hi_ord_, lo_ord_;
+  std::vector<int> hi_idx_;          // the outliers, sorted
+  std::vector<int> hi_ord_, lo_ord_;  // the instances' element orders
   std::unique_ptr<TurboQuantMse> hi_, lo_;
 };
 

@@ -287,17 +287,11 @@ std::pair<std::vector<int>, std::vector<int>> outlier_split_order(int dim, const
   for (int k = 0; k < 32; ++k) {
     std::vector<char> used(static_cast<std::size_t>(nc), 0);
     for (int j = 0; j < cols; ++j) used[static_cast<std::size_t>(cls(hi[static_cast<std::size_t>(32 * j + k)]))] = 1;
-    std::vector<int> pick;  // the free classes, ascending
-    for (int j = 0; j < cols; ++j) {
-      int w = 0;
-      while (w < nc && used[static_cast<std::size_t>(w)]) ++w;
-      require(w < nc && next[static_cast<std::size_t>(w)] < pool[static_cast<std::size_t>(w)].size(),
-              "outlier_split_order: no free class");  // not reached (the counts above)
-      used[static_cast<std::size_t>(w)] = 1;
-      pick.push_back(w);
-    }
-    for (int j = 0; j < cols; ++j) {
-      const std::size_t w = static_cast<std::size_t>(pick[static_cast<std::size_t>(j)]);
+    for (int j = 0; j < cols; ++j) {  // the free classes, ascending
+      std::size_t w = 0;
+      while (w < used.size() && used[w]) ++w;
+      require(w < used.size() && next[w] < pool[w].size(), "outlier_split_order: no free class");  // not reached (the counts above)
+      used[w] = 1;
       out[static_cast<std::size_t>(32 * j + k)] = pool[w][next[w]++];
     }
   }
@@ -308,18 +302,14 @@ OutlierSplit::OutlierSplit(int dim, std::vector<int> outliers, int bits_hi, int 
                            std::uint64_t key_hi, std::uint64_t key_lo, bool norm_correction, std::vector<float> offset)
     : VectorQuantizer(dim), hi_idx_(std::move(outliers)) {
   require(offset.empty() || static_cast<int>(offset.size()) == dim, "OutlierSplit: offset must have dim floats");
-  std::vector<char> is_hi(static_cast<std::size_t>(dim), 0);
   for (std::size_t i = 0; i < hi_idx_.size(); ++i) {
     const int c = hi_idx_[i];
-    require(c >= 0 && c < dim && !is_hi[static_cast<std::size_t>(c)] && (i == 0 || c > hi_idx_[i - 1]),
+    require(c >= 0 && c < dim && (i == 0 || c > hi_idx_[i - 1]),
             "OutlierSplit: outlier channels must be sorted, distinct and < " + std::to_string(dim));
-    is_hi[static_cast<std::size_t>(c)] = 1;
   }
-  for (int c = 0; c < dim; ++c)
-    if (!is_hi[static_cast<std::size_t>(c)]) lo_idx_.push_back(c);
-  const int nh = static_cast<int>(hi_idx_.size()), nl = static_cast<int>(lo_idx_.size());
-  require(nh >= 3 && nl >= 3, "OutlierSplit: each channel subset needs at least 3 channels");
   std::tie(hi_ord_, lo_ord_) = outlier_split_order(dim, hi_idx_);
+  const int nh = static_cast<int>(hi_ord_.size()), nl = static_cast<int>(lo_ord_.size());
+  require(nh >= 3 && nl >= 3, "OutlierSplit: each channel subset needs at least 3 channels");
   std::vector<float> oh, ol;
   if (!offset.empty()) {
     for (int c : hi_ord_) oh.push_back(offset[static_cast<std::size_t>(c)]);
@@ -332,17 +322,17 @@ OutlierSplit::OutlierSplit(int dim, std::vector<int> outliers, int bits_hi, int 
 }
 
 std::string OutlierSplit::name() const {
-  return "outlier-split-" + std::to_string(hi_idx_.size()) + "x" + std::to_string(hi_->bits()) + "+" +
-         std::to_string(lo_idx_.size()) + "x" + std::to_string(lo_->bits());
+  return "outlier-split-" + std::to_string(hi_ord_.size()) + "x" + std::to_string(hi_->bits()) + "+" +
+         std::to_string(lo_ord_.size()) + "x" + std::to_string(lo_->bits());
 }
 
 double OutlierSplit::code_bits() const {
-  return (static_cast<double>(hi_idx_.size()) * hi_->bits() + static_cast<double>(lo_idx_.size()) * lo_->bits()) / dim_;
+  return (static_cast<double>(hi_ord_.size()) * hi_->bits() + static_cast<double>(lo_ord_.size()) * lo_->bits()) / dim_;
 }
 
 void OutlierSplit::encode(const float* x, std::uint8_t* codes, std::uint8_t* meta) const {
   check_finite(x);
-  std::vector<float> h(hi_idx_.size()), l(lo_idx_.size());
+  std::vector<float> h(hi_ord_.size()), l(lo_ord_.size());
   for (std::size_t i = 0; i < h.size(); ++i) h[i] = x[hi_ord_[i]];
   for (std::size_t i = 0; i < l.size(); ++i) l[i] = x[lo_ord_[i]];
   hi_->encode(h.data(), codes, meta);
@@ -350,7 +340,7 @@ void OutlierSplit::encode(const float* x, std::uint8_t* codes, std::uint8_t* met
 }
 
 void OutlierSplit::decode(const std::uint8_t* codes, const std::uint8_t* meta, float* x) const {
-  std::vector<float> h(hi_idx_.size()), l(lo_idx_.size());
+  std::vector<float> h(hi_ord_.size()), l(lo_ord_.size());
   hi_->decode(codes, meta, h.data());
   lo_->decode(codes + hi_->code_bytes(), meta + 2, l.data());
   for (std::size_t i = 0; i < h.size(); ++i) x[hi_ord_[i]] = h[i];
@@ -358,7 +348,7 @@ void OutlierSplit::decode(const std::uint8_t* codes, const std::uint8_t* meta, f
 }
 
 void OutlierSplit::prepare_query(const float* q, float* qp) const {
-  std::vector<float> h(hi_idx_.size()), l(lo_idx_.size());
+  std::vector<float> h(hi_ord_.size()), l(lo_ord_.size());
   for (std::size_t i = 0; i < h.size(); ++i) h[i] = q[hi_ord_[i]];
   for (std::size_t i = 0; i < l.size(); ++i) l[i] = q[lo_ord_[i]];
   hi_->prepare_query(h.data(), qp);
@@ -375,7 +365,7 @@ void OutlierSplit::accumulate(float w, const std::uint8_t* codes, const std::uin
 }
 
 void OutlierSplit::finish(const float* acc, float* out) const {
-  std::vector<float> h(hi_idx_.size()), l(lo_idx_.size());
+  std::vector<float> h(hi_ord_.size()), l(lo_ord_.size());
   hi_->finish(acc, h.data());
   lo_->finish(acc + hi_->acc_dim(), l.data());
   for (std::size_t i = 0; i < h.size(); ++i) out[hi_ord_[i]] = h[i];
