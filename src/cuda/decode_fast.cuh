@@ -78,6 +78,16 @@ struct FCfg {
   static constexpr int VMB = VC == ValueCode::kTq ? 2 * NSEG : 4;
   static constexpr int MB = KMB + VMB;
   static constexpr int KENT = KC == KeyCode::kTq ? 1 << (2 * KB) : 0;
+  // 3-bit TurboQuant keys of one segment take their pairs through byte windows (tq_keys_mma_win): the pair p
+  // of a lane's 96-bit run starts at bit 6 p, i.e. at bit 0, 6, 4 or 2 of a byte. In a copy of the run shifted
+  // right by 4, the pairs at bit 4 or 6 of a byte start at bit 0 or 2, so every pair lies in bits 0-5 or 2-7
+  // of a byte of the run or of its copy, and one PRMT puts that byte into a table address: row `byte` (256
+  // bytes) holds the pair (byte & 63) at word `lane` (column A) and the pair (byte >> 2) at word 32 + lane
+  // (column B). Per token 3 funnel shifts, then a PRMT and an LDS per pair, where the 6-bit fields took a
+  // shift, a LOP3 and an LDS. The 256 rows take 64 KB and both columns, so TurboQuant value pairs (tq-3bit)
+  // get their own table after it (LUT1).
+  static constexpr bool kKeyWin = KC == KeyCode::kTq && KB == 3 && KB1_ == 0;
+  static constexpr int KROWS = kKeyWin ? 256 : KENT;  // rows of segment 0's key table
   // 3- and 4-bit uniform values are decoded arithmetically (fp16 magic numbers), no table.
   static constexpr bool kMagicV = VC == ValueCode::kUniform && (VB == 4 || VB == 3);
   static constexpr std::uint32_t kMagic = 0x64006400u;  // fp16 1024 in both halves
@@ -95,8 +105,8 @@ struct FCfg {
   static constexpr bool kSwzV = NSEG == 1 && VCB == 64 && VC == ValueCode::kTq;
   // Segment 0's table (key and value pairs of segment 0, or of the only segment), aligned to its
   // size; the split formats' segment 1 table follows it.
-  static constexpr int LUT_ALIGN = (KENT > VENT ? KENT : VENT) * 256;  // may be 0; a power of two
-  static constexpr int LUT1_BYTES = NSEG == 2 ? (1 << (2 * KB1_)) * 256 : 0;
+  static constexpr int LUT_ALIGN = (KROWS > VENT ? KROWS : VENT) * 256;  // may be 0; a power of two
+  static constexpr int LUT1_BYTES = NSEG == 2 ? (1 << (2 * KB1_)) * 256 : (kKeyWin ? VENT * 256 : 0);
   static constexpr int LUT_BYTES = LUT_ALIGN + LUT1_BYTES;
   static constexpr int Q_BYTES = HG * D * 4 + 2 * NSEG * 16 * 4;  // query [HG][D], then centroids [2 NSEG][16]
   static constexpr int STAGE_BYTES = align16c(kChunk * (KCB + VCB + MB)) + 16;
@@ -216,25 +226,43 @@ __device__ __forceinline__ void load_run(const std::uint8_t* row, int o, std::ui
 // fields of two codes each) become pair-table addresses (x: the table base with the lane's word
 // bits; one PRMT for 4-bit codes, a shift and a LOP3 otherwise), one LDS per fp16 pair, and NKT
 // k-tiles of mma with the query fragments qb[0 .. NKT - 1] into acc (m-tiles 0, 1); NT = 2: the same A
-// fragments also with qb1 into acc1 (eight heads).
-template <int FW, int NKT, int NW, int NT = 1>
+// fragments also with qb1 into acc1 (eight heads). WIN (FCfg::kKeyWin, 3-bit codes of one segment): the
+// pairs through byte windows of the run and of its copy shifted right by 4, one PRMT each (x: column A,
+// x | 128: column B of the 256-row table).
+template <int FW, int NKT, int NW, int NT = 1, bool WIN = false>
 __device__ __forceinline__ void tq_keys_mma(const std::uint32_t (&wv)[4][NW], std::uint32_t x, const std::uint32_t (*qb)[2],
                                             float (&acc)[2][4], const std::uint32_t (*qb1)[2] = nullptr,
                                             float (*acc1)[4] = nullptr) {
-  auto kaddr = [&](const std::uint32_t(&ww)[NW], int pair) -> std::uint32_t {
+  static_assert(!WIN || (FW == 6 && NW == 3), "byte windows: 3-bit codes, 96-bit runs");
+  std::uint32_t sh[4][NW];  // WIN: the runs shifted right by 4 bits
+  if constexpr (WIN) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      sh[j][0] = __funnelshift_r(wv[j][0], wv[j][1], 4);
+      sh[j][1] = __funnelshift_r(wv[j][1], wv[j][2], 4);
+      sh[j][2] = wv[j][2] >> 4;
+    }
+  }
+  auto kaddr = [&](int j, int pair) -> std::uint32_t {
     const int pos = pair * FW;
-    if constexpr (FW == 8) {
-      return __byte_perm(ww[pos >> 5], x, 0x7604u | (static_cast<unsigned>((pos & 31) >> 3) << 4));
+    if constexpr (WIN) {
+      // pos % 8 is 0, 6, 4 or 2: at 4 and 6 the copy has the pair at bit 0 / 2 of its byte q / 8.
+      const bool shifted = (pos & 4) != 0;
+      const int q = shifted ? pos - 4 : pos, by = q >> 3;
+      const std::uint32_t word = shifted ? sh[j][by >> 2] : wv[j][by >> 2];
+      return __byte_perm(word, (q & 2) ? (x | 128u) : x, 0x7604u | (static_cast<unsigned>(by & 3) << 4));
+    } else if constexpr (FW == 8) {
+      return __byte_perm(wv[j][pos >> 5], x, 0x7604u | (static_cast<unsigned>((pos & 31) >> 3) << 4));
     } else {
-      return (field_at(ww, pos, FW, 8) & (((1u << FW) - 1u) << 8)) | x;
+      return (field_at(wv[j], pos, FW, 8) & (((1u << FW) - 1u) << 8)) | x;
     }
   };
 #pragma unroll
   for (int kt = 0; kt < NKT; ++kt) {
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
-      const std::uint32_t a[4] = {lds_u32(kaddr(wv[2 * mt], 2 * kt)), lds_u32(kaddr(wv[2 * mt + 1], 2 * kt)),
-                                  lds_u32(kaddr(wv[2 * mt], 2 * kt + 1)), lds_u32(kaddr(wv[2 * mt + 1], 2 * kt + 1))};
+      const std::uint32_t a[4] = {lds_u32(kaddr(2 * mt, 2 * kt)), lds_u32(kaddr(2 * mt + 1, 2 * kt)),
+                                  lds_u32(kaddr(2 * mt, 2 * kt + 1)), lds_u32(kaddr(2 * mt + 1, 2 * kt + 1))};
       mma16816<false>(acc[mt], a, qb[kt][0], qb[kt][1]);
       if constexpr (NT == 2) mma16816<false>(acc1[mt], a, qb1[kt][0], qb1[kt][1]);
     }
@@ -558,6 +586,18 @@ __global__ void __launch_bounds__(C::THREADS, 1)
         const int s = r < NE0 ? 0 : 1, e = r < NE0 ? r : r - NE0, bits = s == 0 ? C::kb(0) : C::kb(1);
         const float* cs = cent + 32 * s + 16 * half;
         v = pack2<false>(cs[e & ((1 << bits) - 1)], cs[e >> bits]);
+      } else if constexpr (C::kKeyWin) {
+        // Rows 0-255: the key pairs of byte r at bit 0 (column A) and at bit 2 (column B); then the value
+        // table's rows (value pairs in column B, as in the other tables).
+        if (r < 256) {
+          const int e = half == 0 ? (r & 63) : (r >> 2);
+          v = pack2<false>(cent[e & 7], cent[e >> 3]);
+        } else if (half == 1) {
+          if constexpr (C::VENT > 0) {
+            const int e = r - 256;
+            v = pack2<false>(cent[16 + (e & ((1 << C::VB) - 1))], cent[16 + (e >> C::VB)]);
+          }
+        }
       } else if (half == 0) {
         if constexpr (C::KENT > 0) {
           if (r < C::KENT) v = pack2<false>(cent[r & ((1 << C::KB) - 1)], cent[r >> C::KB]);
@@ -624,8 +664,9 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     }
   }
   const std::uint32_t L4 = static_cast<std::uint32_t>(lane) << 2;
-  const std::uint32_t XK = lut_s | L4, XV = lut_s | 128u | L4;  // table address of entry 0 for this lane
-  const std::uint32_t lut1_s = lut_s + static_cast<std::uint32_t>(C::LUT_ALIGN);  // split: segment 1's table
+  const std::uint32_t lut1_s = lut_s + static_cast<std::uint32_t>(C::LUT_ALIGN);  // split: segment 1's table (kKeyWin: values)
+  // Table address of entry 0 for this lane (kKeyWin: XK column A, XK | 128 column B of the key table)
+  const std::uint32_t XK = lut_s | L4, XV = (C::kKeyWin ? lut1_s : lut_s) | 128u | L4;
   const std::uint32_t XK1 = lut1_s | L4, XV1 = lut1_s | 128u | L4;
   // P transpose scratch of this warp (per segment 128 words): word 32 c + 8 h + 2 (x & 3) + (x >> 2) holds part c
   // (0 / 1: the fp16-rounded P of tokens x, x + 8 / x + 16, x + 24; 2 / 3: their residuals) of head h, written
@@ -731,9 +772,9 @@ __global__ void __launch_bounds__(C::THREADS, 1)
         }
       }
       if constexpr (C::kHG8)
-        tq_keys_mma<FW, 8, NW, 2>(wv, XK, qb, acc, qb1, acc1);
+        tq_keys_mma<FW, 8, NW, 2, C::kKeyWin>(wv, XK, qb, acc, qb1, acc1);
       else
-        tq_keys_mma<FW, 8>(wv, XK, qb, acc);
+        tq_keys_mma<FW, 8, NW, 1, C::kKeyWin>(wv, XK, qb, acc);
     } else {  // fp8 keys: 32 bytes per lane and token
       std::uint32_t wv[4][8];
 #pragma unroll
