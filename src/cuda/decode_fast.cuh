@@ -119,10 +119,11 @@ struct FCfg {
   static constexpr int WMAX = kHG8 ? 12 : 16;
   static constexpr int WARPS = WFIT >= WMAX ? WMAX : (WFIT / 2) * 2;
   static constexpr int THREADS = WARPS * 32;
-  // The main loop unrolled by two chunks where that measured faster (1.00-1.02x): TurboQuant values with 3-bit codes
-  // in a segment (tq-3bit, tq-3.5bit, tq-2.5bit), four heads (bench/results/decode-gqa-ab-2026-12-01.md). Unrolled,
-  // the 4-bit-only and uniform-value kernels spill in the loop or slow down (0.94-0.98x).
-  static constexpr int UNROLL = VC == ValueCode::kTq && HG == 4 && (KB == 3 || NSEG == 2) ? 2 : 1;
+  // The main loop unrolled by two chunks where that measured faster (1.00-1.02x): the outlier splits (tq-3.5bit,
+  // tq-2.5bit), four heads (bench/results/decode-gqa-ab-2026-12-01.md). Unrolled, the 4-bit-only and uniform-value
+  // kernels spill in the loop or slow down (0.94-0.98x); tq-3bit, unrolled too until its keys took byte windows, is
+  // 1.00-1.02x faster without (bench/results/decode-gqa-ab-2026-12-02.md).
+  static constexpr int UNROLL = VC == ValueCode::kTq && HG == 4 && NSEG == 2 ? 2 : 1;
   static constexpr int RS = D + 3;
   // Layout (lut_pad: bytes from the start of dynamic shared memory to the first shared-window address
   // aligned to LUT_BYTES, so that a table address is (window bits | entry << 8 | word) and one PRMT or
