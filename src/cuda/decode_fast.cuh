@@ -78,7 +78,7 @@ struct FCfg {
   static constexpr int VMB = VC == ValueCode::kTq ? 2 * NSEG : 4;
   static constexpr int MB = KMB + VMB;
   static constexpr int KENT = KC == KeyCode::kTq ? 1 << (2 * KB) : 0;
-  // 3-bit TurboQuant keys of one segment take their pairs through byte windows (tq_keys_mma_win): the pair p
+  // 3-bit TurboQuant keys of one segment take their pairs through byte windows (tq_keys_mma, WIN): the pair p
   // of a lane's 96-bit run starts at bit 6 p, i.e. at bit 0, 6, 4 or 2 of a byte. In a copy of the run shifted
   // right by 4, the pairs at bit 4 or 6 of a byte start at bit 0 or 2, so every pair lies in bits 0-5 or 2-7
   // of a byte of the run or of its copy, and one PRMT puts that byte into a table address: row `byte` (256
@@ -104,7 +104,7 @@ struct FCfg {
   // keep the plain rows.
   static constexpr bool kSwzV = NSEG == 1 && VCB == 64 && VC == ValueCode::kTq;
   // Segment 0's table (key and value pairs of segment 0, or of the only segment), aligned to its
-  // size; the split formats' segment 1 table follows it.
+  // size; the split formats' segment 1 table follows it (kKeyWin: the value pairs' table).
   static constexpr int LUT_ALIGN = (KROWS > VENT ? KROWS : VENT) * 256;  // may be 0; a power of two
   static constexpr int LUT1_BYTES = NSEG == 2 ? (1 << (2 * KB1_)) * 256 : (kKeyWin ? VENT * 256 : 0);
   static constexpr int LUT_BYTES = LUT_ALIGN + LUT1_BYTES;
