@@ -38,6 +38,7 @@
 #include <utility>
 
 #include "decode.cuh"
+#include "key_windows.hpp"
 
 namespace kvq::cuda::detail {
 
@@ -247,11 +248,9 @@ __device__ __forceinline__ void tq_keys_mma(const std::uint32_t (&wv)[4][NW], st
   auto kaddr = [&](int j, int pair) -> std::uint32_t {
     const int pos = pair * FW;
     if constexpr (WIN) {
-      // pos % 8 is 0, 6, 4 or 2: at 4 and 6 the copy has the pair at bit 0 / 2 of its byte q / 8.
-      const bool shifted = (pos & 4) != 0;
-      const int q = shifted ? pos - 4 : pos, by = q >> 3;
-      const std::uint32_t word = shifted ? sh[j][by >> 2] : wv[j][by >> 2];
-      return __byte_perm(word, (q & 2) ? (x | 128u) : x, 0x7604u | (static_cast<unsigned>(by & 3) << 4));
+      const KeyWindow kw = key_window(pair);  // key_windows.hpp
+      const std::uint32_t word = kw.shifted ? sh[j][kw.word] : wv[j][kw.word];
+      return __byte_perm(word, kw.col_b ? (x | 128u) : x, 0x7604u | (static_cast<unsigned>(kw.byte) << 4));
     } else if constexpr (FW == 8) {
       return __byte_perm(wv[j][pos >> 5], x, 0x7604u | (static_cast<unsigned>((pos & 31) >> 3) << 4));
     } else {
@@ -591,7 +590,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
         // Rows 0-255: the key pairs of byte r at bit 0 (column A) and at bit 2 (column B); then the value
         // table's rows (value pairs in column B, as in the other tables).
         if (r < 256) {
-          const int e = half == 0 ? (r & 63) : (r >> 2);
+          const int e = key_window_pair(half != 0, r);
           v = pack2<false>(cent[e & 7], cent[e >> 3]);
         } else if (half == 1) {
           if constexpr (C::VENT > 0) {
