@@ -20,7 +20,10 @@ using CodeRun = std::array<std::uint32_t, 3>;  // 96 bits, bit i of the run = bi
 
 int bits_at(const CodeRun& r, int pos, int n) {
   int v = 0;
-  for (int i = 0; i < n; ++i) v |= static_cast<int>((r[static_cast<std::size_t>((pos + i) / 32)] >> ((pos + i) % 32)) & 1u) << i;
+  for (int i = 0; i < n; ++i) {
+    const int b = pos + i;
+    v |= static_cast<int>((r[static_cast<std::size_t>(b / 32)] >> (b % 32)) & 1u) << i;
+  }
   return v;
 }
 
@@ -39,7 +42,8 @@ int looked_up(const CodeRun& r, int p) {
 TEST(KeyWindows, EveryPairOfRandomRuns) {
   std::mt19937 rng(20261202);
   for (int t = 0; t < 20000; ++t) {
-    const CodeRun r = {static_cast<std::uint32_t>(rng()), static_cast<std::uint32_t>(rng()), static_cast<std::uint32_t>(rng())};
+    CodeRun r;
+    for (auto& w : r) w = static_cast<std::uint32_t>(rng());
     for (int p = 0; p < 16; ++p) ASSERT_EQ(looked_up(r, p), bits_at(r, 6 * p, 6)) << "pair " << p << " run " << t;
   }
 }
