@@ -1,8 +1,9 @@
 // The fast decode kernel's byte windows for 3-bit key codes (src/cuda/key_windows.hpp, used by
-// decode_fast.cuh's tq_keys_mma and its table fill): for every pair of a 96-bit run of codes, the byte that
-// key_window names, read from the run or from the run shifted right by 4 bits, must give that pair's index
-// through its table column, whatever the bits around the pair. The same functions build the kernel's
-// addresses and table rows; scripts/gpu-test checks the kernel itself against the CPU reference.
+// decode_fast.cuh's tq_keys_mma and its table fill): for every pair of a 96-bit run of codes, packed as the
+// cache stores them, the byte that key_window names, read from the run or from the run shifted right by 4
+// bits, must give that pair's index through its table column, whatever the codes around the pair. The same
+// functions build the kernel's addresses and table rows; scripts/gpu-test checks the kernel itself against
+// the CPU reference.
 #include <gtest/gtest.h>
 
 #include <array>
@@ -11,20 +12,21 @@
 #include <set>
 
 #include "../../src/cuda/key_windows.hpp"
+#include "kvq/bitpack.hpp"
 
 namespace {
 
 using kvq::cuda::detail::key_window;
 using kvq::cuda::detail::key_window_pair;
-using CodeRun = std::array<std::uint32_t, 3>;  // 96 bits, bit i of the run = bit i % 32 of word i / 32
+using CodeRun = std::array<std::uint32_t, 3>;  // the 96-bit run as the kernel loads it: 3 little-endian words
 
-int bits_at(const CodeRun& r, int pos, int n) {
-  int v = 0;
-  for (int i = 0; i < n; ++i) {
-    const int b = pos + i;
-    v |= static_cast<int>((r[static_cast<std::size_t>(b / 32)] >> (b % 32)) & 1u) << i;
-  }
-  return v;
+// The run of 32 three-bit codes as the cache stores them (kvq::pack_bits: 12 bytes, code i at bits 3 i).
+CodeRun packed_run(const std::array<std::uint8_t, 32>& codes) {
+  std::array<std::uint8_t, 12> bytes{};
+  kvq::pack_bits(codes.data(), codes.size(), 3, bytes.data());
+  CodeRun r{};
+  for (std::size_t i = 0; i < bytes.size(); ++i) r[i / 4] |= static_cast<std::uint32_t>(bytes[i]) << (8 * (i % 4));
+  return r;
 }
 
 CodeRun shifted_by_4(const CodeRun& r) {  // the run as a 96-bit number, shifted right by 4
@@ -39,27 +41,31 @@ int looked_up(const CodeRun& r, int p) {
   return key_window_pair(kw.col_b, byte);
 }
 
+// The pair index of codes 2 p and 2 p + 1, as the table rows are filled (first code | second code << 3).
+int pair_of(const std::array<std::uint8_t, 32>& c, int p) {
+  return c[static_cast<std::size_t>(2 * p)] | c[static_cast<std::size_t>(2 * p + 1)] << 3;
+}
+
 TEST(KeyWindows, EveryPairOfRandomRuns) {
   std::mt19937 rng(20261202);
   for (int t = 0; t < 20000; ++t) {
-    CodeRun r;
-    for (auto& w : r) w = static_cast<std::uint32_t>(rng());
-    for (int p = 0; p < 16; ++p) ASSERT_EQ(looked_up(r, p), bits_at(r, 6 * p, 6)) << "pair " << p << " run " << t;
+    std::array<std::uint8_t, 32> c;
+    for (auto& x : c) x = static_cast<std::uint8_t>(rng() & 7u);
+    const CodeRun r = packed_run(c);
+    for (int p = 0; p < 16; ++p) ASSERT_EQ(looked_up(r, p), pair_of(c, p)) << "pair " << p << " run " << t;
   }
 }
 
-// Each pair's 64 values against all-zero and all-one surroundings.
+// Each pair's 64 values among codes all 0 and all 7.
 TEST(KeyWindows, EveryPairValueWithAnySurroundings) {
   for (int p = 0; p < 16; ++p)
     for (int v = 0; v < 64; ++v)
-      for (std::uint32_t fill : {0u, 0xffffffffu}) {
-        CodeRun r = {fill, fill, fill};
-        for (int i = 0; i < 6; ++i) {
-          const int b = 6 * p + i;
-          auto& w = r[static_cast<std::size_t>(b / 32)];
-          w = (w & ~(1u << (b % 32))) | (static_cast<std::uint32_t>((v >> i) & 1) << (b % 32));
-        }
-        ASSERT_EQ(looked_up(r, p), v) << "pair " << p << " value " << v << " fill " << fill;
+      for (std::uint8_t fill : {std::uint8_t{0}, std::uint8_t{7}}) {
+        std::array<std::uint8_t, 32> c;
+        c.fill(fill);
+        c[static_cast<std::size_t>(2 * p)] = static_cast<std::uint8_t>(v & 7);
+        c[static_cast<std::size_t>(2 * p + 1)] = static_cast<std::uint8_t>(v >> 3);
+        ASSERT_EQ(looked_up(packed_run(c), p), v) << "pair " << p << " value " << v << " fill " << int{fill};
       }
 }
 
