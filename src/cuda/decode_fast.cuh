@@ -87,7 +87,7 @@ struct FCfg {
   // (column B). Per token 3 funnel shifts, then a PRMT and an LDS per pair, where the 6-bit fields took a
   // shift, a LOP3 and an LDS. The 256 rows take 64 KB and both columns, so TurboQuant value pairs (tq-3bit)
   // get their own table after it (LUT1).
-  static constexpr bool kKeyWin = KC == KeyCode::kTq && KB == 3 && KB1_ == 0;
+  static constexpr bool kKeyWin = KC == KeyCode::kTq && KB == 3 && NSEG == 1;
   static constexpr int KROWS = kKeyWin ? 256 : KENT;  // rows of segment 0's key table
   // 3- and 4-bit uniform values are decoded arithmetically (fp16 magic numbers), no table.
   static constexpr bool kMagicV = VC == ValueCode::kUniform && (VB == 4 || VB == 3);
@@ -124,7 +124,7 @@ struct FCfg {
   // tq-2.5bit), four heads (bench/results/decode-gqa-ab-2026-12-01.md). Unrolled, the 4-bit-only and uniform-value
   // kernels spill in the loop or slow down (0.94-0.98x); tq-3bit, unrolled too until its keys took byte windows, is
   // 1.00-1.02x faster without (bench/results/decode-gqa-ab-2026-12-02.md).
-  static constexpr int UNROLL = VC == ValueCode::kTq && HG == 4 && NSEG == 2 ? 2 : 1;
+  static constexpr int UNROLL = HG == 4 && NSEG == 2 ? 2 : 1;  // NSEG == 2 has TurboQuant values (static_assert above)
   static constexpr int RS = D + 3;
   // Layout (lut_pad: bytes from the start of dynamic shared memory to the first shared-window address
   // aligned to LUT_BYTES, so that a table address is (window bits | entry << 8 | word) and one PRMT or
