@@ -25,9 +25,12 @@ bool fast_applies(const DecodeParams& p) {
 }
 }  // namespace
 
-// Four heads per CTA for G <= 4, eight for 4 < G <= 8 (FCfg::kHG8).
+// Four heads per CTA for G <= 4, eight for 4 < G <= 8 (FCfg::kHG8). A kernel whose value pairs come from
+// the key table (FCfg::kValWin) needs equal codebooks; without them the generic kernel serves the launch.
 #define KVQ_FAST_CASE(KC, KB, VC, VB, KB1, VB1)                                     \
   if (format_is(p.fmt, KC, KB, KB1, VC, VB, VB1)) {                                 \
+    if (FCfg<KC, KB, VC, VB, KB1, VB1>::kValWin && !p.fmt.shared_codebook)           \
+      return cudaErrorNotSupported;                                                 \
     if (p.q_heads / p.fmt.kv_heads > 4) {                                           \
       if (warps) *warps = FCfg<KC, KB, VC, VB, KB1, VB1, 8>::WARPS;                 \
       if (!launch) return cudaSuccess;                                              \
@@ -54,6 +57,7 @@ bool fast_cluster_for(const DecodeParams& p, int ns) {
 }
 #define KVQ_FAST_CLUSTER_CASE(KC, KB, VC, VB, KB1, VB1)                                  \
   if (format_is(p.fmt, KC, KB, KB1, VC, VB, VB1)) {                                      \
+    if (FCfg<KC, KB, VC, VB, KB1, VB1>::kValWin && !p.fmt.shared_codebook) return false; \
     if (p.q_heads / p.fmt.kv_heads > 4) return fast_cluster_for<FCfg<KC, KB, VC, VB, KB1, VB1, 8>>(p, ns); \
     return fast_cluster_for<FCfg<KC, KB, VC, VB, KB1, VB1>>(p, ns);                      \
   }

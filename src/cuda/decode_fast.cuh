@@ -85,10 +85,14 @@ struct FCfg {
   // of a byte of the run or of its copy, and one PRMT puts that byte into a table address: row `byte` (256
   // bytes) holds the pair (byte & 63) at word `lane` (column A) and the pair (byte >> 2) at word 32 + lane
   // (column B). Per token 3 funnel shifts, then a PRMT and an LDS per pair, where the 6-bit fields took a
-  // shift, a LOP3 and an LDS. The 256 rows take 64 KB and both columns, so TurboQuant value pairs (tq-3bit)
-  // get their own table after it (LUT1).
+  // shift, a LOP3 and an LDS. The 256 rows take 64 KB and both columns.
   static constexpr bool kKeyWin = KC == KeyCode::kTq && KB == 3 && NSEG == 1;
   static constexpr int KROWS = kKeyWin ? 256 : KENT;  // rows of segment 0's key table
+  // 3-bit TurboQuant values with such keys (tq-3bit): a lane's value pairs of two tokens, merged into 6-bit pair
+  // fields at bits 6 m of two 48-bit runs (even and odd dims), take the same windows from the key table, whose
+  // pairs are the value pairs when the two codebooks are equal (FormatDesc::shared_codebook, which the launcher
+  // requires): no table of their own.
+  static constexpr bool kValWin = kKeyWin && VC == ValueCode::kTq && VB == 3;
   // 3- and 4-bit uniform values are decoded arithmetically (fp16 magic numbers), no table.
   static constexpr bool kMagicV = VC == ValueCode::kUniform && (VB == 4 || VB == 3);
   static constexpr std::uint32_t kMagic = 0x64006400u;  // fp16 1024 in both halves
@@ -96,7 +100,7 @@ struct FCfg {
   // in its 16-bit window), so the merge scales row j by 2^-p(j) after taking 1024 w_run out. 4 bits:
   // even dims at p = 0, odd dims at p = 4. 3 bits: six byte windows of the lane's 48 bits, p = 3 j mod 8.
   static constexpr int magic_p(int j) { return VB == 4 ? 4 * (j & 1) : (3 * j) % 8; }
-  static constexpr int VENT = kMagicV ? 0 : 1 << (2 * VB);
+  static constexpr int VENT = kMagicV || kValWin ? 0 : 1 << (2 * VB);
   // 64-byte rows of TurboQuant values (4 bits, one segment: tq-4bit) are stored swizzled in the stages:
   // 16-byte unit u of row r at u ^ (2 ((r >> 1) & 1)). A PV load phase (16 lanes: rows t4 = 0..3, 8 bytes at
   // 8 g) then hits 32 different banks; unswizzled, rows t4 and t4 + 2 (128 bytes apart) share theirs (2-way
@@ -105,19 +109,31 @@ struct FCfg {
   // keep the plain rows.
   static constexpr bool kSwzV = NSEG == 1 && VCB == 64 && VC == ValueCode::kTq;
   // Segment 0's table (key and value pairs of segment 0, or of the only segment), aligned to its
-  // size; the split formats' segment 1 table follows it (kKeyWin: the value pairs' table).
+  // size; the split formats' segment 1 table follows it.
   static constexpr int LUT_ALIGN = (KROWS > VENT ? KROWS : VENT) * 256;  // may be 0; a power of two
-  static constexpr int LUT1_BYTES = NSEG == 2 ? (1 << (2 * KB1_)) * 256 : (kKeyWin ? VENT * 256 : 0);
+  static_assert(!kKeyWin || VENT == 0, "fast decode: the key windows' table has no value column of its own");
+  static constexpr int LUT1_BYTES = NSEG == 2 ? (1 << (2 * KB1_)) * 256 : 0;
   static constexpr int LUT_BYTES = LUT_ALIGN + LUT1_BYTES;
   static constexpr int Q_BYTES = HG * D * 4 + 2 * NSEG * 16 * 4;  // query [HG][D], then centroids [2 NSEG][16]
   static constexpr int STAGE_BYTES = align16c(kChunk * (KCB + VCB + MB)) + 16;
   // per-warp scratch of the P transpose: [segment][4 parts][4 heads][8 words]
   static constexpr int SCR_WARP = 512 * NSEG;
-  // cp.async ring depth per warp: 3 stages (two chunks in flight while one is used) where 16 warps fit.
-  static constexpr int AVAIL = kSmemBudget - LUT_BYTES - Q_BYTES - 16 * SCR_WARP;
-  static constexpr int NST = KVQ_FAST_MAX_STAGES >= 3 && AVAIL / (3 * STAGE_BYTES) >= 16 ? 3 : 2;
-  static constexpr int WFIT = AVAIL / (NST * STAGE_BYTES);
   static constexpr int WMAX = kHG8 ? 12 : 16;
+  // cp.async ring depth per warp: 3 stages (two chunks in flight while one is used) where 16 warps' rings fit beside
+  // the table, query and scratch, 2 otherwise. The eight-head kernels (12 warps) ask for the same room: with three
+  // stages where only their 12 rings fit, tq-3bit-nc and tq-k3v4-nc measured 0.99-1.00x (decode-gqa-ab-2026-12-02.md,
+  // section 5). The rings must also fit the layout below, whose pad before the table holds whole rings only, within
+  // the most dynamic shared memory a block may have (227 KB, after the 1 KB sm_90 reserves per block): for tq-3bit
+  // the first test alone would allow three stages that the pad's remainder leaves no room for.
+  static constexpr int AVAIL = kSmemBudget - LUT_BYTES - Q_BYTES - 16 * SCR_WARP;
+  static constexpr int kPad1k = LUT_ALIGN > 0 ? (LUT_ALIGN - 1024 % LUT_ALIGN) % LUT_ALIGN : 0;
+  static constexpr int rings_need(int nst, int warps) {
+    const int in_pad = kPad1k / (nst * STAGE_BYTES) < warps ? kPad1k / (nst * STAGE_BYTES) : warps;
+    return kPad1k + LUT_BYTES + Q_BYTES + warps * SCR_WARP + (warps - in_pad) * nst * STAGE_BYTES;
+  }
+  static constexpr int NST =
+      KVQ_FAST_MAX_STAGES >= 3 && AVAIL / (3 * STAGE_BYTES) >= 16 && rings_need(3, WMAX) <= kSmemBudget + 2 * 1024 ? 3 : 2;
+  static constexpr int WFIT = AVAIL / (NST * STAGE_BYTES);
   static constexpr int WARPS = WFIT >= WMAX ? WMAX : (WFIT / 2) * 2;
   static constexpr int THREADS = WARPS * 32;
   // The main loop unrolled by two chunks where that measured faster (1.00-1.02x): the outlier splits (tq-3.5bit,
@@ -166,6 +182,7 @@ struct FCfg {
     return need > CL_END ? need : CL_END;
   }
   static_assert(WARPS >= 8, "fast decode: too little shared memory");
+  static_assert(smem(kPad1k) <= kSmemBudget + 2 * 1024, "fast decode: the layout exceeds 227 KB on sm_90");
 };
 
 // Shared-window address of the start of dynamic shared memory.
@@ -587,17 +604,9 @@ __global__ void __launch_bounds__(C::THREADS, 1)
         const float* cs = cent + 32 * s + 16 * half;
         v = pack2<false>(cs[e & ((1 << bits) - 1)], cs[e >> bits]);
       } else if constexpr (C::kKeyWin) {
-        // Rows 0-255: the key pairs of byte r at bit 0 (column A) and at bit 2 (column B); then the value
-        // table's rows (value pairs in column B, as in the other tables).
-        if (r < 256) {
-          const int e = key_window_pair(half != 0, r);
-          v = pack2<false>(cent[e & 7], cent[e >> 3]);
-        } else if (half == 1) {
-          if constexpr (C::VENT > 0) {
-            const int e = r - 256;
-            v = pack2<false>(cent[16 + (e & ((1 << C::VB) - 1))], cent[16 + (e >> C::VB)]);
-          }
-        }
+        // The key pairs of byte r at bit 0 (column A) and at bit 2 (column B); kValWin: the value pairs too.
+        const int e = key_window_pair(half != 0, r);
+        v = pack2<false>(cent[e & 7], cent[e >> 3]);
       } else if (half == 0) {
         if constexpr (C::KENT > 0) {
           if (r < C::KENT) v = pack2<false>(cent[r & ((1 << C::KB) - 1)], cent[r >> C::KB]);
@@ -664,9 +673,9 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     }
   }
   const std::uint32_t L4 = static_cast<std::uint32_t>(lane) << 2;
-  const std::uint32_t lut1_s = lut_s + static_cast<std::uint32_t>(C::LUT_ALIGN);  // split: segment 1's table (kKeyWin: values)
+  const std::uint32_t lut1_s = lut_s + static_cast<std::uint32_t>(C::LUT_ALIGN);  // split: segment 1's table
   // Table address of entry 0 for this lane (kKeyWin: XK column A, XK | 128 column B of the key table)
-  const std::uint32_t XK = lut_s | L4, XV = (C::kKeyWin ? lut1_s : lut_s) | 128u | L4;
+  const std::uint32_t XK = lut_s | L4, XV = lut_s | 128u | L4;
   const std::uint32_t XK1 = lut1_s | L4, XV1 = lut1_s | 128u | L4;
   // P transpose scratch of this warp (per segment 128 words): word 32 c + 8 h + 2 (x & 3) + (x >> 2) holds part c
   // (0 / 1: the fp16-rounded P of tokens x, x + 8 / x + 16, x + 24; 2 / 3: their residuals) of head h, written
@@ -1071,6 +1080,24 @@ __global__ void __launch_bounds__(C::THREADS, 1)
               areg[tp][8 * h + 2 * k] = lds_u32(__byte_perm(E, XV, sel));
               areg[tp][8 * h + 2 * k + 1] = lds_u32(__byte_perm(O, XV, sel));
             }
+          }
+        } else if constexpr (C::kValWin) {
+          // 3-bit TurboQuant values through the key table's byte windows (kValWin): the lane's 48 bits (dims
+          // 16 g .. 16 g + 15) of tokens a = p0 and b = p1, aligned to bit 0, merged into the even and odd dims'
+          // runs of pair fields (value_pair_runs, key_windows.hpp), whose pair m lies where a key run's does: per
+          // register a PRMT of the byte key_window(m) names (run or copy shifted right by 4) and an LDS.
+          const int bo = 6 * g, ba = bo & ~3, sh = (bo & 3) * 8;
+          const std::uint32_t* pa = reinterpret_cast<const std::uint32_t*>(sv + p0 * C::VCB + ba);
+          const std::uint32_t* pb = reinterpret_cast<const std::uint32_t*>(sv + p1 * C::VCB + ba);
+          const ValuePairRuns r = value_pair_runs(__funnelshift_r(pa[0], pa[1], sh), pa[1] >> sh,
+                                                  __funnelshift_r(pb[0], pb[1], sh), pb[1] >> sh);
+          const std::uint32_t es[2] = {__funnelshift_r(r.e[0], r.e[1], 4), r.e[1] >> 4};
+          const std::uint32_t os[2] = {__funnelshift_r(r.o[0], r.o[1], 4), r.o[1] >> 4};
+#pragma unroll
+          for (int j = 0; j < 16; ++j) {
+            const KeyWindow kw = key_window(j >> 1);
+            const std::uint32_t* run = (j & 1) ? (kw.shifted ? os : r.o) : (kw.shifted ? es : r.e);
+            areg[tp][j] = lds_u32(__byte_perm(run[kw.word], kw.col_b ? (XK | 128u) : XK, 0x7604u | (static_cast<unsigned>(kw.byte) << 4)));
           }
         } else {  // 3-bit: 48 bits at byte 6 g
           const int bo = 6 * g, ba = bo & ~3, sh = (bo & 3) * 8;

@@ -10,6 +10,8 @@
 // pair at bit 0 of its byte) and the pair (e >> 2) in column B (at bit 2).
 #pragma once
 
+#include <cstdint>
+
 #if defined(__CUDACC__)
 #define KVQ_KEYWIN_HD __host__ __device__
 #else
@@ -35,6 +37,26 @@ KVQ_KEYWIN_HD constexpr KeyWindow key_window(int pair) {
 
 // The pair index that row e (0..255) of column A / B holds.
 KVQ_KEYWIN_HD constexpr int key_window_pair(bool col_b, int e) { return !col_b ? e & 63 : e >> 2; }
+
+// 3-bit TurboQuant values (FCfg::kValWin, tq-3bit). PV takes a lane's 16 value dims of two tokens a and b as
+// pairs (c_a, c_b) per dim, so the kernel merges the tokens' 48-bit runs (a0 / b0: bits 0-31, a1 / b1: bits 32-47,
+// bits above garbage) into two runs of 6-bit pair fields c_a | c_b << 3 at bits 6 m: e[] for the even dims
+// (dim 2 m) and o[] for the odd ones (dim 2 m + 1). Pair m of either then lies where pair m of a key run does,
+// so key_window(m) names its byte (in the run or in the run shifted right by 4) and the key table's rows give
+// the value pair whenever the two codebooks are equal. Bits 48-63 of e[] and o[] are garbage; key_window never
+// reads them for m < 8. Each field is one bit select: Me marks the bits 6 m .. 6 m + 2, its complement in the
+// 48 bits the bits 6 m + 3 .. 6 m + 5.
+struct ValuePairRuns {
+  std::uint32_t e[2], o[2];
+};
+KVQ_KEYWIN_HD constexpr ValuePairRuns value_pair_runs(std::uint32_t a0, std::uint32_t a1, std::uint32_t b0,
+                                                      std::uint32_t b1) {
+  constexpr std::uint32_t Me0 = 0xc71c71c7u, Me1 = 0x00001c71u;
+  const std::uint32_t bs0 = b0 << 3, bs1 = (b1 << 3) | (b0 >> 29);  // b << 3
+  const std::uint32_t as0 = (a0 >> 3) | (a1 << 29), as1 = a1 >> 3;  // a >> 3
+  return ValuePairRuns{{(a0 & Me0) | (bs0 & ~Me0), (a1 & Me1) | (bs1 & ~Me1)},
+                       {(as0 & Me0) | (b0 & ~Me0), (as1 & Me1) | (b1 & ~Me1)}};
+}
 
 }  // namespace kvq::cuda::detail
 

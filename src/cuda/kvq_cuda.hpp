@@ -50,6 +50,10 @@ struct FormatDesc {
   const float* key_edges = nullptr;
   const float* value_centroids = nullptr;
   const float* value_edges = nullptr;
+  // True when value_centroids holds exactly key_centroids (every segment): so in every TurboQuant-value
+  // preset. The fast decode kernel of 3-bit TurboQuant keys and values (tq-3bit) then reads the value
+  // pairs from the key pairs' table; a launch without it takes the generic kernel.
+  bool shared_codebook = false;
   // [kMaxSegments][kMaxCodebook]: the midpoints as thresholds on the FWHT output before its final
   // 1 / sqrt(block) (kvq::prescale_threshold; power-of-two segments), for the fast store kernel.
   const float* key_thresholds = nullptr;

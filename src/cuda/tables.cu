@@ -147,6 +147,7 @@ LayerTables::LayerTables(const FormatSpec& f, const CacheGeometry& g, int layer,
       for (int i = 0; i < d; ++i) perm[i] = order[static_cast<std::size_t>(i)];
     }
   }
+  fd.shared_codebook = kc == vc;
   // The store kernel's bucket thresholds: each segment's midpoints moved before the FWHT's final
   // 1 / sqrt(block) (prescale_threshold), for power-of-two segments (the fast kernel's); others
   // keep the midpoints (scale 1), which no kernel reads.

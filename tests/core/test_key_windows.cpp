@@ -2,8 +2,9 @@
 // decode_fast.cuh's tq_keys_mma and its table fill): for every pair of a 96-bit run of codes, packed as the
 // cache stores them, the byte that key_window names, read from the run or from the run shifted right by 4
 // bits, must give that pair's index through its table column, whatever the codes around the pair. The same
-// functions build the kernel's addresses and table rows; scripts/gpu-test checks the kernel itself against
-// the CPU reference.
+// holds for tq-3bit's value pairs (value_pair_runs: two tokens' 48-bit value runs merged into runs of
+// (token a, token b) pairs per dim). The same functions build the kernel's addresses and table rows;
+// scripts/gpu-test checks the kernel itself against the CPU reference.
 #include <gtest/gtest.h>
 
 #include <array>
@@ -18,6 +19,7 @@ namespace {
 
 using kvq::cuda::detail::key_window;
 using kvq::cuda::detail::key_window_pair;
+using kvq::cuda::detail::value_pair_runs;
 using CodeRun = std::array<std::uint32_t, 3>;  // the 96-bit run as the kernel loads it: 3 little-endian words
 
 // The run of 32 three-bit codes as the cache stores them (kvq::pack_bits: 12 bytes, code i at bits 3 i).
@@ -67,6 +69,33 @@ TEST(KeyWindows, EveryPairValueWithAnySurroundings) {
         c[static_cast<std::size_t>(2 * p + 1)] = static_cast<std::uint8_t>(v >> 3);
         ASSERT_EQ(looked_up(packed_run(c), p), v) << "pair " << p << " value " << v << " fill " << int{fill};
       }
+}
+
+// tq-3bit's value pairs: two tokens' runs of 16 codes (6 bytes each, as the cache stores them, with random bits
+// past them, which the kernel's 8-byte loads also see), merged by value_pair_runs; pair m of the even run must
+// look up (dim 2 m of a, dim 2 m of b), of the odd run (dim 2 m + 1 of a, of b), whatever the garbage bits.
+TEST(KeyWindows, ValuePairsOfTwoTokens) {
+  std::mt19937 rng(20261203);
+  auto run48 = [&](const std::array<std::uint8_t, 16>& codes) {
+    std::array<std::uint8_t, 6> bytes{};
+    kvq::pack_bits(codes.data(), codes.size(), 3, bytes.data());
+    CodeRun r{0, static_cast<std::uint32_t>(rng()) & 0xffff0000u, static_cast<std::uint32_t>(rng())};
+    for (std::size_t i = 0; i < bytes.size(); ++i) r[i / 4] |= static_cast<std::uint32_t>(bytes[i]) << (8 * (i % 4));
+    return r;
+  };
+  for (int t = 0; t < 20000; ++t) {
+    std::array<std::uint8_t, 16> ca, cb;
+    for (auto& x : ca) x = static_cast<std::uint8_t>(rng() & 7u);
+    for (auto& x : cb) x = static_cast<std::uint8_t>(rng() & 7u);
+    const CodeRun ra = run48(ca), rb = run48(cb);
+    const auto v = value_pair_runs(ra[0], ra[1], rb[0], rb[1]);
+    const CodeRun e{v.e[0], v.e[1], static_cast<std::uint32_t>(rng())}, o{v.o[0], v.o[1], static_cast<std::uint32_t>(rng())};
+    for (int m = 0; m < 8; ++m) {
+      const auto i = static_cast<std::size_t>(2 * m);
+      ASSERT_EQ(looked_up(e, m), ca[i] | cb[i] << 3) << "even dim pair " << m << " run " << t;
+      ASSERT_EQ(looked_up(o, m), ca[i + 1] | cb[i + 1] << 3) << "odd dim pair " << m << " run " << t;
+    }
+  }
 }
 
 // The windows the kernel reads: inside the run and its copy, half of the pairs in each, and both columns in use.
