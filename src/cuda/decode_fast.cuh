@@ -874,15 +874,33 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     }
 
     // ---- online softmax (log2 domain) of head t4 over the 8 lanes t4, t4 + 4, ... ----
+    // The head's maximum moves only when one of its scores exceeds the running one, which after the first chunks is
+    // rare. A vote finds whether any lane has such a score; only then is the maximum reduced over the head's lanes
+    // (three shuffles) and the accumulators rescaled. Otherwise the new maximum is the running one exactly, so the
+    // result is the same as with the reduction in every chunk.
     float mx = fmaxf(fmaxf(sc[0], sc[1]), fmaxf(sc[2], sc[3]));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
-    const float m_new = fmaxf(m_run, mx);
-    const float m_use = m_new == -INFINITY ? 0.0f : m_new;
-    // ex2.approx.ftz: the MUFU alone (exp2f adds a rescale for results below 2^-126, weights that
-    // do not matter next to the maximum's 1); ex2(-inf) = 0.
-    const float alpha = ex2(m_run - m_use);
+    float mx1 = C::kHG8 ? fmaxf(fmaxf(sc1[0], sc1[1]), fmaxf(sc1[2], sc1[3])) : -INFINITY;  // eight heads: head t4 + 4
+    float alpha = 1.0f, alpha1 = 1.0f;
+    const bool moved = __any_sync(0xffffffffu, mx > m_run || mx1 > m_run1);
+    if (moved) {
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+      const float m_new = fmaxf(m_run, mx);
+      // ex2.approx.ftz: the MUFU alone (exp2f adds a rescale for results below 2^-126, weights that
+      // do not matter next to the maximum's 1); ex2(-inf) = 0.
+      alpha = ex2(m_run - (m_new == -INFINITY ? 0.0f : m_new));
+      m_run = m_new;
+      if constexpr (C::kHG8) {
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 4));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 8));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 16));
+        const float m_new1 = fmaxf(m_run1, mx1);
+        alpha1 = ex2(m_run1 - (m_new1 == -INFINITY ? 0.0f : m_new1));
+        m_run1 = m_new1;
+      }
+    }
+    const float m_use = m_run == -INFINITY ? 0.0f : m_run;
     float psum = 0, zsum = 0, pv[NSEG][4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -903,19 +921,12 @@ __global__ void __launch_bounds__(C::THREADS, 1)
         for (int j = 0; j < 4; ++j) pv[s][j] = round_elt<false>(pv[s][j]);
     }
     if constexpr (C::kMagicV) w_run = w_run * alpha + ((pv[0][0] + pv[0][1]) + (pv[0][2] + pv[0][3]));
-    m_run = m_new;
     // Eight heads: the same for head t4 + 4 (columns 2 t4 + 1 of PV). Written out rather than shared with
     // the step above through a function: that sharing changed the register allocation of the four-head
-    // kernels' loops, which stay SASS-identical this way.
-    float alpha1 = 1.0f, pv1[NSEG][4];
+    // kernels' loops.
+    float pv1[NSEG][4];
     if constexpr (C::kHG8) {
-      float mx1 = fmaxf(fmaxf(sc1[0], sc1[1]), fmaxf(sc1[2], sc1[3]));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 4));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 8));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 16));
-      const float m_new1 = fmaxf(m_run1, mx1);
-      const float m_use1 = m_new1 == -INFINITY ? 0.0f : m_new1;
-      alpha1 = ex2(m_run1 - m_use1);
+      const float m_use1 = m_run1 == -INFINITY ? 0.0f : m_run1;
       float psum1 = 0, zsum1 = 0;
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
@@ -928,23 +939,14 @@ __global__ void __launch_bounds__(C::THREADS, 1)
       z_run1 = z_run1 * alpha1 + zsum1;
       l_run1 = l_run1 * alpha1 + psum1;
       if constexpr (C::kMagicV) w_run1 = w_run1 * alpha1 + ((pv1[0][0] + pv1[0][1]) + (pv1[0][2] + pv1[0][3]));
-      m_run1 = m_new1;
-      if (__any_sync(0xffffffffu, alpha != 1.0f || alpha1 != 1.0f)) {
-#pragma unroll
-        for (int n = 0; n < 8; ++n) {
-          o[n][0] *= alpha;
-          o[n][1] *= alpha1;
-          o[n][2] *= alpha;
-          o[n][3] *= alpha1;
-        }
-      }
-    } else if (__any_sync(0xffffffffu, alpha != 1.0f)) {
+    }
+    if (moved) {  // the accumulators to the new maxima (here, where the scores are no longer live)
 #pragma unroll
       for (int n = 0; n < 8; ++n) {
         o[n][0] *= alpha;
-        o[n][1] *= alpha;
+        o[n][1] *= C::kHG8 ? alpha1 : alpha;
         o[n][2] *= alpha;
-        o[n][3] *= alpha;
+        o[n][3] *= C::kHG8 ? alpha1 : alpha;
       }
     }
     // ---- P (times the value scale; per segment for the split) to the B layout of PV through the scratch ----
