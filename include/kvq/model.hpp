@@ -107,6 +107,10 @@ ModelConfig load_model_config(const std::string& path);
 // file, or a flag the model cannot honour, is a kvq::Error.
 void apply_calibration_file(const std::string& dir, ModelConfig& cfg);
 
+// The OpenBLAS kernel set the model's matrix products run on (chosen once per process from the CPU; e.g.
+// "Haswell", "SkylakeX"). Perplexities differ in their last digits between kernel sets, so reports name it.
+const char* blas_kernels();
+
 // Inverse RoPE frequencies [rope.dim / 2] as transformers computes them (default or YaRN).
 std::vector<float> rope_inv_freq(const RopeConfig& rope);
 

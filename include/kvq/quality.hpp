@@ -77,6 +77,7 @@ struct ModelEvalResult {
   int needle_samples = 0;
   double bf16_ppl = 0;
   std::map<int, double> bf16_needle;
+  std::string blas_kernels;  // kvq::blas_kernels() of the run
   std::vector<ConfigResult> rows;
 };
 

@@ -641,4 +641,6 @@ void moe_route(const MoeConfig& m, const float* logits, const float* bias, int* 
 
 std::unique_ptr<Model> Model::load(const std::string& dir) { return std::make_unique<ModelImpl>(dir); }
 
+const char* blas_kernels() { return ops::select_blas_kernels(); }
+
 }  // namespace kvq

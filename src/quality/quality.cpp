@@ -441,6 +441,7 @@ ModelEvalResult evaluate_model(const std::string& model_dir, const std::vector<C
   }
   res.predictions = static_cast<std::int64_t>(windows) * (n - 1);
   res.bf16_ppl = std::exp(ref_nll / windows);
+  res.blas_kernels = blas_kernels();
   for (std::size_t i = 0; i < configs.size(); ++i) {
     auto& r = res.rows[i];
     r.mean_nll = nll_sum[i] / windows;

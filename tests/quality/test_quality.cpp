@@ -146,6 +146,8 @@ TEST(Quality, EvaluateModelEndToEnd) {
   ASSERT_EQ(r.rows.size(), 2u);
   EXPECT_EQ(r.windows, 2);
   EXPECT_EQ(r.predictions, 2 * 255);
+  EXPECT_FALSE(r.blas_kernels.empty());
+  EXPECT_EQ(r.blas_kernels, std::string(blas_kernels()));
   EXPECT_NEAR(r.rows[0].ppl, r.bf16_ppl, 1e-9 * r.bf16_ppl);
   EXPECT_EQ(r.rows[0].kl, 0.0);
   EXPECT_EQ(r.rows[0].top1, 1.0);

@@ -54,7 +54,8 @@ nlohmann::json to_json(const kvq::ModelEvalResult& m) {
   for (const auto& [len, a] : m.bf16_needle) bn[std::to_string(len)] = a;
   return {{"model", m.model_dir},       {"architecture", m.architecture}, {"windows", m.windows},
           {"predictions", m.predictions}, {"bf16_ppl", m.bf16_ppl},     {"bf16_needle_accuracy", bn},
-          {"needle_samples", m.needle_samples}, {"baseline_model", m.baseline_model}, {"rows", rows}};
+          {"needle_samples", m.needle_samples}, {"baseline_model", m.baseline_model}, {"blas_kernels", m.blas_kernels},
+          {"rows", rows}};
 }
 
 // "+0.000" rather than "-0.000" for a difference that rounds to zero (a bf16 row whose prefill
@@ -111,9 +112,10 @@ void write_report(const std::string& dir, const std::vector<kvq::ModelEvalResult
   if (!f) kvq::fail(md + ": cannot write");
   fmt::print(f, "# kvq eval report\n\nCommand: `{}`\n\n", command);
   for (const auto& m : all)
-    fmt::print(f, "- {} ({}): {} windows, {} predictions; bf16 ppl {:.4f}{}; {} needle samples per length\n", m.model_dir,
-               m.architecture, m.windows, m.predictions, m.bf16_ppl,
-               m.baseline_model.empty() ? std::string() : " (bf16 reference: " + m.baseline_model + ")", m.needle_samples);
+    fmt::print(f, "- {} ({}): {} windows, {} predictions; bf16 ppl {:.4f}{}; {} needle samples per length; BLAS kernels {}\n",
+               m.model_dir, m.architecture, m.windows, m.predictions, m.bf16_ppl,
+               m.baseline_model.empty() ? std::string() : " (bf16 reference: " + m.baseline_model + ")", m.needle_samples,
+               m.blas_kernels);
   fmt::print(f, "\n");
   print_tables(all, f, true);
   fmt::print(f, "\n![delta-ppl against bytes per token](delta_ppl_vs_bytes.png)\n");
