@@ -241,6 +241,19 @@ __device__ __forceinline__ void load_run(const std::uint8_t* row, int o, std::ui
   }
 }
 
+// The byte windows of runs of 3-bit code pairs (key_windows.hpp), shared by the key runs and tq-3bit's value pair
+// runs: a run of N words shifted right by 4 bits, and the table address of the pair that window kw names in `word`
+// (the run's or the copy's word kw.word; x: the table base with the lane's word bits, column A; x | 128: column B).
+template <int N>
+__device__ __forceinline__ void shifted_by_4(const std::uint32_t (&w)[N], std::uint32_t (&s)[N]) {
+#pragma unroll
+  for (int k = 0; k + 1 < N; ++k) s[k] = __funnelshift_r(w[k], w[k + 1], 4);
+  s[N - 1] = w[N - 1] >> 4;
+}
+__device__ __forceinline__ std::uint32_t window_addr(std::uint32_t word, const KeyWindow& kw, std::uint32_t x) {
+  return __byte_perm(word, kw.col_b ? (x | 128u) : x, 0x7604u | (static_cast<unsigned>(kw.byte) << 4));
+}
+
 // Keys as A from TurboQuant codes: the lane's codes of its 4 tokens (wv[j]: token g + 8 j, FW-bit
 // fields of two codes each) become pair-table addresses (x: the table base with the lane's word
 // bits; one PRMT for 4-bit codes, a shift and a LOP3 otherwise), one LDS per fp16 pair, and NKT
@@ -256,18 +269,13 @@ __device__ __forceinline__ void tq_keys_mma(const std::uint32_t (&wv)[4][NW], st
   std::uint32_t sh[4][NW];  // WIN: the runs shifted right by 4 bits
   if constexpr (WIN) {
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      sh[j][0] = __funnelshift_r(wv[j][0], wv[j][1], 4);
-      sh[j][1] = __funnelshift_r(wv[j][1], wv[j][2], 4);
-      sh[j][2] = wv[j][2] >> 4;
-    }
+    for (int j = 0; j < 4; ++j) shifted_by_4(wv[j], sh[j]);
   }
   auto kaddr = [&](int j, int pair) -> std::uint32_t {
     const int pos = pair * FW;
     if constexpr (WIN) {
-      const KeyWindow kw = key_window(pair);  // key_windows.hpp
-      const std::uint32_t word = kw.shifted ? sh[j][kw.word] : wv[j][kw.word];
-      return __byte_perm(word, kw.col_b ? (x | 128u) : x, 0x7604u | (static_cast<unsigned>(kw.byte) << 4));
+      const KeyWindow kw = key_window(pair);
+      return window_addr(kw.shifted ? sh[j][kw.word] : wv[j][kw.word], kw, x);
     } else if constexpr (FW == 8) {
       return __byte_perm(wv[j][pos >> 5], x, 0x7604u | (static_cast<unsigned>((pos & 31) >> 3) << 4));
     } else {
@@ -1095,13 +1103,14 @@ __global__ void __launch_bounds__(C::THREADS, 1)
           const std::uint32_t* pb = reinterpret_cast<const std::uint32_t*>(sv + p1 * C::VCB + ba);
           const ValuePairRuns r = value_pair_runs(__funnelshift_r(pa[0], pa[1], sh), pa[1] >> sh,
                                                   __funnelshift_r(pb[0], pb[1], sh), pb[1] >> sh);
-          const std::uint32_t es[2] = {__funnelshift_r(r.e[0], r.e[1], 4), r.e[1] >> 4};
-          const std::uint32_t os[2] = {__funnelshift_r(r.o[0], r.o[1], 4), r.o[1] >> 4};
+          std::uint32_t es[2], os[2];
+          shifted_by_4(r.e, es);
+          shifted_by_4(r.o, os);
 #pragma unroll
           for (int j = 0; j < 16; ++j) {
             const KeyWindow kw = key_window(j >> 1);
             const std::uint32_t* run = (j & 1) ? (kw.shifted ? os : r.o) : (kw.shifted ? es : r.e);
-            areg[tp][j] = lds_u32(__byte_perm(run[kw.word], kw.col_b ? (XK | 128u) : XK, 0x7604u | (static_cast<unsigned>(kw.byte) << 4)));
+            areg[tp][j] = lds_u32(window_addr(run[kw.word], kw, XK));
           }
         } else {  // 3-bit: 48 bits at byte 6 g
           const int bo = 6 * g, ba = bo & ~3, sh = (bo & 3) * 8;
