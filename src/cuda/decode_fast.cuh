@@ -542,10 +542,16 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   // row's unit (lane & 3) ^ 2 ((row >> 1) & 1): the swizzle is an involution, so permuting the sources lays the
   // stage out swizzled with no per-copy cost (a loop-invariant pointer, as before).
   const int vlane = C::kSwzV ? lane ^ ((lane >> 2) & 2) : lane;
+  // kSplitGroups (tq-3bit and the outlier splits, whose value pairs are table lookups): a chunk's key codes and
+  // metadata are one cp.async group and its value codes the next, so QK waits only for the first and PV for the
+  // second (the values' bytes keep arriving while the scores are made). The other formats copy a chunk as one group
+  // (two groups measured 0.99-1.00x for tq-4bit and tq-k3v4-nc, 1.02x for tq-3bit; decode-gqa-ab-2026-12-02.md,
+  // section 8).
+  constexpr int nk = kChunk * C::KCB / 16, nv = kChunk * C::VCB / 16, nm = kChunk * C::MB / 16;
+  constexpr bool kSplitGroups = C::kValWin || NSEG == 2;
   auto issue = [&](int slot_i, int page) {
     const std::uint64_t pgo = static_cast<std::uint64_t>(static_cast<std::uint32_t>(page)) * page_bytes32;
     std::uint8_t* dst = my_stages + slot_i * C::STAGE_BYTES;
-    constexpr int nk = kChunk * C::KCB / 16, nv = kChunk * C::VCB / 16, nm = kChunk * C::MB / 16;
     if constexpr (nk % 32 == 0 && nv % 32 == 0) {
       static_assert(nm <= 32, "chunk regions");
       const std::uint8_t* srck = pool_k + 16 * lane + pgo;
@@ -553,13 +559,37 @@ __global__ void __launch_bounds__(C::THREADS, 1)
       std::uint8_t* dl = dst + 16 * lane;
 #pragma unroll
       for (int j = 0; j < nk / 32; ++j) cp_async16(dl + 512 * j, srck + 512 * j);
+      if constexpr (kSplitGroups) {
+        if (lane < nm) cp_async16(dl + 16 * (nk + nv), pool_m + 16 * lane + pgo);
+        cp_async_commit();
+      }
 #pragma unroll
       for (int j = 0; j < nv / 32; ++j) cp_async16(dl + 16 * nk + 512 * j, srcv + 512 * j);
-      if (lane < nm) cp_async16(dl + 16 * (nk + nv), pool_m + 16 * lane + pgo);
+      if constexpr (!kSplitGroups) {
+        if (lane < nm) cp_async16(dl + 16 * (nk + nv), pool_m + 16 * lane + pgo);
+      }
+    } else if constexpr (kSplitGroups) {
+      // Regions not in whole warps (the split formats: 112 + 112 + 16 or 80 + 80 + 16 units). First group: unit
+      // u = lane + 32 j of the key codes and then the metadata (128 or 96 units: whole warps), the metadata's unit
+      // u - nk at stage unit nv + u; second group: the value codes.
+      const std::uint8_t* srck = pool_k + pgo;
+      const std::uint8_t* srcv = pool_v + pgo;
+      const std::uint8_t* srcm = pool_m + pgo;
+      static_assert((nk + nm) % 32 == 0, "chunk regions");
+#pragma unroll
+      for (int j = 0; j < (nk + nm) / 32; ++j) {
+        const int u = lane + 32 * j;
+        if (32 * j + 32 <= nk) cp_async16(dst + 16 * u, srck + 16 * u);
+        else if (32 * j >= nk) cp_async16(dst + 16 * (nv + u), srcm + 16 * (u - nk));
+        else cp_async16(dst + 16 * (u < nk ? u : nv + u), u < nk ? srck + 16 * u : srcm + 16 * (u - nk));
+      }
+      cp_async_commit();
+#pragma unroll
+      for (int j = 0; j < (nv + 31) / 32; ++j) {
+        const int u = lane + 32 * j;
+        if (32 * j + 32 <= nv || u < nv) cp_async16(dst + 16 * (nk + u), srcv + 16 * u);
+      }
     } else {
-      // Regions not in whole warps (the split formats: 112 + 112 + 16 or 80 + 80 + 16 units): unit
-      // q = lane + 32 j of the stage, its source picked by a select where a warp's units straddle two
-      // regions.
       const std::uint8_t* srck = pool_k + pgo;
       const std::uint8_t* srcv = pool_v + pgo;
       const std::uint8_t* srcm = pool_m + pgo;
@@ -572,11 +602,15 @@ __global__ void __launch_bounds__(C::THREADS, 1)
       }
     }
   };
-#pragma unroll
-  for (int s = 0; s + 1 < C::NST; ++s) {
-    if (s < nloc) issue(s, page_first(s));
+  // A chunk is kSplitGroups ? 2 : 1 groups whether or not it is issued (empty groups past the warp's chunks), so
+  // the waits below count groups alike in every iteration.
+  auto issue_or_skip = [&](bool go, int slot_i, int page) {
+    if (go) issue(slot_i, page);
+    else if constexpr (kSplitGroups) cp_async_commit();
     cp_async_commit();
-  }
+  };
+#pragma unroll
+  for (int s = 0; s + 1 < C::NST; ++s) issue_or_skip(s < nloc, s, page_first(s));
   int page_next = page_first(C::NST - 1);
   int slot_rd = 0, slot_wr = C::NST - 1;  // ring slots of chunk i and of chunk i + NST - 1
 
@@ -709,10 +743,10 @@ __global__ void __launch_bounds__(C::THREADS, 1)
 
 #pragma unroll C::UNROLL
   for (int i = 0; i < nloc; ++i) {
-    cp_async_wait<C::NST - 2>();  // chunk i has landed
+    // chunk i's keys and metadata have landed (kSplitGroups: its values may still be in flight)
+    cp_async_wait<kSplitGroups ? 2 * C::NST - 3 : C::NST - 2>();
     __syncwarp();
-    if (i + C::NST - 1 < nloc) issue(slot_wr, page_next);  // into the slot read last iteration
-    cp_async_commit();
+    issue_or_skip(i + C::NST - 1 < nloc, slot_wr, page_next);  // into the slot read last iteration
     page_next = page_of(i + C::NST);  // used next iteration: the load's latency is hidden
     const std::uint8_t* st = my_stages + slot_rd * C::STAGE_BYTES;
     slot_wr = slot_rd;
@@ -977,6 +1011,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
         scr_st[128 * s + 96] = l23;
       }
     }
+    if constexpr (kSplitGroups) cp_async_wait<2 * C::NST - 2>();  // chunk i's values have landed (the syncwarp below)
     __syncwarp();
     uint2 bk[NSEG][2];  // [segment][k-block]
 #pragma unroll
