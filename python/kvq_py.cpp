@@ -450,6 +450,9 @@ PYBIND11_MODULE(_kvq, m) {
       .def_readonly("d_rope", &kvq::CacheGeometry::d_rope)
       .def("__repr__", &geometry_repr);
 
+  m.def("blas_kernels", [] { return std::string(kvq::blas_kernels()); },
+        "The OpenBLAS kernel set (chosen per CPU) that the model's matrix products use; its rounding moves perplexity's "
+        "last digits between machines, so kvq.evaluate and `kvq eval` report it.");
   m.def("token_bytes", [](const py::object& fmt, const kvq::CacheGeometry& g) {
         const kvq::FormatSpec& f = spec_of(fmt);
         kvq::check_format_fits(f, g);
@@ -761,6 +764,7 @@ void bind_runtime(py::module_& m) {
     out["bf16_needle_accuracy"] = r.bf16_needle;
     out["needle_samples"] = r.needle_samples;
     out["baseline_model"] = r.baseline_model;
+    out["blas_kernels"] = r.blas_kernels;
     out["rows"] = rows;
     return out;
   }, py::arg("model"), py::arg("caches"), py::arg("text"), py::arg("ctx") = 2048, py::arg("windows") = 8,

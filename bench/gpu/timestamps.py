@@ -73,8 +73,8 @@ _EDITS = [
      "  }\n"
      "  unsigned tfirst_ = 0;\n"
      "  for (int i = 0; i < nloc; ++i) {\n"),
-    ("    cp_async_wait<C::NST - 2>();  // chunk i has landed\n    __syncwarp();\n",
-     "    cp_async_wait<C::NST - 2>();  // chunk i has landed\n    __syncwarp();\n    if (i == 0) tfirst_ = gt32_();\n"),
+    ("    cp_async_wait<kSplitGroups ? 2 * C::NST - 3 : C::NST - 2>();\n    __syncwarp();\n",
+     "    cp_async_wait<kSplitGroups ? 2 * C::NST - 3 : C::NST - 2>();\n    __syncwarp();\n    if (i == 0) tfirst_ = gt32_();\n"),
     ("  cp_async_wait<0>();\n\n  // ---- merge", "  cp_async_wait<0>();\n  const unsigned tend_ = gt32_();\n\n  // ---- merge"),
     ("  float* const red = reinterpret_cast<float*>(smem_raw + C::red_off(lut_pad));",
      "  const unsigned tbar_ = gt32_();\n  float* const red = reinterpret_cast<float*>(smem_raw + C::red_off(lut_pad));"),

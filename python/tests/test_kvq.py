@@ -389,6 +389,7 @@ def test_evaluate_is_kvq_eval():
                      needle_samples=3, needle_lengths=[256], diag_queries=8, calib_text=calib,
                      progress=lambda stage, frac: stages.append((stage, frac)))
     assert r["architecture"] == "LlamaForCausalLM" and r["windows"] == 2 and r["predictions"] == 2 * 255
+    assert r["blas_kernels"] == kvq.blas_kernels() and r["blas_kernels"]  # the kernel set named, as in kvq eval --json
     bf, q4, q3, q3plain = r["rows"]
     assert [x["cache"] for x in r["rows"]] == ["bf16", "tq-4bit-nc", "tq-3bit-nc@s4,w32", "tq-3bit-nc"]
     assert (q3["sinks"], q3["window"], q4["sinks"]) == (4, 32, 0)
