@@ -37,7 +37,7 @@ namespace {
 struct BenchOptions {
   std::string batches = "8,32", contexts = "4096,16384,65536";
   std::string formats = "bf16,tq-k8v4,tq-4bit-nc,tq-k3v4-nc,tq-3bit-nc,tq-4bit,tq-3.5bit,tq-3bit";
-  int q_heads = 32, kv_heads = 8, head_dim = 128, reps = 60, warmup = 5, store_tokens = 0;
+  int q_heads = 32, kv_heads = 8, head_dim = 128, reps = 60, warmup = 5, store_tokens = 0, splits = 0;
   bool json = false, centered = false, no_cluster_merge = false;
   std::string pages = "random";  // page order in the pool
   std::string peers, commit = "unknown", command, flush = "read";
@@ -189,6 +189,7 @@ void run_decode_bench(const BenchOptions& o) {
         p.out = out.as<float>();
         p.scale = 1.0f / std::sqrt(static_cast<float>(o.head_dim));
         p.cluster_merge = !o.no_cluster_merge;
+        p.num_splits = o.splits;
         p.workspace_bytes = cuda::decode_workspace_bytes(p);
         DevBuf ws(p.workspace_bytes);
         p.workspace = ws.p;
@@ -272,6 +273,8 @@ void register_bench(CLI::App& app) {
       ->check(CLI::IsMember({"read", "write"}));
   dec->add_option("--pages", o->pages, "page order in the pool: random (default) or sequential")
       ->check(CLI::IsMember({"random", "sequential"}));
+  dec->add_option("--splits", o->splits, "splits per sequence and KV head (0: the launcher's choice)")
+      ->check(CLI::Range(0, 256));
   dec->add_flag("--json", o->json, "print one JSON object");
   dec->add_flag("--no-cluster-merge", o->no_cluster_merge,
                 "merge the fast kernel's splits through the workspace even where they fit in thread-block clusters");
