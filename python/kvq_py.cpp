@@ -450,9 +450,6 @@ PYBIND11_MODULE(_kvq, m) {
       .def_readonly("d_rope", &kvq::CacheGeometry::d_rope)
       .def("__repr__", &geometry_repr);
 
-  m.def("blas_kernels", [] { return std::string(kvq::blas_kernels()); },
-        "The OpenBLAS kernel set (chosen per CPU) that the model's matrix products use; its rounding moves perplexity's "
-        "last digits between machines, so kvq.evaluate and `kvq eval` report it.");
   m.def("token_bytes", [](const py::object& fmt, const kvq::CacheGeometry& g) {
         const kvq::FormatSpec& f = spec_of(fmt);
         kvq::check_format_fits(f, g);
@@ -777,6 +774,9 @@ void bind_runtime(py::module_& m) {
      "('FORMAT' or 'FORMAT@paper' / '@s4,w128,n1'; sinks / window / boundary_layers are the default policy). "
      "calib_text: the calibration text of calibrated formats (never the evaluation text). Returns the fields of "
      "`kvq eval --json`; progress(stage, fraction) is called as it goes.");
+  m.def("blas_kernels", [] { return std::string(kvq::blas_kernels()); },
+        "The OpenBLAS kernel set (chosen per CPU) that the model's matrix products use; its rounding moves perplexity's "
+        "last digits between machines, so kvq.evaluate and `kvq eval` report it.");
 
   // kvq calibrate as a library call (kvq/calibrate.hpp): QuantMLA or a baseline, fused into a new
   // model directory.
