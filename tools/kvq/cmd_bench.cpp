@@ -38,6 +38,7 @@ struct BenchOptions {
   std::string batches = "8,32", contexts = "4096,16384,65536";
   std::string formats = "bf16,tq-k8v4,tq-4bit-nc,tq-k3v4-nc,tq-3bit-nc,tq-4bit,tq-3.5bit,tq-3bit";
   int q_heads = 32, kv_heads = 8, head_dim = 128, reps = 60, warmup = 5, store_tokens = 0, splits = 0;
+  unsigned seed = 7;  // page order and query of each (batch, context): the same for every format
   bool json = false, centered = false, no_cluster_merge = false;
   std::string pages = "random";  // page order in the pool
   std::string peers, commit = "unknown", command, flush = "read";
@@ -94,7 +95,26 @@ void run_decode_bench(const BenchOptions& o) {
   g.head_dim = o.head_dim;
   g.v_head_dim = o.head_dim;
   nlohmann::json rows = nlohmann::json::array(), store_rows = nlohmann::json::array();
-  std::mt19937 rng(7);
+
+  // Every decode row's pool is carved from one arena allocated here, at its start. A pool allocated per row landed
+  // wherever the allocator put it after the rows before it: tq-k8v4 at 8 x 16K read 1.10x slower (65.8 against
+  // 59.6 us) after bf16's 32 x 64K pool had been freed than before, whatever the page order
+  // (bench/results/decode-gqa-2026-12-02g.md).
+  const auto pool_need = [&](std::size_t page_bytes, int B, int ctx) {
+    const std::size_t pool_bytes = static_cast<std::size_t>(B) * static_cast<std::size_t>((ctx + 63) / 64) * page_bytes;
+    const std::size_t copies = std::clamp<std::size_t>((4 * l2 + pool_bytes - 1) / pool_bytes, 1, 64);
+    return std::pair{pool_bytes, copies};
+  };
+  std::size_t arena_bytes = 0;
+  for (const auto& fname : split_list(o.formats)) {
+    const std::size_t pb = page_layout(find_format(fname), g).page_bytes;
+    for (int B : batches)
+      for (int ctx : contexts) {
+        const auto [pool_bytes, copies] = pool_need(pb, B, ctx);
+        arena_bytes = std::max(arena_bytes, pool_bytes * copies);
+      }
+  }
+  DevBuf arena(arena_bytes);
 
   for (const auto& fname : split_list(o.formats)) {
     const FormatSpec& f = find_format(fname);
@@ -160,10 +180,16 @@ void run_decode_bench(const BenchOptions& o) {
       for (int ctx : contexts) {
         const int pages_per_seq = (ctx + 63) / 64;
         const std::size_t n_pages = static_cast<std::size_t>(B) * pages_per_seq;
-        const std::size_t pool_bytes = n_pages * pg.page_bytes;
-        const std::size_t copies = std::clamp<std::size_t>((4 * l2 + pool_bytes - 1) / pool_bytes, 1, 64);
-        DevBuf pool(pool_bytes * copies);
-        ok(cuda::fill_random_pages(fd, pool.as<std::uint8_t>(), n_pages * copies, 3), "fill pages");
+        const auto [pool_bytes, copies] = pool_need(pg.page_bytes, B, ctx);
+        if (pool_bytes * copies > arena_bytes)
+          throw Error(fmt::format("bench decode: {}'s pages ({} bytes) are larger than its format's page layout said",
+                                  fname, pg.page_bytes));
+        std::uint8_t* const pool = arena.as<std::uint8_t>();
+        ok(cuda::fill_random_pages(fd, pool, n_pages * copies, 3), "fill pages");
+        // The page order and the query of a shape depend on (seed, batch, context) only, so every format at that
+        // shape reads the same permutation and no row depends on which other rows ran.
+        std::seed_seq sq{o.seed, static_cast<unsigned>(B), static_cast<unsigned>(ctx)};
+        std::mt19937 rng(sq);
         std::vector<std::int32_t> ids(n_pages);
         for (std::size_t i = 0; i < n_pages; ++i) ids[i] = static_cast<std::int32_t>(i);
         if (o.pages == "random") std::shuffle(ids.begin(), ids.end(), rng);  // a fragmented pool
@@ -195,7 +221,7 @@ void run_decode_bench(const BenchOptions& o) {
         p.workspace = ws.p;
         const double t_start = wall_seconds();
         const double us = time_us(nullptr, flush, o.warmup, o.reps, [&](int rep) {
-          p.pool = pool.as<std::uint8_t>() + static_cast<std::size_t>(rep % static_cast<int>(copies)) * pool_bytes;
+          p.pool = pool + static_cast<std::size_t>(rep % static_cast<int>(copies)) * pool_bytes;
           ok(cuda::decode(p), "decode");
         });
         const double t_end = wall_seconds();
@@ -240,7 +266,7 @@ void run_decode_bench(const BenchOptions& o) {
   nlohmann::json res = {{"gpu", prop.name},     {"copy_gbps", copy_gbps}, {"commit", o.commit},
                         {"command", o.command}, {"sms", prop.multiProcessorCount}, {"l2_bytes", l2},
                         {"peers", peer_info},   {"rows", rows},           {"store", store_rows},
-                        {"flush", flush.mode()}, {"pages", o.pages}};
+                        {"flush", flush.mode()}, {"pages", o.pages}, {"seed", o.seed}};
   if (o.json) {
     fmt::print("{}\n", res.dump(1));
   } else {
@@ -273,6 +299,7 @@ void register_bench(CLI::App& app) {
       ->check(CLI::IsMember({"read", "write"}));
   dec->add_option("--pages", o->pages, "page order in the pool: random (default) or sequential")
       ->check(CLI::IsMember({"random", "sequential"}));
+  dec->add_option("--seed", o->seed, "seed of each shape's page order and query (with batch and context)");
   dec->add_option("--splits", o->splits, "splits per sequence and KV head (0: the launcher's choice)")
       ->check(CLI::Range(0, 256));
   dec->add_flag("--json", o->json, "print one JSON object");
