@@ -47,6 +47,7 @@ struct MlaBenchOptions {
   std::string batches = "8,32", contexts = "4096,32768,131072", heads = "16,128";
   std::string formats = "bf16,c8r8,c4r4,c2r4,mla-tq4", protect = "none,paper";
   int reps = 30, warmup = 3, store_tokens = 1 << 20, warps = 0, splits = 0, d_latent = 512, d_rope = 64;
+  unsigned seed = 7;  // page order and queries of each (batch, context): the same for every format
   bool json = false, generic = false;
   std::string kernel = "auto";
   std::string commit = "unknown", command, flush = "read", peers, pages = "random";
@@ -115,7 +116,17 @@ void run_mla_bench(const MlaBenchOptions& o) {
 
   nlohmann::json rows = nlohmann::json::array(), store_rows = nlohmann::json::array();
   std::map<std::tuple<int, int, int>, double> bf16_us;
-  std::mt19937 rng(7);
+  // Every decode row's pool is carved from one arena allocated here, at its start, so that no row's speed depends on
+  // where the allocator put its pool after the rows before it (kvq bench decode does the same:
+  // bench/results/decode-gqa-bench-method-2026-12-02.md).
+  std::size_t arena_bytes = 0;
+  for (const auto& fname : split_list(o.formats)) {
+    const std::size_t pb = cuda::mla_format(find_format(fname), dc, dr).page.page_bytes;
+    for (int B : batches)
+      for (int ctx : contexts)
+        arena_bytes = std::max(arena_bytes, static_cast<std::size_t>(B) * static_cast<std::size_t>((ctx + 63) / 64) * pb);
+  }
+  DevBuf arena(arena_bytes);
 
   for (const auto& fname : split_list(o.formats)) {
     const cuda::MlaFormat mf = cuda::mla_format(find_format(fname), dc, dr);
@@ -150,11 +161,15 @@ void run_mla_bench(const MlaBenchOptions& o) {
       for (int ctx : contexts) {
         const int pages_per_seq = (ctx + 63) / 64;
         const std::size_t n_pages = static_cast<std::size_t>(B) * pages_per_seq;
-        DevBuf pool(n_pages * pg.page_bytes);
+        if (n_pages * pg.page_bytes > arena_bytes)
+          throw Error(fmt::format("bench mla: {}'s pages ({} bytes) are larger than its format said", fname, pg.page_bytes));
+        std::uint8_t* const pool = arena.as<std::uint8_t>();
         for (std::size_t t0 = 0; t0 < n_pages * 64; t0 += src_tokens) {
           const std::size_t n = std::min(src_tokens, n_pages * 64 - t0);
-          ok(cuda::mla_store(store_params(pool.as<std::uint8_t>() + (t0 / 64) * pg.page_bytes, n), st), "fill pool");
+          ok(cuda::mla_store(store_params(pool + (t0 / 64) * pg.page_bytes, n), st), "fill pool");
         }
+        std::seed_seq sq{o.seed, static_cast<unsigned>(B), static_cast<unsigned>(ctx)};
+        std::mt19937 rng(sq);
         std::vector<std::int32_t> ids(n_pages);
         for (std::size_t i = 0; i < n_pages; ++i) ids[i] = static_cast<std::int32_t>(i);
         if (o.pages == "random") std::shuffle(ids.begin(), ids.end(), rng);  // a fragmented pool
@@ -176,7 +191,7 @@ void run_mla_bench(const MlaBenchOptions& o) {
             if (mf.content_bits == 16 && pname != "none") continue;  // bf16 rows need no protection
             cuda::MlaDecodeParams p;
             p.fmt = mf;
-            p.pool = pool.as<std::uint8_t>();
+            p.pool = pool;
             p.block_tables = bt.as<std::int32_t>();
             p.max_pages = pages_per_seq;
             p.seq_lens = dl.as<std::int32_t>();
@@ -258,7 +273,7 @@ void run_mla_bench(const MlaBenchOptions& o) {
                         {"rows", rows},
                         {"store", store_rows},
                         {"flush", flush.mode()},
-                        {"pages", o.pages},
+                        {"pages", o.pages}, {"seed", o.seed},
                         {"d_latent", dc},
                         {"d_rope", dr},
                         {"kernel", o.generic || dc != 512 || dr != 64 ? "generic-shape" : "tuned"}};
@@ -294,6 +309,7 @@ void register_bench_mla(CLI::App& app) {
   cmd->add_option("--reps", o->reps, "timed replays (median)")->check(CLI::Range(1, 100000));
   cmd->add_option("--warmup", o->warmup, "warm-up replays");
   cmd->add_option("--store-tokens", o->store_tokens, "tokens per writer run");
+  cmd->add_option("--seed", o->seed, "seed of each shape's page order and queries (with batch and context)");
   cmd->add_option("--splits", o->splits, "splits per sequence (0: the launcher's choice)")->check(CLI::Range(0, 1 << 20));
   cmd->add_option("--warps", o->warps, "accepted for compatibility (the decode kernel runs 8-warp CTAs)");
   cmd->add_option("--commit", o->commit, "commit recorded in the result");
