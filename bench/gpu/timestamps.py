@@ -12,7 +12,7 @@ What the patch records, per CTA (record of 48 64-bit slots, CTA index x + X (y +
   slot 40       %smid
   slots 41-45   prologue points: page ids read, first barrier, tables built, query rotated, B
                 fragments loaded (low 32 bits of the timer)
-  slots 24-39   per warp: chunk 0 landed
+  slots 24-39   per warp: chunk 0 landed (tq-3bit and the outlier splits: its key codes and metadata; its values may follow)
   slots 8-23    per warp: main loop ended (all copies waited for)
   slot 3, 4, 5  warps' merge start, warps' merge done, CTA done (split merge included)
 Timestamps are kept in registers and stored where the store does not delay the measured work

@@ -544,8 +544,8 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   const int vlane = C::kSwzV ? lane ^ ((lane >> 2) & 2) : lane;
   // kSplitGroups (tq-3bit and the outlier splits, whose value pairs are table lookups): a chunk's key codes and
   // metadata are one cp.async group and its value codes the next, so QK waits only for the first and PV for the
-  // second (the values' bytes keep arriving while the scores are made). The other formats copy a chunk as one group
-  // (two groups measured 0.99-1.00x for tq-4bit and tq-k3v4-nc, 1.02x for tq-3bit; decode-gqa-ab-2026-12-02.md,
+  // second (the values' bytes keep arriving while the scores are made): 1.01-1.02x for tq-3bit and tq-2.5bit. The
+  // other formats copy a chunk as one group (two groups measured 0.989-1.007x for them; decode-gqa-ab-2026-12-02.md,
   // section 8).
   constexpr int nk = kChunk * C::KCB / 16, nv = kChunk * C::VCB / 16, nm = kChunk * C::MB / 16;
   constexpr bool kSplitGroups = C::kValWin || NSEG == 2;

@@ -99,7 +99,7 @@ void run_decode_bench(const BenchOptions& o) {
   // Every decode row's pool is carved from one arena allocated here, at its start. A pool allocated per row landed
   // wherever the allocator put it after the rows before it: tq-k8v4 at 8 x 16K read 1.10x slower (65.8 against
   // 59.6 us) after bf16's 32 x 64K pool had been freed than before, whatever the page order
-  // (bench/results/decode-gqa-2026-12-02g.md).
+  // (bench/results/decode-gqa-bench-method-2026-12-02.md).
   const auto pool_need = [&](std::size_t page_bytes, int B, int ctx) {
     const std::size_t pool_bytes = static_cast<std::size_t>(B) * static_cast<std::size_t>((ctx + 63) / 64) * page_bytes;
     const std::size_t copies = std::clamp<std::size_t>((4 * l2 + pool_bytes - 1) / pool_bytes, 1, 64);
