@@ -568,14 +568,14 @@ __global__ void __launch_bounds__(C::THREADS, 1)
       if constexpr (!kSplitGroups) {
         if (lane < nm) cp_async16(dl + 16 * (nk + nv), pool_m + 16 * lane + pgo);
       }
-    } else if constexpr (kSplitGroups) {
-      // Regions not in whole warps (the split formats: 112 + 112 + 16 or 80 + 80 + 16 units). First group: unit
-      // u = lane + 32 j of the key codes and then the metadata (128 or 96 units: whole warps), the metadata's unit
-      // u - nk at stage unit nv + u; second group: the value codes.
+    } else {
+      // Regions not in whole warps: only the split formats (112 + 112 + 16 or 80 + 80 + 16 units), which copy in two
+      // groups. First group: unit u = lane + 32 j of the key codes and then the metadata (128 or 96 units: whole
+      // warps), the metadata's unit u - nk at stage unit nv + u; second group: the value codes.
+      static_assert(kSplitGroups && (nk + nm) % 32 == 0, "chunk regions");
       const std::uint8_t* srck = pool_k + pgo;
       const std::uint8_t* srcv = pool_v + pgo;
       const std::uint8_t* srcm = pool_m + pgo;
-      static_assert((nk + nm) % 32 == 0, "chunk regions");
 #pragma unroll
       for (int j = 0; j < (nk + nm) / 32; ++j) {
         const int u = lane + 32 * j;
@@ -588,17 +588,6 @@ __global__ void __launch_bounds__(C::THREADS, 1)
       for (int j = 0; j < (nv + 31) / 32; ++j) {
         const int u = lane + 32 * j;
         if (32 * j + 32 <= nv || u < nv) cp_async16(dst + 16 * (nk + u), srcv + 16 * u);
-      }
-    } else {
-      const std::uint8_t* srck = pool_k + pgo;
-      const std::uint8_t* srcv = pool_v + pgo;
-      const std::uint8_t* srcm = pool_m + pgo;
-      constexpr int nt = nk + nv + nm;
-#pragma unroll
-      for (int j = 0; j < (nt + 31) / 32; ++j) {
-        const int q = lane + 32 * j;
-        const std::uint8_t* src = q < nk ? srck + 16 * q : (q < nk + nv ? srcv + 16 * (q - nk) : srcm + 16 * (q - nk - nv));
-        if (32 * j + 32 <= nt || q < nt) cp_async16(dst + 16 * q, src);
       }
     }
   };
