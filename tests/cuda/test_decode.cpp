@@ -331,8 +331,9 @@ double run_case(const Case& c) {
   check(!c.centered || (p.fmt.key_mean && p.fmt.value_mean), name + ": centered case without means in the tables");
   // The fast kernel serves head_dim 128 with G <= 8 (four heads per CTA up to G = 4, eight above) for
   // every format but bf16 (outlier splits included); tq-3bit's reads its value pairs from the key table
-  // (FCfg::kValWin), so only with equal codebooks.
-  const bool want_fast = D == 128 && G <= 8 && c.fmt != "bf16" && (c.fmt != "tq-3bit" || p.fmt.shared_codebook);
+  // (FCfg::kValWin), so only with equal codebooks. G > 8 runs in launches of ceil(G / ceil(G / 8)) heads or fewer,
+  // each on the kernel that G would take.
+  const bool want_fast = D == 128 && c.fmt != "bf16" && (c.fmt != "tq-3bit" || p.fmt.shared_codebook);
   check(cuda::decode_uses_fast_kernel(p) == want_fast, name + ": expected the " + (want_fast ? "fast" : "generic") + " kernel");
   const cudaError_t e = cuda::decode(p);
   check(e == cudaSuccess, name + ": decode launch: " + cudaGetErrorString(e));
@@ -704,7 +705,8 @@ void test_store_edges(const std::string& fmt, int D, int H, int n_tok, unsigned 
 
 // decode() refuses a bad launch with cudaErrorInvalidValue and launches nothing: a workspace one
 // byte too small or not 16-byte aligned (the arrival counters are 8-byte atomics, the partials
-// 16-byte vectors), a missing pointer, more than 8 query heads per KV head. The same parameters
+// 16-byte vectors), a missing pointer, query heads that are not a multiple of the KV heads, a workspace
+// sized for fewer query heads than the launch has (G = 9 runs in two launches). The same parameters
 // with the workspace as asked for decode (the check that the test is not refusing everything).
 void test_decode_rejects() {
   const FormatSpec& f = find_format("tq-4bit");
@@ -752,8 +754,16 @@ void test_decode_rejects() {
   bad.pool = nullptr;
   refused("no pool", bad);
   bad = p;
-  bad.q_heads = 18;  // 9 query heads per KV head
-  refused("more than 8 query heads per KV head", bad);
+  bad.q_heads = 17;  // 2 KV heads
+  refused("query heads not a multiple of the KV heads", bad);
+  bad = p;
+  bad.q_heads = 0;
+  refused("no query heads", bad);
+  // Nine query heads per KV head (two launches of 5 and 4 heads): a workspace sized for 8 is too small.
+  bad = p;
+  bad.q_heads = 18;
+  check(cuda::decode_workspace_bytes(bad) > p.workspace_bytes, "rejects: G = 9 needs a larger workspace");
+  refused("G = 9 with the workspace of G = 4", bad);
   KVQ_CUDA_OK(cudaGetLastError());
   cudaFree(ws);
   cudaFree(dpool);
@@ -804,6 +814,11 @@ int main(int argc, char** argv) {
     add("tq-4bit", false, 128, 8, 2, {129, 33}, false, 0, 0, 3);
     add("tq-3.5bit", false, 128, 16, 2, {300, 90}, false, 4, 8, 2);
     add("tq-4bit-nc", false, 128, 2, 2, {129, 700}, false, 0, 0, 5);
+    // More than 8 query heads per KV head: launches of sub-groups (G = 16: 8 + 8 with protection and a cluster
+    // merge; G = 9: 5 + 4 heads, forced splits; G = 12 on the generic kernel).
+    add("tq-4bit-nc", false, 128, 32, 2, {70, 333}, false, 4, 8, 0);
+    add("tq-3.5bit", false, 128, 18, 2, {129, 40}, false, 0, 0, 3);
+    add("bf16", false, 128, 24, 2, {95, 40}, false, 0, 0, 0);
   } else {
     for (const auto& fm : formats) {
       add(fm, false, 128, 32, 8, {1, 100, 257}, false, 0, 0, 0);
@@ -819,6 +834,9 @@ int main(int argc, char** argv) {
       add(fm, false, 64, 32, 8, {77, 300}, false, 0, 0, 0);
       add(fm, false, 256, 16, 4, {33, 190}, false, 2, 16, 0);
       add(fm, false, 96, 12, 4, {95, 250}, false, 0, 0, 0);
+      add(fm, false, 128, 32, 2, {64, 1000, 7}, false, 0, 0, 0);         // G = 16: two launches of 8 heads
+      add(fm, false, 128, 20, 2, {2, 40, 1500}, false, 4, 64, 0);        // G = 10 (5 + 5) with protection
+      add(fm, false, 64, 36, 2, {77, 300}, false, 0, 0, 0);              // G = 18 (6 + 6 + 6), generic kernel
     }
     // Centered (calibrated) kvq formats: store with the means subtracted, protected rows scored
     // and accumulated in the centered domain, the value mean added once by the split merge.
