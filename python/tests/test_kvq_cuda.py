@@ -44,7 +44,7 @@ CASES = [
     ("tq-4bit-nc", 2, 64, 4),
     ("tq-3bit", 2, 256, 6),
     ("bf16", 4, 128, 16),
-    ("tq-4bit-nc", 2, 128, 32),  # 16 query heads per KV head: two launches of 8
+    ("tq-4bit-nc", 2, 128, 32),  # 16 query heads per KV head: two sub-groups of 8
 ]
 
 
@@ -226,7 +226,7 @@ PROTECTED_CASES = [
     ("tq-3.5bit", 4, 128, 16, 2, 40),
     ("tq-4bit", 2, 64, 4, 0, 24),
     ("bf16", 2, 128, 8, 4, 8),
-    ("tq-3bit", 2, 128, 20, 4, 16),  # 10 query heads per KV head: two launches of 5
+    ("tq-3bit", 2, 128, 20, 4, 16),  # 10 query heads per KV head: two sub-groups of 5
 ]
 
 

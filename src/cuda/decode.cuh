@@ -22,6 +22,7 @@
 // TurboQuant values (finish_group rotates back once per output row).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include "arrive.hpp"
@@ -43,11 +44,50 @@ struct SplitArgs {
   int cps = 0;                              // 32-token chunks per split
   float* part_o = nullptr;                  // [batch * q_heads][NS][head_dim] normalized partial outputs
   float* part_lse = nullptr;                // [batch * q_heads][NS] their log2-sum-exp
-  unsigned long long* counters = nullptr;   // [batch][kv_heads]: epoch << 32 | CTAs of the group done
+  unsigned long long* counters = nullptr;   // [batch][kv_heads x head_sub]: epoch << 32 | CTAs of the group done
   unsigned epoch = 0;                       // this launch's tag, never 0
   int cluster = 0;                          // 1: the NS CTAs of a group are one thread-block cluster and
                                             // merge through distributed shared memory (fast kernel)
+  int head_sub = 1;                         // head_sub(G): grid rows per KV head (below)
+  int group = 1;                            // G, query heads per KV head
+  int heads = 1;                            // G / head_sub: query heads per CTA
+  unsigned sub_magic = 0;                   // ceil(2^32 / head_sub) (head_sub > 1): y / head_sub = umulhi(y, magic)
 };
+
+// A CTA holds at most kMaxGroup query heads. A KV head with G > kMaxGroup query heads takes head_sub(G) rows of the
+// grid (y = KV head x head_sub + s), sub-group s holding query heads s G / S .. (s + 1) G / S - 1 of the KV head: S is
+// the smallest divisor of G with G / S <= kMaxGroup, so every CTA of a launch holds as many heads. The sub-groups'
+// CTAs of one split read the same pages side by side (adjacent in the grid), the later ones mostly from L2.
+__host__ __device__ constexpr int head_sub(int G) {
+  int s = (G + kMaxGroup - 1) / kMaxGroup;
+  if (s < 1) s = 1;
+  while (G % s != 0) ++s;
+  return s;
+}
+// Query heads per KV head (G), per CTA, and grid rows of a launch.
+inline int group_size(const DecodeParams& p) { return p.fmt.kv_heads > 0 ? p.q_heads / p.fmt.kv_heads : 0; }
+inline int cta_heads(const DecodeParams& p) {
+  const int G = group_size(p);
+  return G > 0 ? G / head_sub(G) : 0;
+}
+inline int grid_rows(const DecodeParams& p) { return p.fmt.kv_heads * head_sub(std::max(1, group_size(p))); }
+
+// The CTA of grid row y of sequence b (S = SplitArgs::head_sub): its KV head, its query heads (G of them) and the
+// first one's row in q / out.
+struct CtaRow {
+  int kh, G;
+  std::size_t row0;
+};
+// No division: the launcher passes G, G / S and the multiplier of y / S (exact for y < 2^32 / S: gridDim.y < 2^16).
+__device__ __forceinline__ CtaRow cta_row(const DecodeParams& p, const SplitArgs& a, int y, int b) {
+  CtaRow r;
+  const int S = a.head_sub;
+  r.kh = S == 1 ? y : static_cast<int>(__umulhi(static_cast<unsigned>(y), a.sub_magic));
+  r.G = a.heads;
+  r.row0 = static_cast<std::size_t>(b) * p.q_heads + static_cast<std::size_t>(r.kh) * a.group +
+           static_cast<std::size_t>(y - r.kh * S) * r.G;
+  return r;
+}
 
 // threadIdx.x, read where it is used: code after a kernel's main loop that computes its indices
 // from it cannot be hoisted above the loop (see finish_group).
@@ -199,8 +239,10 @@ __device__ __forceinline__ void merge_row_reg(const DecodeParams& p, int NS, int
 // of inlining cost stack and spills.
 template <int THREADS, int D, bool kValueTq, bool kSmemPath = true>
 __device__ __forceinline__ void finish_group(const DecodeParams& p, const SplitArgs& a, int NS, int G, float* smem) {
-  const int tid = tid_after_loop(), kh = ctaid_y_after_loop(), b = ctaid_z_after_loop();  // grid (split, kv head, sequence)
-  const std::size_t row0 = static_cast<std::size_t>(b) * p.q_heads + static_cast<std::size_t>(kh) * G;
+  const int tid = tid_after_loop(), y = ctaid_y_after_loop(), b = ctaid_z_after_loop();  // grid (split, row, sequence)
+  const CtaRow cr = cta_row(p, a, y, b);
+  const int kh = cr.kh;
+  const std::size_t row0 = cr.row0;
   constexpr bool tq = kValueTq;  // the kernel's value code (TurboQuant values need the inverse rotation)
   const std::int32_t* perm = p.fmt.value_perm + static_cast<std::size_t>(kh) * D;
   const float* sg = p.fmt.value_signs + static_cast<std::size_t>(kh) * D;
@@ -215,7 +257,8 @@ __device__ __forceinline__ void finish_group(const DecodeParams& p, const SplitA
     vp = reinterpret_cast<const int4*>(perm)[lane];
     vs = reinterpret_cast<const float4*>(sg)[lane];
   }
-  unsigned long long* const ctr = a.counters + static_cast<std::size_t>(b) * p.fmt.kv_heads + kh;
+  unsigned long long* const ctr =
+      a.counters + static_cast<std::size_t>(b) * p.fmt.kv_heads * a.head_sub + static_cast<std::size_t>(y);
   // Every thread's partial stores are visible device-wide (fence) and done (barrier) before thread 0
   // counts the CTA in; without the barrier a last CTA elsewhere could read this CTA's partial while
   // its other threads were still writing it. (Fencing in thread 0 alone after the barrier, the
@@ -351,12 +394,12 @@ struct Smem {
 // The CTA that reads the protected bf16 rows of its (sequence, KV head) in fp32 on CUDA cores
 // and writes them as one more split, rotated into the value domain of the format.
 template <class C>
-__device__ void protected_split(const float* __restrict__ qin, int q_heads, float scale, const ProtectLayout pr,
+__device__ void protected_split(const float* __restrict__ qin, std::size_t row0, int kh, float scale, const ProtectLayout pr,
                                 const std::uint16_t* __restrict__ prot_rows, const std::int32_t* __restrict__ vperm,
                                 const float* __restrict__ vsigns, const float* __restrict__ kmean,
                                 const float* __restrict__ vmean, int G, int L, int NS, float* po, float* plse,
                                 std::uint8_t* smem) {
-  const int kh = blockIdx.y, b = blockIdx.z, D = C::D;
+  const int b = blockIdx.z, D = C::D;
   // Centered formats: the rows enter as k - key_mean and v - value_mean, the packed rows' domain
   // (finish_group adds value_mean back once).
   const float* __restrict__ kmu = kmean ? kmean + static_cast<std::size_t>(kh) * D : nullptr;
@@ -367,7 +410,7 @@ __device__ void protected_split(const float* __restrict__ qin, int q_heads, floa
   float* red = qs + kMaxGroup * D;                   // [W][8][D + 3]
   const float qscale = scale * kLog2e;
   for (int i = tid; i < G * D; i += C::THREADS)
-    qs[i] = qin[(static_cast<std::size_t>(b) * q_heads + kh * G) * D + i] * qscale;
+    qs[i] = qin[row0 * D + i] * qscale;
   __syncthreads();
   const int n_sink = L < pr.sinks ? L : pr.sinks;
   const std::int64_t w0 = pr.packed_end(L);
@@ -469,19 +512,20 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   float* __restrict__ part_lse = a.part_lse;
   constexpr int D = C::D;
   constexpr bool kB = C::kBf16;
-  const int split = blockIdx.x, kh = blockIdx.y, b = blockIdx.z;
-  const int G = p.q_heads / p.fmt.kv_heads;
+  const int split = blockIdx.x, b = blockIdx.z;
+  const CtaRow cr = cta_row(p, a, blockIdx.y, b);
+  const int kh = cr.kh, G = cr.G;
   const int L = p.seq_lens[b];
   const ProtectLayout prl = p.protect;
   const bool prot = prl.enabled();
   const int NS = nsplit + (prot ? 1 : 0);
   const int tid = threadIdx.x, w = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
-  const std::size_t row0 = static_cast<std::size_t>(b) * p.q_heads + static_cast<std::size_t>(kh) * G;
+  const std::size_t row0 = cr.row0;
   float* po = part_o + (row0 * NS + split) * D;  // head h: + h * NS * D
   float* plse = part_lse + row0 * NS + split;    // head h: + h * NS
 
   if (split == nsplit) {  // protected rows
-    protected_split<C>(p.q, p.q_heads, p.scale, prl, p.protect_rows, p.fmt.value_perm, p.fmt.value_signs,
+    protected_split<C>(p.q, row0, kh, p.scale, prl, p.protect_rows, p.fmt.value_perm, p.fmt.value_signs,
                        p.fmt.key_mean, p.fmt.value_mean, G, L, NS, po, plse, smem_raw);
     finish_group<C::THREADS, C::D, C::VC == ValueCode::kTq>(p, a, NS, G, reinterpret_cast<float*>(smem_raw));
     return;

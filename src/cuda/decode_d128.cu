@@ -20,7 +20,7 @@ bool fast_applies(const DecodeParams& p) {
                        (f.value != ValueCode::kTq || a16(f.value_perm, f.value_signs));
   // The fast kernel forms page offsets by a 32 x 32 -> 64-bit multiply.
   const bool page32 = f.page.page_bytes <= 0xffffffffull;
-  return f.head_dim == 128 && f.kv_heads > 0 && p.q_heads % f.kv_heads == 0 && p.q_heads / f.kv_heads <= 8 &&
+  return f.head_dim == 128 && f.kv_heads > 0 && p.q_heads % f.kv_heads == 0 && cta_heads(p) <= 8 &&
          (f.segments == 1 || f.segments == 2) && aligned && page32;
 }
 }  // namespace
@@ -31,7 +31,7 @@ bool fast_applies(const DecodeParams& p) {
   if (format_is(p.fmt, KC, KB, KB1, VC, VB, VB1)) {                                 \
     if (FCfg<KC, KB, VC, VB, KB1, VB1>::kValWin && !p.fmt.shared_codebook)           \
       return cudaErrorNotSupported;                                                 \
-    if (p.q_heads / p.fmt.kv_heads > 4) {                                           \
+    if (cta_heads(p) > 4) {                                                         \
       if (warps) *warps = FCfg<KC, KB, VC, VB, KB1, VB1, 8>::WARPS;                 \
       if (!launch) return cudaSuccess;                                              \
       return launch_decode_fast<FCfg<KC, KB, VC, VB, KB1, VB1, 8>>(p, a, st);       \
@@ -58,7 +58,7 @@ bool fast_cluster_for(const DecodeParams& p, int ns) {
 #define KVQ_FAST_CLUSTER_CASE(KC, KB, VC, VB, KB1, VB1)                                  \
   if (format_is(p.fmt, KC, KB, KB1, VC, VB, VB1)) {                                      \
     if (FCfg<KC, KB, VC, VB, KB1, VB1>::kValWin && !p.fmt.shared_codebook) return false; \
-    if (p.q_heads / p.fmt.kv_heads > 4) return fast_cluster_for<FCfg<KC, KB, VC, VB, KB1, VB1, 8>>(p, ns); \
+    if (cta_heads(p) > 4) return fast_cluster_for<FCfg<KC, KB, VC, VB, KB1, VB1, 8>>(p, ns); \
     return fast_cluster_for<FCfg<KC, KB, VC, VB, KB1, VB1>>(p, ns);                      \
   }
 

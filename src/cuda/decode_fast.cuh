@@ -351,11 +351,13 @@ __device__ __noinline__ void sleep_at_least_ns(unsigned ns) {
 // sure every CTA of the cluster is past its loop and has initialized its transaction barrier. A second one keeps
 // every CTA until all sends are issued. No workspace, fence, counter or global round trip.
 template <class C>
-__device__ __forceinline__ void finish_cluster(const DecodeParams& p, int NS, int G, std::uint8_t* smem_raw) {
+__device__ __forceinline__ void finish_cluster(const DecodeParams& p, const SplitArgs& a, int NS, int G, std::uint8_t* smem_raw) {
   namespace cg = cooperative_groups;
   constexpr int D = C::D;
   const int rank = static_cast<int>(cg::this_cluster().block_rank());
-  const int tid = tid_after_loop(), kh = ctaid_y_after_loop(), b = ctaid_z_after_loop();
+  const int tid = tid_after_loop(), b = ctaid_z_after_loop();
+  const CtaRow cr = cta_row(p, a, ctaid_y_after_loop(), b);
+  const int kh = cr.kh;
   const int w = tid >> 5, lane = tid & 31;
   const bool mine = w < G && w % NS == rank;
   const float* mu = p.fmt.value_mean ? p.fmt.value_mean + static_cast<std::size_t>(kh) * D : nullptr;
@@ -370,7 +372,7 @@ __device__ __forceinline__ void finish_cluster(const DecodeParams& p, int NS, in
   const float* const part = reinterpret_cast<const float*>(smem_raw + C::CL_OFF);
   const std::uint32_t base = smem_u32(smem_raw);
   const std::uint32_t rc = base + C::RC_OFF, bar = rc + C::RC_BAR;
-  const std::size_t row = static_cast<std::size_t>(b) * p.q_heads + static_cast<std::size_t>(kh) * G + w;
+  const std::size_t row = cr.row0 + w;
   if (NS == 1) {  // a cluster of one CTA (asynchronous stores need two or more): the merge of its own partial
     __syncthreads();
     if (mine)
@@ -426,14 +428,15 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   float* __restrict__ part_o = a.part_o;
   float* __restrict__ part_lse = a.part_lse;
   constexpr int D = C::D;
-  const int split = blockIdx.x, kh = blockIdx.y, b = blockIdx.z;
-  const int G = p.q_heads / p.fmt.kv_heads;
+  const int split = blockIdx.x, b = blockIdx.z;
+  const CtaRow cr = cta_row(p, a, blockIdx.y, b);
+  const int kh = cr.kh, G = cr.G;
   const int L = p.seq_lens[b];
   const ProtectLayout prl = p.protect;
   const bool prot = prl.enabled();
   const int NS = nsplit + (prot ? 1 : 0);
   const int tid = threadIdx.x, w = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
-  const std::size_t row0 = static_cast<std::size_t>(b) * p.q_heads + static_cast<std::size_t>(kh) * G;
+  const std::size_t row0 = cr.row0;
   // Block-table entries of the warp's first NST chunks, loaded together with the sequence length (the
   // first copies then wait for one round trip instead of two): without protection the CTA's range
   // starts at chunk split * cps whatever the length. Entries are read only inside the sequence's
@@ -450,12 +453,12 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   float* po = clus ? reinterpret_cast<float*>(smem_raw + C::CL_OFF) : part_o + (row0 * NS + split) * D;
   float* plse = clus ? reinterpret_cast<float*>(smem_raw + C::CL_OFF) + C::HG * D : part_lse + row0 * NS + split;
   auto finish = [&]() {
-    if (clus) finish_cluster<C>(p, NS, G, smem_raw);
+    if (clus) finish_cluster<C>(p, a, NS, G, smem_raw);
     else finish_group<C::THREADS, C::D, C::VC == ValueCode::kTq, false>(p, a, NS, G, reinterpret_cast<float*>(smem_raw));
   };
 
   if (split == nsplit) {
-    protected_split<C>(p.q, p.q_heads, p.scale, prl, p.protect_rows, p.fmt.value_perm, p.fmt.value_signs,
+    protected_split<C>(p.q, row0, kh, p.scale, prl, p.protect_rows, p.fmt.value_perm, p.fmt.value_signs,
                        p.fmt.key_mean, p.fmt.value_mean, G, L, pst, po, plse, smem_raw);
     finish();
     return;
@@ -1309,7 +1312,7 @@ bool fast_cluster_applies(const DecodeParams& p, int NS, int smem) {
   if (!p.cluster_merge || NS < 1 || NS > C::kClMax || smem <= 0) return false;
   const int per = max_active_clusters_once<decode_fast_kernel<C>>(NS, C::THREADS, smem);
   if (per <= 0) return false;
-  const long groups = static_cast<long>(p.batch) * p.fmt.kv_heads;
+  const long groups = static_cast<long>(p.batch) * grid_rows(p);
   const int sms = p.sm_count > 0 ? p.sm_count : device_sms();
   const long waves_cluster = (groups + per - 1) / per;
   const long waves_plain = (groups * NS + sms - 1) / sms;
@@ -1323,7 +1326,7 @@ cudaError_t launch_decode_fast(const DecodeParams& p, const SplitArgs& a, cudaSt
   cudaError_t e = smem_limit_once<decode_fast_kernel<C>>(smem);
   if (e != cudaSuccess) return e;
   const int NS = a.nsplit + (p.protect.enabled() ? 1 : 0);
-  const dim3 grid(static_cast<unsigned>(NS), static_cast<unsigned>(p.fmt.kv_heads), static_cast<unsigned>(p.batch));
+  const dim3 grid(static_cast<unsigned>(NS), static_cast<unsigned>(grid_rows(p)), static_cast<unsigned>(p.batch));
   if (fast_cluster_applies<C>(p, NS, smem)) {
     SplitArgs ac = a;
     ac.cluster = 1;

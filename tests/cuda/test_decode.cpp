@@ -331,8 +331,8 @@ double run_case(const Case& c) {
   check(!c.centered || (p.fmt.key_mean && p.fmt.value_mean), name + ": centered case without means in the tables");
   // The fast kernel serves head_dim 128 with G <= 8 (four heads per CTA up to G = 4, eight above) for
   // every format but bf16 (outlier splits included); tq-3bit's reads its value pairs from the key table
-  // (FCfg::kValWin), so only with equal codebooks. G > 8 runs in launches of ceil(G / ceil(G / 8)) heads or fewer,
-  // each on the kernel that G would take.
+  // (FCfg::kValWin), so only with equal codebooks. G > 8 runs in head_sub(G) CTAs per KV head and split, each with
+  // G / head_sub(G) <= 8 heads.
   const bool want_fast = D == 128 && c.fmt != "bf16" && (c.fmt != "tq-3bit" || p.fmt.shared_codebook);
   check(cuda::decode_uses_fast_kernel(p) == want_fast, name + ": expected the " + (want_fast ? "fast" : "generic") + " kernel");
   const cudaError_t e = cuda::decode(p);
@@ -706,7 +706,7 @@ void test_store_edges(const std::string& fmt, int D, int H, int n_tok, unsigned 
 // decode() refuses a bad launch with cudaErrorInvalidValue and launches nothing: a workspace one
 // byte too small or not 16-byte aligned (the arrival counters are 8-byte atomics, the partials
 // 16-byte vectors), a missing pointer, query heads that are not a multiple of the KV heads, a workspace
-// sized for fewer query heads than the launch has (G = 9 runs in two launches). The same parameters
+// sized for fewer query heads than the launch has (G = 9: three sub-groups). The same parameters
 // with the workspace as asked for decode (the check that the test is not refusing everything).
 void test_decode_rejects() {
   const FormatSpec& f = find_format("tq-4bit");
@@ -759,7 +759,7 @@ void test_decode_rejects() {
   bad = p;
   bad.q_heads = 0;
   refused("no query heads", bad);
-  // Nine query heads per KV head (two launches of 5 and 4 heads): a workspace sized for 8 is too small.
+  // Nine query heads per KV head (three CTAs of 3 heads per KV head and split): a workspace sized for 4 is too small.
   bad = p;
   bad.q_heads = 18;
   check(cuda::decode_workspace_bytes(bad) > p.workspace_bytes, "rejects: G = 9 needs a larger workspace");
@@ -814,8 +814,8 @@ int main(int argc, char** argv) {
     add("tq-4bit", false, 128, 8, 2, {129, 33}, false, 0, 0, 3);
     add("tq-3.5bit", false, 128, 16, 2, {300, 90}, false, 4, 8, 2);
     add("tq-4bit-nc", false, 128, 2, 2, {129, 700}, false, 0, 0, 5);
-    // More than 8 query heads per KV head: launches of sub-groups (G = 16: 8 + 8 with protection and a cluster
-    // merge; G = 9: 5 + 4 heads, forced splits; G = 12 on the generic kernel).
+    // More than 8 query heads per KV head, in sub-groups of heads (G = 16: 2 x 8 with protection and a cluster
+    // merge; G = 9: 3 x 3, forced splits; G = 12: 2 x 6 on the generic kernel).
     add("tq-4bit-nc", false, 128, 32, 2, {70, 333}, false, 4, 8, 0);
     add("tq-3.5bit", false, 128, 18, 2, {129, 40}, false, 0, 0, 3);
     add("bf16", false, 128, 24, 2, {95, 40}, false, 0, 0, 0);
@@ -834,9 +834,9 @@ int main(int argc, char** argv) {
       add(fm, false, 64, 32, 8, {77, 300}, false, 0, 0, 0);
       add(fm, false, 256, 16, 4, {33, 190}, false, 2, 16, 0);
       add(fm, false, 96, 12, 4, {95, 250}, false, 0, 0, 0);
-      add(fm, false, 128, 32, 2, {64, 1000, 7}, false, 0, 0, 0);         // G = 16: two launches of 8 heads
-      add(fm, false, 128, 20, 2, {2, 40, 1500}, false, 4, 64, 0);        // G = 10 (5 + 5) with protection
-      add(fm, false, 64, 36, 2, {77, 300}, false, 0, 0, 0);              // G = 18 (6 + 6 + 6), generic kernel
+      add(fm, false, 128, 32, 2, {64, 1000, 7}, false, 0, 0, 0);         // G = 16: two sub-groups of 8 heads
+      add(fm, false, 128, 20, 2, {2, 40, 1500}, false, 4, 64, 0);        // G = 10 (2 x 5) with protection
+      add(fm, false, 64, 36, 2, {77, 300}, false, 0, 0, 0);              // G = 18 (3 x 6), generic kernel
     }
     // Centered (calibrated) kvq formats: store with the means subtracted, protected rows scored
     // and accumulated in the centered domain, the value mean added once by the split merge.
