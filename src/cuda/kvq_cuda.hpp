@@ -120,7 +120,8 @@ cudaError_t store(const StoreParams& p, cudaStream_t stream = nullptr);
 
 // ---- decode --------------------------------------------------------------------------------
 // One query token per sequence: out[b][h] = softmax(scale * q K^T) V over positions
-// [0, seq_lens[b]) of sequence b, query head h reading KV head h / (q_heads / kv_heads).
+// [0, seq_lens[b]) of sequence b, query head h reading KV head h / (q_heads / kv_heads). Any q_heads that is a
+// multiple of kv_heads: more than 8 query heads per KV head run in CTAs of up to 8 (docs/kernels.md).
 struct DecodeParams {
   FormatDesc fmt;
   const std::uint8_t* pool = nullptr;
@@ -155,7 +156,7 @@ struct DecodeParams {
 int decode_splits(const DecodeParams& p);
 std::size_t decode_workspace_bytes(const DecodeParams& p);
 cudaError_t decode(const DecodeParams& p, cudaStream_t stream = nullptr);
-// True when decode(p) runs the fast kernel of decode_fast.cuh (head_dim 128, G <= 8, the TurboQuant
+// True when decode(p) runs the fast kernel of decode_fast.cuh (head_dim 128, up to 8 query heads per CTA, the TurboQuant
 // and fp8 formats including the outlier splits), false when it runs the generic one.
 bool decode_uses_fast_kernel(const DecodeParams& p);
 // True when decode(p) merges its splits inside thread-block clusters (DecodeParams::cluster_merge).
