@@ -89,6 +89,7 @@ cudaError_t decode(const DecodeParams& p, cudaStream_t stream) {
   // More than kMaxGroup query heads per KV head: head_sub(G) grid rows per KV head (decode.cuh).
   const int G = p.q_heads / f.kv_heads;
   if (G < 1 || detail::cta_heads(p) > detail::kMaxGroup || f.page.tokens != 64) return cudaErrorInvalidValue;
+  if (detail::grid_rows(p) > 65535) return cudaErrorInvalidValue;  // the grid's y extent
   if (!p.pool || !p.block_tables || !p.seq_lens || !p.q || !p.out) return cudaErrorInvalidValue;
   if (p.protect.enabled() && (!p.protect_rows || p.protect.kv_heads != f.kv_heads || p.protect.head_dim != f.head_dim))
     return cudaErrorInvalidValue;

@@ -57,7 +57,8 @@ struct SplitArgs {
 // A CTA holds at most kMaxGroup query heads. A KV head with G > kMaxGroup query heads takes head_sub(G) rows of the
 // grid (y = KV head x head_sub + s), sub-group s holding query heads s G / S .. (s + 1) G / S - 1 of the KV head: S is
 // the smallest divisor of G with G / S <= kMaxGroup, so every CTA of a launch holds as many heads. The sub-groups'
-// CTAs of one split read the same pages side by side (adjacent in the grid), the later ones mostly from L2.
+// CTAs of one split are adjacent in the grid and read the same pages at about the same time, so the later reads can
+// find them in L2; each CTA unpacks the codes itself.
 __host__ __device__ constexpr int head_sub(int G) {
   int s = (G + kMaxGroup - 1) / kMaxGroup;
   if (s < 1) s = 1;
