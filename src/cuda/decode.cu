@@ -11,6 +11,25 @@
 
 namespace kvq::cuda {
 
+namespace {
+// Sub-groups of query heads per KV head (decode.cuh): the smallest divisor S of G with G / S <= 8.
+static_assert(detail::head_sub(1) == 1 && detail::head_sub(8) == 1 && detail::head_sub(9) == 3 &&
+                  detail::head_sub(10) == 2 && detail::head_sub(12) == 2 && detail::head_sub(16) == 2 &&
+                  detail::head_sub(18) == 3 && detail::head_sub(11) == 11 && detail::head_sub(64) == 8,
+              "head_sub");
+// y / S as umulhi(y, ceil(2^32 / S)) for every grid row y < 2^16 (cta_row in decode.cuh).
+constexpr unsigned sub_magic(int S) { return static_cast<unsigned>((0x100000000ull + S - 1) / static_cast<unsigned>(S)); }
+constexpr bool sub_magic_exact(int S) {
+  for (unsigned y = 0; y < 65536; y += 97)
+    if (static_cast<unsigned>((static_cast<unsigned long long>(y) * sub_magic(S)) >> 32) != y / S) return false;
+  const unsigned y = 65535;
+  return static_cast<unsigned>((static_cast<unsigned long long>(y) * sub_magic(S)) >> 32) == y / S;
+}
+static_assert(sub_magic_exact(2) && sub_magic_exact(3) && sub_magic_exact(7) && sub_magic_exact(11) &&
+                  sub_magic_exact(127) && sub_magic_exact(1024),
+              "sub_magic");
+}  // namespace
+
 bool decode_supported(const FormatDesc& f) {
   switch (f.head_dim) {
     case 64: return detail::supported_d64(f);
@@ -111,7 +130,7 @@ cudaError_t decode(const DecodeParams& p, cudaStream_t stream) {
   a.head_sub = detail::head_sub(G);
   a.group = G;
   a.heads = G / a.head_sub;
-  a.sub_magic = a.head_sub > 1 ? static_cast<unsigned>((0x100000000ull + a.head_sub - 1) / a.head_sub) : 0u;
+  a.sub_magic = a.head_sub > 1 ? sub_magic(a.head_sub) : 0u;
   cudaError_t e = cudaErrorInvalidValue;
   switch (f.head_dim) {
     case 64: e = detail::launch_decode_d64(p, a, stream); break;
