@@ -17,13 +17,14 @@ static_assert(detail::head_sub(1) == 1 && detail::head_sub(8) == 1 && detail::he
                   detail::head_sub(10) == 2 && detail::head_sub(12) == 2 && detail::head_sub(16) == 2 &&
                   detail::head_sub(18) == 3 && detail::head_sub(11) == 11 && detail::head_sub(64) == 8,
               "head_sub");
-// y / S as umulhi(y, ceil(2^32 / S)) for every grid row y < 2^16 (cta_row in decode.cuh).
-constexpr unsigned sub_magic(int S) { return static_cast<unsigned>((0x100000000ull + S - 1) / static_cast<unsigned>(S)); }
+// y / S as umulhi(y, sub_magic(S)) for every grid row y < 2^16 (cta_row in decode.cuh).
 constexpr bool sub_magic_exact(int S) {
+  const auto q = [S](unsigned y) {
+    return static_cast<unsigned>((static_cast<unsigned long long>(y) * detail::sub_magic(S)) >> 32);
+  };
   for (unsigned y = 0; y < 65536; y += 97)
-    if (static_cast<unsigned>((static_cast<unsigned long long>(y) * sub_magic(S)) >> 32) != y / S) return false;
-  const unsigned y = 65535;
-  return static_cast<unsigned>((static_cast<unsigned long long>(y) * sub_magic(S)) >> 32) == y / S;
+    if (q(y) != y / S) return false;
+  return q(65535) == 65535u / S;
 }
 static_assert(sub_magic_exact(2) && sub_magic_exact(3) && sub_magic_exact(7) && sub_magic_exact(11) &&
                   sub_magic_exact(127) && sub_magic_exact(1024),
@@ -105,9 +106,10 @@ std::size_t decode_workspace_bytes(const DecodeParams& p) { return workspace_byt
 cudaError_t decode(const DecodeParams& p, cudaStream_t stream) {
   const FormatDesc& f = p.fmt;
   if (p.batch <= 0 || f.kv_heads <= 0 || p.q_heads % f.kv_heads != 0) return cudaErrorInvalidValue;
-  // More than kMaxGroup query heads per KV head: head_sub(G) grid rows per KV head (decode.cuh).
+  // More than kMaxGroup query heads per KV head: head_sub(G) grid rows per KV head of at most kMaxGroup heads each
+  // (decode.cuh).
   const int G = p.q_heads / f.kv_heads;
-  if (G < 1 || detail::cta_heads(p) > detail::kMaxGroup || f.page.tokens != 64) return cudaErrorInvalidValue;
+  if (G < 1 || f.page.tokens != 64) return cudaErrorInvalidValue;
   if (detail::grid_rows(p) > 65535) return cudaErrorInvalidValue;  // the grid's y extent
   if (!p.pool || !p.block_tables || !p.seq_lens || !p.q || !p.out) return cudaErrorInvalidValue;
   if (p.protect.enabled() && (!p.protect_rows || p.protect.kv_heads != f.kv_heads || p.protect.head_dim != f.head_dim))
@@ -130,7 +132,7 @@ cudaError_t decode(const DecodeParams& p, cudaStream_t stream) {
   a.head_sub = detail::head_sub(G);
   a.group = G;
   a.heads = G / a.head_sub;
-  a.sub_magic = a.head_sub > 1 ? sub_magic(a.head_sub) : 0u;
+  a.sub_magic = a.head_sub > 1 ? detail::sub_magic(a.head_sub) : 0u;
   cudaError_t e = cudaErrorInvalidValue;
   switch (f.head_dim) {
     case 64: e = detail::launch_decode_d64(p, a, stream); break;

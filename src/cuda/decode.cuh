@@ -65,6 +65,9 @@ __host__ __device__ constexpr int head_sub(int G) {
   while (G % s != 0) ++s;
   return s;
 }
+// The multiplier that makes y / S one umulhi(y, sub_magic(S)) (exact for y < 2^32 / S; decode.cu checks it at
+// compile time).
+constexpr unsigned sub_magic(int S) { return static_cast<unsigned>((0x100000000ull + S - 1) / static_cast<unsigned>(S)); }
 // Query heads per KV head (G), per CTA, and grid rows of a launch.
 inline int group_size(const DecodeParams& p) { return p.fmt.kv_heads > 0 ? p.q_heads / p.fmt.kv_heads : 0; }
 inline int cta_heads(const DecodeParams& p) {
