@@ -44,7 +44,7 @@ CASES = [
     ("tq-4bit-nc", 2, 64, 4),
     ("tq-3bit", 2, 256, 6),
     ("bf16", 4, 128, 16),
-    ("tq-4bit-nc", 2, 128, 32),  # 16 query heads per KV head: two sub-groups of 8
+    ("tq-4bit-nc", 2, 128, 32),  # 16 query heads per KV head: one sixteen-head CTA per KV head and split
 ]
 
 

@@ -12,11 +12,15 @@
 namespace kvq::cuda {
 
 namespace {
-// Sub-groups of query heads per KV head (decode.cuh): the smallest divisor S of G with G / S <= 8.
+// Sub-groups of query heads per KV head (decode.cuh): the smallest divisor S of G with G / S <= M (8, or 16).
 static_assert(detail::head_sub(1) == 1 && detail::head_sub(8) == 1 && detail::head_sub(9) == 3 &&
                   detail::head_sub(10) == 2 && detail::head_sub(12) == 2 && detail::head_sub(16) == 2 &&
                   detail::head_sub(18) == 3 && detail::head_sub(11) == 11 && detail::head_sub(64) == 8,
               "head_sub");
+static_assert(detail::head_sub(9, 16) == 1 && detail::head_sub(16, 16) == 1 && detail::head_sub(17, 16) == 17 &&
+                  detail::head_sub(18, 16) == 2 && detail::head_sub(32, 16) == 2 && detail::head_sub(48, 16) == 3 &&
+                  detail::head_sub(64, 16) == 4,
+              "head_sub, sixteen heads");
 // y / S as umulhi(y, sub_magic(S)) for every grid row y < 2^16 (cta_row in decode.cuh).
 constexpr bool sub_magic_exact(int S) {
   const auto q = [S](unsigned y) {
@@ -74,6 +78,8 @@ bool decode_uses_fast_kernel(const DecodeParams& p) {
          detail::decode_fast_d128(p, false, nullptr, detail::SplitArgs{}, nullptr) == cudaSuccess;
 }
 
+int decode_cta_heads(const DecodeParams& p) { return detail::cta_heads(p); }
+
 bool decode_uses_cluster_merge(const DecodeParams& p) {
   return decode_uses_fast_kernel(p) &&
          detail::decode_fast_cluster_d128(p, decode_splits(p) + (p.protect.enabled() ? 1 : 0));
@@ -106,7 +112,7 @@ std::size_t decode_workspace_bytes(const DecodeParams& p) { return workspace_byt
 cudaError_t decode(const DecodeParams& p, cudaStream_t stream) {
   const FormatDesc& f = p.fmt;
   if (p.batch <= 0 || f.kv_heads <= 0 || p.q_heads % f.kv_heads != 0) return cudaErrorInvalidValue;
-  // More than kMaxGroup query heads per KV head: head_sub(G) grid rows per KV head of at most kMaxGroup heads each
+  // More query heads per KV head than a CTA holds (8, or 16: cta_limit): head_sub grid rows per KV head
   // (decode.cuh).
   const int G = p.q_heads / f.kv_heads;
   if (G < 1 || f.page.tokens != 64) return cudaErrorInvalidValue;
@@ -129,7 +135,7 @@ cudaError_t decode(const DecodeParams& p, cudaStream_t stream) {
   a.part_o = reinterpret_cast<float*>(static_cast<std::uint8_t*>(p.workspace) + counter_bytes(p));
   a.part_lse = a.part_o + rows * static_cast<std::size_t>(NS) * static_cast<std::size_t>(f.head_dim);
   a.epoch = next_epoch();
-  a.head_sub = detail::head_sub(G);
+  a.head_sub = detail::head_sub(G, detail::cta_limit(p));
   a.group = G;
   a.heads = G / a.head_sub;
   a.sub_magic = a.head_sub > 1 ? detail::sub_magic(a.head_sub) : 0u;

@@ -34,7 +34,8 @@ namespace kvq::cuda::detail {
 inline constexpr float kLog2e = 1.4426950408889634f;
 inline constexpr int kChunk = 32;                  // tokens per pipeline stage (half a page)
 inline constexpr int kSmemBudget = 225 * 1024;     // dynamic shared memory per CTA
-inline constexpr int kMaxGroup = 8;                // query heads per KV head
+inline constexpr int kMaxGroup = 8;                // query heads per CTA (generic kernel, protected split)
+inline constexpr int kMaxGroup16 = 16;             // query heads per CTA of the fast kernel's sixteen-head form
 
 constexpr int align16c(int x) { return (x + 15) / 16 * 16; }
 
@@ -54,13 +55,14 @@ struct SplitArgs {
   unsigned sub_magic = 0;                   // ceil(2^32 / head_sub) (head_sub > 1): y / head_sub = umulhi(y, magic)
 };
 
-// A CTA holds at most kMaxGroup query heads. A KV head with G > kMaxGroup query heads takes head_sub(G) rows of the
-// grid (y = KV head x head_sub + s), sub-group s holding query heads s G / S .. (s + 1) G / S - 1 of the KV head: S is
-// the smallest divisor of G with G / S <= kMaxGroup, so every CTA of a launch holds as many heads. The sub-groups'
-// CTAs of one split are adjacent in the grid and read the same pages at about the same time, so the later reads can
-// find them in L2; each CTA unpacks the codes itself.
-__host__ __device__ constexpr int head_sub(int G) {
-  int s = (G + kMaxGroup - 1) / kMaxGroup;
+// A CTA holds at most M query heads: M = kMaxGroup16 where the fast kernel's sixteen-head form serves the launch
+// (fast16_serves), else kMaxGroup. A KV head with G > M query heads takes head_sub(G, M) rows of the grid (y = KV head x
+// head_sub + s), sub-group s holding query heads s G / S .. (s + 1) G / S - 1 of the KV head: S is the smallest divisor
+// of G with G / S <= M, so every CTA of a launch holds as many heads. The sub-groups' CTAs of one split are adjacent in
+// the grid and read the same pages at about the same time, so the later reads can find them in L2; each CTA unpacks
+// the codes itself.
+__host__ __device__ constexpr int head_sub(int G, int M = kMaxGroup) {
+  int s = (G + M - 1) / M;
   if (s < 1) s = 1;
   while (G % s != 0) ++s;
   return s;
@@ -70,11 +72,15 @@ __host__ __device__ constexpr int head_sub(int G) {
 constexpr unsigned sub_magic(int S) { return static_cast<unsigned>((0x100000000ull + S - 1) / static_cast<unsigned>(S)); }
 // Query heads per KV head (G), per CTA, and grid rows of a launch.
 inline int group_size(const DecodeParams& p) { return p.fmt.kv_heads > 0 ? p.q_heads / p.fmt.kv_heads : 0; }
+// Whether the fast kernel's sixteen-head form serves p (decode_d128.cu): head_dim 128, a fast format, no protected
+// rows, DecodeParams::sixteen_heads, and more than kMaxGroup heads per CTA with M = kMaxGroup16.
+bool fast16_serves(const DecodeParams& p);
+inline int cta_limit(const DecodeParams& p) { return fast16_serves(p) ? kMaxGroup16 : kMaxGroup; }
 inline int cta_heads(const DecodeParams& p) {
   const int G = group_size(p);
-  return G > 0 ? G / head_sub(G) : 0;
+  return G > 0 ? G / head_sub(G, cta_limit(p)) : 0;
 }
-inline int grid_rows(const DecodeParams& p) { return p.fmt.kv_heads * head_sub(std::max(1, group_size(p))); }
+inline int grid_rows(const DecodeParams& p) { return p.fmt.kv_heads * head_sub(std::max(1, group_size(p)), cta_limit(p)); }
 
 // The CTA of grid row y of sequence b (S = SplitArgs::head_sub): its KV head, its query heads (G of them) and the
 // first one's row in q / out.
@@ -236,12 +242,13 @@ __device__ __forceinline__ void merge_row_reg(const DecodeParams& p, int NS, int
 //    kSmemPath = false leaves that path out (the fast kernel, which always has a warp per head and
 //    16-byte aligned tables: decode_fast_d128 checks).
 // kValueTq: the kernel's values are TurboQuant codes (known at compile time, so a kernel with
-// uniform values carries no rotation code in its tail).
+// uniform values carries no rotation code in its tail). ROWS: output rows per warp of the register path
+// (rows w, w + THREADS / 32, ...; 2 for the fast kernel's sixteen heads on 8 warps).
 // The thread and block indices are read again here (volatile): from threadIdx / blockIdx, ptxas
 // hoisted this tail's index and pointer arithmetic above the fast kernel's main loop, which then held
 // it in registers (~45 more SASS instructions per chunk for the 3-bit-key formats); a call instead
 // of inlining cost stack and spills.
-template <int THREADS, int D, bool kValueTq, bool kSmemPath = true>
+template <int THREADS, int D, bool kValueTq, bool kSmemPath = true, int ROWS = 1>
 __device__ __forceinline__ void finish_group(const DecodeParams& p, const SplitArgs& a, int NS, int G, float* smem) {
   const int tid = tid_after_loop(), y = ctaid_y_after_loop(), b = ctaid_z_after_loop();  // grid (split, row, sequence)
   const CtaRow cr = cta_row(p, a, y, b);
@@ -252,7 +259,7 @@ __device__ __forceinline__ void finish_group(const DecodeParams& p, const SplitA
   const float* sg = p.fmt.value_signs + static_cast<std::size_t>(kh) * D;
   const float* mu = p.fmt.value_mean ? p.fmt.value_mean + static_cast<std::size_t>(kh) * D : nullptr;
   constexpr bool kRegPath = D == 128 && THREADS >= 128;
-  const bool reg = kRegPath && G <= THREADS / 32 && (p.fmt.segments == 1 || 2 * p.fmt.seg_dims[0] == D) &&
+  const bool reg = kRegPath && G <= ROWS * (THREADS / 32) && (p.fmt.segments == 1 || 2 * p.fmt.seg_dims[0] == D) &&
                    ((reinterpret_cast<std::uintptr_t>(perm) | reinterpret_cast<std::uintptr_t>(sg)) & 15u) == 0;
   const int w = tid >> 5, lane = tid & 31;
   int4 vp = make_int4(0, 0, 0, 0);
@@ -275,12 +282,16 @@ __device__ __forceinline__ void finish_group(const DecodeParams& p, const SplitA
   __threadfence();
   if constexpr (kRegPath) {
     if (reg) {
-      if (w < G) {
-        const float* lse = a.part_lse + (row0 + w) * NS;
-        const float4* po = reinterpret_cast<const float4*>(a.part_o + (row0 + w) * NS * D) + lane;
-        merge_row_reg<tq>(
-            p, NS, lane, vp, vs, mu, row0 + w, [=](int s) { return __ldcg(lse + s); },
-            [=](int s) { return __ldcg(po + static_cast<std::size_t>(s) * (D / 4)); });
+#pragma unroll
+      for (int k = 0; k < ROWS; ++k) {
+        const int h = w + k * (THREADS / 32);
+        if (h < G) {
+          const float* lse = a.part_lse + (row0 + h) * NS;
+          const float4* po = reinterpret_cast<const float4*>(a.part_o + (row0 + h) * NS * D) + lane;
+          merge_row_reg<tq>(
+              p, NS, lane, vp, vs, mu, row0 + h, [=](int s) { return __ldcg(lse + s); },
+              [=](int s) { return __ldcg(po + static_cast<std::size_t>(s) * (D / 4)); });
+        }
       }
       if (tid == 0) *ctr = 0;
       return;

@@ -1,4 +1,4 @@
-// Decode kernels for head_dim 128: the fast kernel (decode_fast.cuh) for G <= 8 and the
+// Decode kernels for head_dim 128: the fast kernel (decode_fast.cuh) for up to 16 heads per CTA and the
 // TurboQuant / fp8 formats (outlier splits included), the generic kernel (decode.cuh) for
 // everything else.
 #include "decode_fast.cuh"
@@ -9,7 +9,8 @@ namespace kvq::cuda::detail {
 namespace {
 KVQ_DEFINE_DECODE_FN(128, launch_decode_generic_d128, supported_generic_d128)
 
-bool fast_applies(const DecodeParams& p) {
+// The fast kernel's conditions other than the heads per CTA.
+bool fast_shape(const DecodeParams& p) {
   const FormatDesc& f = p.fmt;
   // The prologue reads the key permutation and signs, the split merge the value permutation and
   // signs as 16-byte vectors (LayerTables' layout is aligned so).
@@ -20,17 +21,38 @@ bool fast_applies(const DecodeParams& p) {
                        (f.value != ValueCode::kTq || a16(f.value_perm, f.value_signs));
   // The fast kernel forms page offsets by a 32 x 32 -> 64-bit multiply.
   const bool page32 = f.page.page_bytes <= 0xffffffffull;
-  return f.head_dim == 128 && f.kv_heads > 0 && p.q_heads % f.kv_heads == 0 && cta_heads(p) <= 8 &&
-         (f.segments == 1 || f.segments == 2) && aligned && page32;
+  return f.head_dim == 128 && f.kv_heads > 0 && p.q_heads % f.kv_heads == 0 && (f.segments == 1 || f.segments == 2) &&
+         aligned && page32;
 }
+bool fast_applies(const DecodeParams& p) { return fast_shape(p) && cta_heads(p) <= kMaxGroup16; }
+
+#define KVQ_FAST16_FORMAT(KC, KB, VC, VB, KB1, VB1) \
+  if (format_is(p.fmt, KC, KB, KB1, VC, VB, VB1)) return !FCfg<KC, KB, VC, VB, KB1, VB1>::kValWin || p.fmt.shared_codebook;
+bool fast_format(const DecodeParams& p) {
+  KVQ_FAST_FORMATS(KVQ_FAST16_FORMAT)
+  return false;
+}
+#undef KVQ_FAST16_FORMAT
 }  // namespace
 
-// Four heads per CTA for G <= 4, eight for 4 < G <= 8 (FCfg::kHG8). A kernel whose value pairs come from
-// the key table (FCfg::kValWin) needs equal codebooks; without them the generic kernel serves the launch.
+bool fast16_serves(const DecodeParams& p) {
+  const int G = group_size(p);
+  return p.sixteen_heads && G > kMaxGroup && !p.protect.enabled() && G / head_sub(G, kMaxGroup16) > kMaxGroup &&
+         fast_shape(p) && fast_format(p);
+}
+
+// Four heads per CTA for G <= 4, eight for 4 < G <= 8 (FCfg::kHG8), sixteen for more (FCfg::kHG16, fast16_serves). A
+// kernel whose value pairs come from the key table (FCfg::kValWin) needs equal codebooks; without them the generic
+// kernel serves the launch.
 #define KVQ_FAST_CASE(KC, KB, VC, VB, KB1, VB1)                                     \
   if (format_is(p.fmt, KC, KB, KB1, VC, VB, VB1)) {                                 \
     if (FCfg<KC, KB, VC, VB, KB1, VB1>::kValWin && !p.fmt.shared_codebook)           \
       return cudaErrorNotSupported;                                                 \
+    if (cta_heads(p) > 8) {                                                         \
+      if (warps) *warps = FCfg<KC, KB, VC, VB, KB1, VB1, 16>::WARPS;                \
+      if (!launch) return cudaSuccess;                                              \
+      return launch_decode_fast<FCfg<KC, KB, VC, VB, KB1, VB1, 16>>(p, a, st);      \
+    }                                                                               \
     if (cta_heads(p) > 4) {                                                         \
       if (warps) *warps = FCfg<KC, KB, VC, VB, KB1, VB1, 8>::WARPS;                 \
       if (!launch) return cudaSuccess;                                              \
@@ -58,6 +80,7 @@ bool fast_cluster_for(const DecodeParams& p, int ns) {
 #define KVQ_FAST_CLUSTER_CASE(KC, KB, VC, VB, KB1, VB1)                                  \
   if (format_is(p.fmt, KC, KB, KB1, VC, VB, VB1)) {                                      \
     if (FCfg<KC, KB, VC, VB, KB1, VB1>::kValWin && !p.fmt.shared_codebook) return false; \
+    if (cta_heads(p) > 8) return fast_cluster_for<FCfg<KC, KB, VC, VB, KB1, VB1, 16>>(p, ns); \
     if (cta_heads(p) > 4) return fast_cluster_for<FCfg<KC, KB, VC, VB, KB1, VB1, 8>>(p, ns); \
     return fast_cluster_for<FCfg<KC, KB, VC, VB, KB1, VB1>>(p, ns);                      \
   }

@@ -48,18 +48,28 @@ namespace kvq::cuda::detail {
 
 // KB1 / VB1 > 0: outlier split, segment 0 (dims 0-63 in segment order) at KB / VB bits, segment 1
 // (dims 64-127) at KB1 / VB1 bits; TurboQuant keys and values with the same widths on both sides.
-// HG_: query heads per CTA, 4 (G <= 4) or 8 (4 < G <= 8; see kHG8 below).
+// HG_: query heads per CTA, 4 (G <= 4), 8 (4 < G <= 8; see kHG8 below) or 16 (8 < G <= 16 without protected rows;
+// see kHG16 below).
 template <KeyCode KC_, int KB_, ValueCode VC_, int VB_, int KB1_ = 0, int VB1_ = 0, int HG_ = 4>
 struct FCfg {
   static constexpr int D = 128;
   static constexpr int HG = HG_;
-  static_assert(HG == 4 || HG == 8, "fast decode: 4 or 8 heads per CTA");
+  static_assert(HG == 4 || HG == 8 || HG == 16, "fast decode: 4, 8 or 16 heads per CTA");
   // Eight heads: the QK B operand takes two n-tiles (heads 0-3 and 4-7, fp16 value and residual columns
   // each) and every lane keeps the softmax of heads t4 and t4 + 4. PV keeps one n-tile: column 2 h is
   // head h, column 2 h + 1 head h + 4, both rounded to fp16 without the residual column the four-head
   // kernel uses (the 4-bit magic offsets then subtract the sum of the rounded B values, which the MMA
   // multiplied). ~30 more registers per thread, so 12 warps.
   static constexpr bool kHG8 = HG == 8;
+  // Sixteen heads: the QK B operand's two n-tiles are heads 0-7 and 8-15, each rounded to fp16 without the residual
+  // column (~11 bits of the query instead of ~22; docs/kernels.md measures what that costs), so a lane's four
+  // accumulator columns are heads 2 t4, 2 t4 + 1, 2 t4 + 8 and 2 t4 + 9, and it keeps their four softmaxes. PV takes
+  // two n-tiles (o: heads 0-7, o1: heads 8-15; column n = head n, P rounded to fp16 as with eight heads), so the same
+  // four heads are the lane's output columns. The codes of a chunk are unpacked once for all sixteen heads (with
+  // at most eight heads per CTA, G = 16 took two CTAs that each unpacked them). ~60 more registers than eight heads:
+  // 8 warps. Unprotected launches only (the protected split holds at most kMaxGroup heads).
+  static constexpr bool kHG16 = HG == 16;
+  static constexpr bool kQ2 = HG >= 8;  // two QK n-tiles (eight or sixteen heads)
   static constexpr KeyCode KC = KC_;
   static constexpr ValueCode VC = VC_;
   static constexpr int KB = KB_, VB = VB_;
@@ -116,9 +126,10 @@ struct FCfg {
   static constexpr int LUT_BYTES = LUT_ALIGN + LUT1_BYTES;
   static constexpr int Q_BYTES = HG * D * 4 + 2 * NSEG * 16 * 4;  // query [HG][D], then centroids [2 NSEG][16]
   static constexpr int STAGE_BYTES = align16c(kChunk * (KCB + VCB + MB)) + 16;
-  // per-warp scratch of the P transpose: [segment][4 parts][4 heads][8 words]
-  static constexpr int SCR_WARP = 512 * NSEG;
-  static constexpr int WMAX = kHG8 ? 12 : 16;
+  // per-warp scratch of the P transpose: [segment][4 parts][4 heads][8 words]; sixteen heads: [segment][2 k-blocks]
+  // [16 heads][8 words] (p16_word)
+  static constexpr int SCR_WARP = (kHG16 ? 1024 : 512) * NSEG;
+  static constexpr int WMAX = kHG16 ? 8 : kHG8 ? 12 : 16;
   // cp.async ring depth per warp: 3 stages (two chunks in flight while one is used) where 16 warps' rings fit beside
   // the table, query and scratch, 2 otherwise. The eight-head kernels (12 warps) ask for the same room: with three
   // stages where only their 12 rings fit, tq-3bit-nc and tq-k3v4-nc measured 0.99-1.00x (decode-gqa-ab-2026-12-02.md,
@@ -154,8 +165,12 @@ struct FCfg {
   static constexpr int RW = NSEG == 2 ? 134 : 132;
   static constexpr int RED_BYTES = WARPS * HG * RW * 4;
   // Each warp's softmax statistics: 2 HG 16-byte slots at the start of its P-transpose scratch (lane g of the merge
-  // reads warps g and g + 8), warp 0's HG constant terms after 256 bytes.
-  static_assert(WARPS <= 16 && 2 * HG * 16 <= 256 && 256 + HG * 4 <= SCR_WARP, "fast decode: merge statistics");
+  // reads warps g and g + 8), warp 0's HG constant terms after ZC_OFF bytes.
+  static constexpr int ZC_OFF = kHG16 ? 512 : 256;
+  static_assert(WARPS <= 16 && 2 * HG * 16 <= ZC_OFF && ZC_OFF + HG * 4 <= SCR_WARP, "fast decode: merge statistics");
+  // Output rows per warp in the split merges (finish_cluster, finish_group): sixteen heads on 8 warps take two.
+  static constexpr int MROWS = HG > WARPS ? 2 : 1;
+  static_assert(HG <= MROWS * WARPS, "fast decode: a warp per merged row");
   // The rows start past the warps' P-transpose scratch where the scratch lies below RED_BYTES (the statistics
   // are read there while the rows are written).
   static constexpr int SCR_END = LUT_BYTES + Q_BYTES + WARPS * SCR_WARP;  // past the scratch, without the pad
@@ -342,7 +357,7 @@ __device__ __noinline__ void sleep_at_least_ns(unsigned ns) {
 
 // The split merge inside a thread-block cluster (SplitArgs::cluster): the NS CTAs of a (sequence, KV
 // head) are one cluster, rank = split, each with its partial ([HG][D] outputs, then HG log2-sum-exps) at CL_OFF of
-// its shared memory. Row h is merged by warp h of the CTA of rank h % NS (its owner), as finish_group merges from
+// its shared memory. Row h is merged by warp h % WARPS of the CTA of rank h % NS (its owner), as finish_group merges from
 // the workspace, in split order. Every CTA sends its partial row h to the owner's receive buffer (RC_OFF) with
 // asynchronous stores that count their bytes on the owner's transaction barrier, which the owner's warps wait on:
 // a cluster barrier with a release before reading other CTAs' shared memory compiles to a GPU-scope memory barrier
@@ -359,7 +374,12 @@ __device__ __forceinline__ void finish_cluster(const DecodeParams& p, const Spli
   const CtaRow cr = cta_row(p, a, ctaid_y_after_loop(), b);
   const int kh = cr.kh;
   const int w = tid >> 5, lane = tid & 31;
-  const bool mine = w < G && w % NS == rank;
+  // Row w + WARPS k of the CTA's heads (k < MROWS: two rows per warp only with sixteen heads).
+  auto mine_row = [&](int k) {
+    const int h = w + C::WARPS * k;
+    return h < G && h % NS == rank;
+  };
+  const bool mine = C::MROWS > 1 ? mine_row(0) || mine_row(1) : w < G && w % NS == rank;
   const float* mu = p.fmt.value_mean ? p.fmt.value_mean + static_cast<std::size_t>(kh) * D : nullptr;
   int4 vp = make_int4(0, 0, 0, 0);
   float4 vs = make_float4(0, 0, 0, 0);
@@ -375,10 +395,14 @@ __device__ __forceinline__ void finish_cluster(const DecodeParams& p, const Spli
   const std::size_t row = cr.row0 + w;
   if (NS == 1) {  // a cluster of one CTA (asynchronous stores need two or more): the merge of its own partial
     __syncthreads();
-    if (mine)
-      merge_row_reg<C::VC == ValueCode::kTq>(
-          p, 1, lane, vp, vs, mu, row, [&](int) { return part[C::HG * D + w]; },
-          [&](int) { return reinterpret_cast<const float4*>(part + w * D)[lane]; });
+#pragma unroll
+    for (int k = 0; k < C::MROWS; ++k) {
+      const int h = w + C::WARPS * k;
+      if (C::MROWS == 1 ? mine : mine_row(k))
+        merge_row_reg<C::VC == ValueCode::kTq>(
+            p, 1, lane, vp, vs, mu, row + C::WARPS * k, [&](int) { return part[C::HG * D + h]; },
+            [&](int) { return reinterpret_cast<const float4*>(part + h * D)[lane]; });
+    }
     return;
   }
   if (tid == 0) {
@@ -413,9 +437,14 @@ __device__ __forceinline__ void finish_cluster(const DecodeParams& p, const Spli
           : "memory");
     } while (!done);
     const float* const recv = reinterpret_cast<const float*>(smem_raw + C::RC_OFF);
-    merge_row_reg<C::VC == ValueCode::kTq>(
-        p, NS, lane, vp, vs, mu, row, [&](int s) { return recv[C::RC_LSE / 4 + w * C::kClMax + s]; },
-        [&](int s) { return reinterpret_cast<const float4*>(recv + (w * C::kClMax + s) * D)[lane]; });
+#pragma unroll
+    for (int k = 0; k < C::MROWS; ++k) {
+      const int h = w + C::WARPS * k;
+      if (C::MROWS == 1 || mine_row(k))
+        merge_row_reg<C::VC == ValueCode::kTq>(
+            p, NS, lane, vp, vs, mu, row + C::WARPS * k, [&](int s) { return recv[C::RC_LSE / 4 + h * C::kClMax + s]; },
+            [&](int s) { return reinterpret_cast<const float4*>(recv + (h * C::kClMax + s) * D)[lane]; });
+    }
   }
   __cluster_barrier_wait();
 }
@@ -454,13 +483,17 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   float* plse = clus ? reinterpret_cast<float*>(smem_raw + C::CL_OFF) + C::HG * D : part_lse + row0 * NS + split;
   auto finish = [&]() {
     if (clus) finish_cluster<C>(p, a, NS, G, smem_raw);
-    else finish_group<C::THREADS, C::D, C::VC == ValueCode::kTq, false>(p, a, NS, G, reinterpret_cast<float*>(smem_raw));
+    else finish_group<C::THREADS, C::D, C::VC == ValueCode::kTq, false, C::MROWS>(p, a, NS, G, reinterpret_cast<float*>(smem_raw));
   };
 
   if (split == nsplit) {
-    protected_split<C>(p.q, row0, kh, p.scale, prl, p.protect_rows, p.fmt.value_perm, p.fmt.value_signs,
-                       p.fmt.key_mean, p.fmt.value_mean, G, L, pst, po, plse, smem_raw);
-    finish();
+    if constexpr (C::HG <= kMaxGroup) {
+      protected_split<C>(p.q, row0, kh, p.scale, prl, p.protect_rows, p.fmt.value_perm, p.fmt.value_signs,
+                         p.fmt.key_mean, p.fmt.value_mean, G, L, pst, po, plse, smem_raw);
+      finish();
+    } else {
+      __trap();  // unreachable: the launcher gives sixteen-head CTAs no protected split (fast16_serves)
+    }
     return;
   }
 
@@ -660,13 +693,18 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   // (permutation, signs, scale), then the FWHT of size 128 by shuffles (warp_fwht4; split: one per
   // 64-dim segment) and 1 / sqrt(128) (split: 1 / sqrt(64)).
   if constexpr (C::KC == KeyCode::kTq) {
-    if (w < G) {
-      const float* src = qraw_s + w * D;
-      float x[4] = {src[qperm.x] * qscale * qsign.x, src[qperm.y] * qscale * qsign.y, src[qperm.z] * qscale * qsign.z,
-                    src[qperm.w] * qscale * qsign.w};
-      warp_fwht4(x, lane, C::sd(0));
-      const float sc = static_cast<float>(1.0 / sqrt(static_cast<double>(C::sd(0))));
-      reinterpret_cast<float4*>(qs + w * D)[qs_chunk(lane)] = make_float4(x[0] * sc, x[1] * sc, x[2] * sc, x[3] * sc);
+    // Sixteen heads on 8 warps: warp w rotates heads w and w + 8.
+#pragma unroll
+    for (int k = 0; k < C::MROWS; ++k) {
+      const int h = w + C::WARPS * k;
+      if (h < G) {
+        const float* src = qraw_s + h * D;
+        float x[4] = {src[qperm.x] * qscale * qsign.x, src[qperm.y] * qscale * qsign.y, src[qperm.z] * qscale * qsign.z,
+                      src[qperm.w] * qscale * qsign.w};
+        warp_fwht4(x, lane, C::sd(0));
+        const float sc = static_cast<float>(1.0 / sqrt(static_cast<double>(C::sd(0))));
+        reinterpret_cast<float4*>(qs + h * D)[qs_chunk(lane)] = make_float4(x[0] * sc, x[1] * sc, x[2] * sc, x[3] * sc);
+      }
     }
   }
   __syncthreads();
@@ -674,8 +712,9 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   // (g even) or its rounding residual (g odd); k pairs 2 t4 (+ 8) of k-tile kt are the dims
   // 32 t4 + 4 kt + {0, 1} ({2, 3}), the run of codes lane t4 reads per token. Split: k-tile kt is
   // segment kt / 4, dims 64 (kt / 4) + 16 t4 + 4 (kt % 4) + {0, 1} ({2, 3}).
-  const int hq = g >> 1;
-  const bool lo_col = (g & 1) != 0;
+  // Sixteen heads: column n = g of n-tile u is head 8 u + g, rounded to fp16 (no residual column).
+  const int hq = C::kHG16 ? g : g >> 1;
+  const bool lo_col = !C::kHG16 && (g & 1) != 0;
   std::uint32_t qb[8][2];
 #pragma unroll
   for (int kt = 0; kt < 8; ++kt) {
@@ -691,14 +730,16 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   }
   // Eight heads: the second n-tile, heads 4 + (g >> 1). The loop above is not shared through a lambda: that
   // changed the split formats' main-loop register allocation in the four-head kernels.
-  std::uint32_t qb1[C::kHG8 ? 8 : 1][2];
-  if constexpr (C::kHG8) {
+  // Sixteen heads: heads 8 + g.
+  std::uint32_t qb1[C::kQ2 ? 8 : 1][2];
+  if constexpr (C::kQ2) {
+    constexpr int kH1 = C::kHG16 ? 8 : 4;
 #pragma unroll
     for (int kt = 0; kt < 8; ++kt) {
       const int d0 = NSEG == 2 ? 64 * (kt >> 2) + 16 * t4 + 4 * (kt & 3) : 32 * t4 + 4 * kt;
       std::uint32_t h0 = 0, l0 = 0, h1 = 0, l1 = 0;
-      if (4 + hq < G) {
-        const float4 v = reinterpret_cast<const float4*>(qs + (4 + hq) * D)[qs_chunk(d0 >> 2)];
+      if (kH1 + hq < G) {
+        const float4 v = reinterpret_cast<const float4*>(qs + (kH1 + hq) * D)[qs_chunk(d0 >> 2)];
         split2<false>(v.x, v.y, h0, l0);
         split2<false>(v.z, v.w, h1, l1);
       }
@@ -719,6 +760,14 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   std::uint8_t* const scr = lut + C::LUT_BYTES + C::Q_BYTES + static_cast<std::size_t>(w) * C::SCR_WARP;
   std::uint32_t* const scr_st = reinterpret_cast<std::uint32_t*>(scr) + 8 * t4 + 2 * (g & 3) + (g >> 2);
   const uint2* const scr_ld = reinterpret_cast<const uint2*>(scr + 4 * (64 * (g & 1) + 8 * hq + 2 * t4));
+  // Sixteen heads (per segment 256 words): p16_word(kk, h, x) = ((16 kk + h) 8 + 2 (x & 3) + (x >> 2)) ^ 8 ((h >> 2) & 1)
+  // holds the fp16 P pair of head h, tokens x + 16 kk and x + 16 kk + 8, written by lane (g = x) among whose heads h is.
+  // A lane's B registers of n-tile u, k-block kk (head 8 u + g; tokens t4 + 16 kk (+ 8) from lane t4, t4 + 4 + 16 kk
+  // (+ 8) from lane t4 + 4) are then adjacent: one 8-byte load, 32 banks per half-warp phase. The XOR term puts the
+  // stores of lanes t4 and t4 + 2 (heads 2 t4 + c mod 4 equal) in different bank groups: one wavefront per store.
+  std::uint32_t* const scr16_st0 = reinterpret_cast<std::uint32_t*>(scr) + 16 * t4 + 2 * (g & 3) + (g >> 2) + 8 * (t4 >> 1);
+  std::uint32_t* const scr16_st1 = reinterpret_cast<std::uint32_t*>(scr) + 16 * t4 + 2 * (g & 3) + (g >> 2) + 8 * (1 - (t4 >> 1));
+  const uint2* const scr16_ld = reinterpret_cast<const uint2*>(scr + 4 * ((8 * g + 2 * t4) ^ (8 * ((g >> 2) & 1))));
   // The lane's 8 value bytes in a 64-byte row (kSwzV): rows p0 / p1 of the PV loads have row bit 1 = t4 bit 1.
   const int vofs = C::kSwzV ? (8 * g) ^ ((t4 & 2) << 4) : 8 * g;
   // Metadata of 6-byte tokens: the lane's tokens g + 8 j start 2 bytes into a word where g is odd.
@@ -732,6 +781,16 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   float m_run = -INFINITY, l_run = 0, z_run = 0;
   float w_run = 0;  // 4-bit uniform values: sum of P times the value scale (the magic numbers' offsets, below)
   float m_run1 = -INFINITY, l_run1 = 0, z_run1 = 0, w_run1 = 0;  // eight heads: head t4 + 4
+  // Sixteen heads: the lane's heads e = 0..3 are hd16(e) = 2 t4 + (e & 1) + 8 (e >> 1): softmax state per e, and
+  // o1 the outputs of heads 8-15 (o: heads 0-7; column 2 t4 + c of either is head 2 t4 + c (+ 8)).
+  constexpr int NE16 = C::kHG16 ? 4 : 1;
+  float m16[NE16], l16[NE16], z16[NE16], w16[NE16];
+#pragma unroll
+  for (int e = 0; e < NE16; ++e) m16[e] = -INFINITY, l16[e] = 0.0f, z16[e] = 0.0f, w16[e] = 0.0f;
+  float o1[C::kHG16 ? 8 : 1][4];
+#pragma unroll
+  for (int i = 0; i < (C::kHG16 ? 8 : 1); ++i) o1[i][0] = o1[i][1] = o1[i][2] = o1[i][3] = 0;
+  auto hd16 = [&](int e) { return 2 * t4 + (e & 1) + 8 * (e >> 1); };
 
 #pragma unroll C::UNROLL
   for (int i = 0; i < nloc; ++i) {
@@ -753,6 +812,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     // The lane's tokens are g + 8 j (j = 2 mt + row half); it gets their scores for head t4.
     float sc[4], vsc[NSEG][4], vz[4];
     float sc1[4];  // eight heads: head t4 + 4
+    float s16[NE16][4];  // sixteen heads: [lane head e][token g + 8 j]
     if constexpr (NSEG == 2) {
       // Per segment s: the lane's run of codes (dims 16 t4 .. 16 t4 + 15 of the segment: 2 kb(s) bytes at
       // kcoff(s) + 2 kb(s) t4) of each of its 4 tokens, 4 k-tiles, own accumulators.
@@ -769,7 +829,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
         std::uint32_t wv[4][2];
 #pragma unroll
         for (int j = 0; j < 4; ++j) load_run<2 * KBs>(sk + (g + 8 * j) * C::KCB, C::kcoff(sg) + 2 * KBs * t4, wv[j]);
-        if constexpr (C::kHG8)
+        if constexpr (C::kQ2)
           tq_keys_mma<2 * KBs, 4, 2, 2>(wv, sg == 0 ? XK : XK1, qb + 4 * sg, acc[sg], qb1 + 4 * sg, acc1[sg]);
         else
           tq_keys_mma<2 * KBs, 4>(wv, sg == 0 ? XK : XK1, qb + 4 * sg, acc[sg]);
@@ -786,6 +846,13 @@ __global__ void __launch_bounds__(C::THREADS, 1)
         sc[j] = (acc[0][mt][r] + acc[0][mt][r + 1]) * kn.x + (acc[1][mt][r] + acc[1][mt][r + 1]) * kn.y;
         if constexpr (C::kHG8)
           sc1[j] = (acc1[0][mt][r] + acc1[0][mt][r + 1]) * kn.x + (acc1[1][mt][r] + acc1[1][mt][r + 1]) * kn.y;
+        if constexpr (C::kHG16) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float(&ae)[2][2][4] = e < 2 ? acc : acc1;
+            s16[e][j] = ae[0][mt][r + (e & 1)] * kn.x + ae[1][mt][r + (e & 1)] * kn.y;
+          }
+        }
         vsc[0][j] = vn.x;
         vsc[1][j] = vn.y;
         vz[j] = 0.0f;
@@ -814,7 +881,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
           for (int k = 0; k < NW; ++k) wv[j][k] = reinterpret_cast<const std::uint32_t*>(src)[k];
         }
       }
-      if constexpr (C::kHG8)
+      if constexpr (C::kQ2)
         tq_keys_mma<FW, 8, NW, 2, C::kKeyWin>(wv, XK, qb, acc, qb1, acc1);
       else
         tq_keys_mma<FW, 8, NW, 1, C::kKeyWin>(wv, XK, qb, acc);
@@ -841,7 +908,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
           const std::uint32_t a[4] = {fp8x2_half_to_half2<0>(x0), fp8x2_half_to_half2<0>(x1), fp8x2_half_to_half2<1>(x0),
                                       fp8x2_half_to_half2<1>(x1)};
           mma16816<false>(acc[mt], a, qb[kt][0], qb[kt][1]);
-          if constexpr (C::kHG8) mma16816<false>(acc1[mt], a, qb1[kt][0], qb1[kt][1]);
+          if constexpr (C::kQ2) mma16816<false>(acc1[mt], a, qb1[kt][0], qb1[kt][1]);
         }
       }
     }
@@ -890,6 +957,16 @@ __global__ void __launch_bounds__(C::THREADS, 1)
         if constexpr (C::kHG8) sc1[j] *= kn[j];
       }
     }
+    if constexpr (C::kHG16) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float(&ae)[2][4] = e < 2 ? acc : acc1;
+          const float x = ae[j >> 1][2 * (j & 1) + (e & 1)];
+          s16[e][j] = C::KC == KeyCode::kTq ? x * kn[j] : x;
+        }
+    }
     }  // NSEG == 1
     if (!full) {  // warp-uniform: only the first and last chunk of a range can be partial
       // Slots outside the range hold whatever the pool held (NaN patterns too): their score is
@@ -900,6 +977,8 @@ __global__ void __launch_bounds__(C::THREADS, 1)
         if (x < lo || x >= hi) {
           sc[j] = -INFINITY;
           sc1[j] = -INFINITY;
+#pragma unroll
+          for (int e = 0; e < NE16; ++e) s16[e][j] = -INFINITY;
           vz[j] = 0.0f;
 #pragma unroll
           for (int s = 0; s < NSEG; ++s) vsc[s][j] = 0.0f;
@@ -907,6 +986,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
       }
     }
 
+    if constexpr (!C::kHG16) {
     // ---- online softmax (log2 domain) of head t4 over the 8 lanes t4, t4 + 4, ... ----
     // The head's maximum moves only when one of its scores exceeds the running one, which after the first chunks is
     // rare. A vote finds whether any lane has such a score; only then is the maximum reduced over the head's lanes
@@ -1003,24 +1083,100 @@ __global__ void __launch_bounds__(C::THREADS, 1)
         scr_st[128 * s + 96] = l23;
       }
     }
+    } else {
+      // ---- sixteen heads: the online softmax of the lane's four heads, as above per head ----
+      float alpha16[4] = {1.0f, 1.0f, 1.0f, 1.0f}, mx16[4];
+      bool up = false;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        mx16[e] = fmaxf(fmaxf(s16[e][0], s16[e][1]), fmaxf(s16[e][2], s16[e][3]));
+        up = up || mx16[e] > m16[e];
+      }
+      const bool moved = __any_sync(0xffffffffu, up);
+      if (moved) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float mx = mx16[e];
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+          const float m_new = fmaxf(m16[e], mx);
+          alpha16[e] = ex2(m16[e] - (m_new == -INFINITY ? 0.0f : m_new));
+          m16[e] = m_new;
+        }
+      }
+      float pv16[NSEG][4][4];  // [segment][lane head e][token g + 8 j], rounded to fp16
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float m_use = m16[e] == -INFINITY ? 0.0f : m16[e];
+        float psum = 0, zsum = 0;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float pj = ex2(s16[e][j] - m_use);
+          psum += pj;
+#pragma unroll
+          for (int s = 0; s < NSEG; ++s) pv16[s][e][j] = round_elt<false>(pj * vsc[s][j]);
+          if constexpr (C::VC == ValueCode::kUniform) zsum += pj * vz[j];
+        }
+        z16[e] = z16[e] * alpha16[e] + zsum;
+        l16[e] = l16[e] * alpha16[e] + psum;
+        if constexpr (C::kMagicV)
+          w16[e] = w16[e] * alpha16[e] + ((pv16[0][e][0] + pv16[0][e][1]) + (pv16[0][e][2] + pv16[0][e][3]));
+      }
+      if (moved) {
+#pragma unroll
+        for (int n = 0; n < 8; ++n) {
+          o[n][0] *= alpha16[0];
+          o[n][1] *= alpha16[1];
+          o[n][2] *= alpha16[0];
+          o[n][3] *= alpha16[1];
+          o1[n][0] *= alpha16[2];
+          o1[n][1] *= alpha16[3];
+          o1[n][2] *= alpha16[2];
+          o1[n][3] *= alpha16[3];
+        }
+      }
+      // P to the B layout of PV (p16_word): per segment, k-block kk and lane head e, the fp16 pair of tokens
+      // g + 16 kk, g + 16 kk + 8.
+#pragma unroll
+      for (int s = 0; s < NSEG; ++s)
+#pragma unroll
+        for (int kk = 0; kk < 2; ++kk)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            (e & 1 ? scr16_st1 : scr16_st0)[256 * s + 128 * kk + 64 * (e >> 1)] =
+                pack2<false>(pv16[s][e][2 * kk], pv16[s][e][2 * kk + 1]);
+    }
     if constexpr (kSplitGroups) cp_async_wait<2 * C::NST - 2>();  // chunk i's values have landed (the syncwarp below)
     __syncwarp();
     uint2 bk[NSEG][2];  // [segment][k-block]
+    uint2 bk1[NSEG][2];  // sixteen heads: n-tile 1 (heads 8-15); bk is n-tile 0
 #pragma unroll
     for (int s = 0; s < NSEG; ++s) {
-      bk[s][0] = scr_ld[64 * s];
-      bk[s][1] = scr_ld[64 * s + 16];
+      if constexpr (C::kHG16) {
+        bk[s][0] = scr16_ld[128 * s];
+        bk[s][1] = scr16_ld[128 * s + 64];
+        bk1[s][0] = scr16_ld[128 * s + 32];
+        bk1[s][1] = scr16_ld[128 * s + 96];
+      } else {
+        bk[s][0] = scr_ld[64 * s];
+        bk[s][1] = scr_ld[64 * s + 16];
+      }
     }
 
     // ---- P V: values as A (16 dims x 16 tokens), P as B ----
     // k pairs of k-block kk: 2 t4 / 2 t4 + 1 = tokens 16 kk + t4 / + 8, 2 t4 + 8 / + 9 = 16 kk + t4 + 4 / + 12.
 #pragma unroll
     for (int kk = 0; kk < 2; ++kk) {
-      std::uint32_t bfr[NSEG][2];
+      std::uint32_t bfr[NSEG][2], bfr1[NSEG][2];
 #pragma unroll
       for (int s = 0; s < NSEG; ++s) {
         bfr[s][0] = bk[s][kk].x;
         bfr[s][1] = bk[s][kk].y;
+        if constexpr (C::kHG16) {
+          bfr1[s][0] = bk1[s][kk].x;
+          bfr1[s][1] = bk1[s][kk].y;
+        }
       }
       std::uint32_t areg[2][16];  // [token pair][dim j of the lane's 16]
 #pragma unroll
@@ -1163,6 +1319,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
         const std::uint32_t a[4] = {areg[0][2 * mt], areg[0][2 * mt + 1], areg[1][2 * mt], areg[1][2 * mt + 1]};
         const int s = NSEG == 2 ? mt >> 2 : 0;  // split: m-tiles 0-3 segment 0, 4-7 segment 1
         mma16816<false>(o[mt], a, bfr[s][0], bfr[s][1]);
+        if constexpr (C::kHG16) mma16816<false>(o1[mt], a, bfr1[s][0], bfr1[s][1]);
       }
     }
   }
@@ -1179,6 +1336,14 @@ __global__ void __launch_bounds__(C::THREADS, 1)
       z_run1 += __shfl_xor_sync(0xffffffffu, z_run1, s);
       if constexpr (C::kMagicV) w_run1 += __shfl_xor_sync(0xffffffffu, w_run1, s);
     }
+    if constexpr (C::kHG16) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        l16[e] += __shfl_xor_sync(0xffffffffu, l16[e], s);
+        z16[e] += __shfl_xor_sync(0xffffffffu, z16[e], s);
+        if constexpr (C::kMagicV) w16[e] += __shfl_xor_sync(0xffffffffu, w16[e], s);
+      }
+    }
   }
   // Magic values: the offset (1024) out of the rows, and row j (1024 + c 2^p(j)) scaled by 2^-p(j). Both exact:
   // the products and sums of row j are 2^p(j) x those of 1024 2^-p(j) + c.
@@ -1191,9 +1356,16 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   __syncwarp();  // the warp's last P-transpose loads from the scratch are done
   if (g == 0) {
     float4* const sl = reinterpret_cast<float4*>(scr) + C::HG * (w & 1);
-    if (t4 < G) sl[t4] = make_float4(m_own, l_run, z_run, 0.0f);
+    if constexpr (!C::kHG16) {
+      if (t4 < G) sl[t4] = make_float4(m_own, l_run, z_run, 0.0f);
+    }
     if constexpr (C::kHG8) {
       if (t4 + 4 < G) sl[t4 + 4] = make_float4(m_own1, l_run1, z_run1, 0.0f);
+    }
+    if constexpr (C::kHG16) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (hd16(e) < G) sl[hd16(e)] = make_float4(nloc > 0 ? m16[e] : -INFINITY, l16[e], z16[e], 0.0f);
     }
   }
   __syncthreads();  // every warp's statistics are written and its copies have landed (the rows overlap the stages)
@@ -1201,7 +1373,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   // reads warps g, g + 8), then its own weight c = 2^(m_own - M) / S, and scales its rows by it.
   float* const red = reinterpret_cast<float*>(smem_raw + C::red_off(lut_pad));
   std::uint8_t* const scr_all = lut + C::LUT_BYTES + C::Q_BYTES;  // warp ww's scratch at ww * SCR_WARP
-  float* const zc_s = reinterpret_cast<float*>(scr_all + 256);     // warp 0's scratch past its slots: [HG] constants
+  float* const zc_s = reinterpret_cast<float*>(scr_all + C::ZC_OFF);  // warp 0's scratch past its slots: [HG] constants
   auto weight = [&](int h, float mown, float& zc, float& lse) {
     float mi[2], li[2], zi[2];
 #pragma unroll
@@ -1233,7 +1405,29 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     lse = S > 0 ? M + log2f(S) : -INFINITY;
     return mown == -INFINITY || !(S > 0) ? 0.0f : exp2f(mown - M) / S;
   };
-  {
+  if constexpr (C::kHG16) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int h = hd16(e);
+      float zc, lse;
+      const float c = weight(h, nloc > 0 ? m16[e] : -INFINITY, zc, lse);
+      if (w == 0 && g == 0 && h < G) {
+        zc_s[h] = zc;
+        plse[static_cast<std::size_t>(h) * pst] = lse;
+      }
+      if (h < G) {
+        float* rr = red + (w * C::HG + h) * C::RW;
+        const float of = C::kMagicV ? 1024.0f * w16[e] : 0.0f;
+        const float(&oe)[8][4] = e < 2 ? o : o1;
+#pragma unroll
+        for (int mt = 0; mt < 8; ++mt) {
+          const int d = NSEG == 2 ? 64 * (mt >> 2) + 8 * g + 2 * (mt & 3) : 16 * g + 2 * mt;
+          rr[d + (d >> 5)] = c * ((oe[mt][e & 1] - of) * unmagic(2 * mt));
+          rr[d + 1 + (d >> 5)] = c * ((oe[mt][2 + (e & 1)] - of) * unmagic(2 * mt + 1));
+        }
+      }
+    }
+  } else {
     float zc, lse;
     const float c = weight(t4, m_own, zc, lse);
     if (w == 0 && g == 0 && t4 < G) {

@@ -40,6 +40,7 @@ namespace {
 
 int g_cluster_cases = 0;  // decode cases whose launch merged its splits in thread-block clusters
 int g_cluster_multi = 0;  // ... in clusters of two or more CTAs (the merge by asynchronous stores)
+int g_sixteen_cases = 0;  // decode cases run in CTAs of more than 8 heads (and again in CTAs of at most 8)
 
 struct Case {
   std::string fmt;
@@ -329,12 +330,21 @@ double run_case(const Case& c) {
                            (c.splits ? " splits" + std::to_string(c.splits) : "") + (c.centered ? " centered" : "") +
                            (c.values_x2 ? " values x2" : "");
   check(!c.centered || (p.fmt.key_mean && p.fmt.value_mean), name + ": centered case without means in the tables");
-  // The fast kernel serves head_dim 128 with G <= 8 (four heads per CTA up to G = 4, eight above) for
+  // The fast kernel serves head_dim 128 (four heads per CTA up to G = 4, eight up to 8, sixteen above) for
   // every format but bf16 (outlier splits included); tq-3bit's reads its value pairs from the key table
-  // (FCfg::kValWin), so only with equal codebooks. G > 8 runs in head_sub(G) CTAs per KV head and split, each with
-  // G / head_sub(G) <= 8 heads.
+  // (FCfg::kValWin), so only with equal codebooks. G > 8 runs in S CTAs per KV head and split, each with G / S heads:
+  // S the smallest divisor of G with G / S <= 16 where that leaves more than 8 and the fast kernel serves the launch
+  // without protected rows (its sixteen-head form), else with G / S <= 8.
   const bool want_fast = D == 128 && c.fmt != "bf16" && (c.fmt != "tq-3bit" || p.fmt.shared_codebook);
   check(cuda::decode_uses_fast_kernel(p) == want_fast, name + ": expected the " + (want_fast ? "fast" : "generic") + " kernel");
+  auto per_cta = [G](int most) {
+    int s = (G + most - 1) / most;
+    while (G % s != 0) ++s;
+    return G / s;
+  };
+  const bool want16 = want_fast && !pr.enabled() && G > 8 && per_cta(16) > 8;
+  check(cuda::decode_cta_heads(p) == (want16 ? per_cta(16) : per_cta(8)),
+        name + ": " + std::to_string(cuda::decode_cta_heads(p)) + " heads per CTA");
   const cudaError_t e = cuda::decode(p);
   check(e == cudaSuccess, name + ": decode launch: " + cudaGetErrorString(e));
   KVQ_CUDA_OK(cudaDeviceSynchronize());
@@ -351,6 +361,36 @@ double run_case(const Case& c) {
   check(!cluster || want_fast, name + ": a cluster merge outside the fast kernel");
   std::printf("  %-58s %-7s splits %3d%s  NMSE %.2e\n", name.c_str(), want_fast ? "fast" : "generic",
               cuda::decode_splits(p), cluster ? " cluster" : "", nmse);
+  // Sixteen heads per CTA (query fragments without the fp16 residual): the same launch in CTAs of at most 8 heads
+  // must meet the same bound; both errors are printed.
+  if (want16) {
+    cuda::DecodeParams p8 = p;
+    p8.sixteen_heads = false;
+    check(cuda::decode_cta_heads(p8) == per_cta(8), name + ": sixteen_heads = false still takes more than 8 per CTA");
+    // More grid rows, so more arrival counters: the workspace is asked for again (decode refuses p's where it is short).
+    p8.workspace_bytes = cuda::decode_workspace_bytes(p8);
+    check(p8.workspace_bytes >= p.workspace_bytes, name + ": CTAs of 8 heads need less workspace than CTAs of 16");
+    if (p8.workspace_bytes > p.workspace_bytes) {
+      cuda::DecodeParams short_ws = p8;
+      short_ws.workspace_bytes = p.workspace_bytes;
+      check(cuda::decode(short_ws) == cudaErrorInvalidValue, name + ": CTAs of 8 heads launched on the workspace of CTAs of 16");
+      KVQ_CUDA_OK(cudaMalloc(&p8.workspace, p8.workspace_bytes));
+      KVQ_CUDA_OK(cudaMemset(p8.workspace, 0xff, p8.workspace_bytes));
+    }
+    KVQ_CUDA_OK(cudaMemset(dout, 0xff, q.size() * sizeof(float)));
+    check(cuda::decode(p8) == cudaSuccess, name + ": decode launch in CTAs of 8 heads");
+    KVQ_CUDA_OK(cudaDeviceSynchronize());
+    if (p8.workspace != p.workspace) cudaFree(p8.workspace);
+    const std::vector<float> out8 = download(dout, q.size());
+    double n8 = 0;
+    for (std::size_t i = 0; i < out8.size(); ++i) {
+      const double dlt = static_cast<double>(out8[i]) - ref[i];
+      n8 += dlt * dlt;
+    }
+    check(std::isfinite(n8 / den) && n8 / den <= 1e-5, name + ": decode NMSE in CTAs of 8 heads " + std::to_string(n8 / den));
+    ++g_sixteen_cases;
+    std::printf("  %-58s %d heads per CTA; in CTAs of %d: NMSE %.2e\n", "", per_cta(16), per_cta(8), n8 / den);
+  }
   // The same launch merging through the workspace (counters, last CTA): where p merges in clusters,
   // it must give the same bits (the same partials, weighted in the same split order).
   cuda::DecodeParams pw = p;
@@ -814,11 +854,15 @@ int main(int argc, char** argv) {
     add("tq-4bit", false, 128, 8, 2, {129, 33}, false, 0, 0, 3);
     add("tq-3.5bit", false, 128, 16, 2, {300, 90}, false, 4, 8, 2);
     add("tq-4bit-nc", false, 128, 2, 2, {129, 700}, false, 0, 0, 5);
-    // More than 8 query heads per KV head, in sub-groups of heads (G = 16: 2 x 8 with protection and a cluster
-    // merge; G = 9: 3 x 3, forced splits; G = 12: 2 x 6 on the generic kernel).
+    // More than 8 query heads per KV head (G = 16: 2 x 8 with protection and a cluster merge; G = 9: one CTA of 9
+    // heads, forced splits, cluster merge with two rows on warp 0; G = 12: 2 x 6 on the generic kernel; G = 16
+    // unprotected: one CTA of 16, 3-bit keys through byte windows and fp8 keys; G = 32: 2 x 16).
     add("tq-4bit-nc", false, 128, 32, 2, {70, 333}, false, 4, 8, 0);
     add("tq-3.5bit", false, 128, 18, 2, {129, 40}, false, 0, 0, 3);
     add("bf16", false, 128, 24, 2, {95, 40}, false, 0, 0, 0);
+    add("tq-3bit", false, 128, 32, 2, {70, 333}, false, 0, 0, 0);
+    add("tq-k8v4", false, 128, 32, 2, {129, 33}, false, 0, 0, 2);
+    add("tq-4bit-nc", false, 128, 64, 2, {95, 40}, false, 0, 0, 0);
   } else {
     for (const auto& fm : formats) {
       add(fm, false, 128, 32, 8, {1, 100, 257}, false, 0, 0, 0);
@@ -834,7 +878,9 @@ int main(int argc, char** argv) {
       add(fm, false, 64, 32, 8, {77, 300}, false, 0, 0, 0);
       add(fm, false, 256, 16, 4, {33, 190}, false, 2, 16, 0);
       add(fm, false, 96, 12, 4, {95, 250}, false, 0, 0, 0);
-      add(fm, false, 128, 32, 2, {64, 1000, 7}, false, 0, 0, 0);         // G = 16: two sub-groups of 8 heads
+      add(fm, false, 128, 32, 2, {64, 1000, 7}, false, 0, 0, 0);         // G = 16: one CTA of 16 heads
+      add(fm, false, 128, 22, 2, {129, 3000}, false, 0, 0, 5);            // G = 11, forced splits
+      add(fm, false, 128, 64, 2, {512, 300}, true, 0, 0, 0);             // fixture, G = 32 (2 x 16)
       add(fm, false, 128, 20, 2, {2, 40, 1500}, false, 4, 64, 0);        // G = 10 (2 x 5) with protection
       add(fm, false, 64, 36, 2, {77, 300}, false, 0, 0, 0);              // G = 18 (3 x 6), generic kernel
     }
@@ -864,6 +910,8 @@ int main(int argc, char** argv) {
   check(g_cluster_cases > 0, "no decode case merged its splits in a cluster");
   check(g_cluster_multi > 0, "no decode case merged its splits in a cluster of two or more CTAs");
   std::printf("  %d decode cases merged in clusters (and matched the workspace merge bit for bit)\n", g_cluster_cases);
+  check(g_sixteen_cases > 0, "no decode case ran in CTAs of more than 8 heads");
+  std::printf("  %d decode cases in CTAs of more than 8 heads\n", g_sixteen_cases);
   test_decode_rejects();
   if (small) {
     test_store_edges("tq-3.5bit", 128, 2, 45, 3);

@@ -39,7 +39,7 @@ struct BenchOptions {
   std::string formats = "bf16,tq-k8v4,tq-4bit-nc,tq-k3v4-nc,tq-3bit-nc,tq-4bit,tq-3.5bit,tq-3bit";
   int q_heads = 32, kv_heads = 8, head_dim = 128, reps = 60, warmup = 5, store_tokens = 0, splits = 0;
   unsigned seed = 7;  // page order and query of each (batch, context): the same for every format
-  bool json = false, centered = false, no_cluster_merge = false;
+  bool json = false, centered = false, no_cluster_merge = false, eight_heads = false;
   std::string pages = "random";  // page order in the pool
   std::string peers, commit = "unknown", command, flush = "read";
 };
@@ -215,6 +215,7 @@ void run_decode_bench(const BenchOptions& o) {
         p.out = out.as<float>();
         p.scale = 1.0f / std::sqrt(static_cast<float>(o.head_dim));
         p.cluster_merge = !o.no_cluster_merge;
+        p.sixteen_heads = !o.eight_heads;
         p.num_splits = o.splits;
         p.workspace_bytes = cuda::decode_workspace_bytes(p);
         DevBuf ws(p.workspace_bytes);
@@ -242,6 +243,7 @@ void run_decode_bench(const BenchOptions& o) {
                               {"bytes", bytes},
                               {"splits", cuda::decode_splits(p)},
                               {"cluster_merge", cuda::decode_uses_cluster_merge(p)},
+                              {"cta_heads", cuda::decode_cta_heads(p)},
                               {"kernel", cuda::decode_uses_fast_kernel(p) ? "fast" : "generic"},
                               {"compression_vs_bf16", static_cast<double>(bf16_token_bytes(g)) /
                                                           static_cast<double>(fd.kv_heads * (pg.key_code_bytes + pg.value_code_bytes + pg.meta_bytes))},
@@ -305,6 +307,8 @@ void register_bench(CLI::App& app) {
   dec->add_flag("--json", o->json, "print one JSON object");
   dec->add_flag("--no-cluster-merge", o->no_cluster_merge,
                 "merge the fast kernel's splits through the workspace even where they fit in thread-block clusters");
+  dec->add_flag("--eight-heads", o->eight_heads,
+                "more than 8 query heads per KV head in CTAs of at most 8 (not the fast kernel's sixteen-head CTAs)");
   dec->add_flag("--centered", o->centered, "kvq's calibrated formats (tq-4bit, tq-3bit, tq-3.5bit, tq-2.5bit) with per-channel means");
   dec->callback([o] {
 #if defined(KVQ_WITH_KVQ_CUDA)
