@@ -367,9 +367,9 @@ double run_case(const Case& c) {
     cuda::DecodeParams p8 = p;
     p8.sixteen_heads = false;
     check(cuda::decode_cta_heads(p8) == per_cta(8), name + ": sixteen_heads = false still takes more than 8 per CTA");
-    // More grid rows, so more arrival counters: the workspace is asked for again (decode refuses p's where it is short).
+    // Other grid rows and split count, so other counters and partials: the workspace is asked for again (decode
+    // refuses p's where it is short).
     p8.workspace_bytes = cuda::decode_workspace_bytes(p8);
-    check(p8.workspace_bytes >= p.workspace_bytes, name + ": CTAs of 8 heads need less workspace than CTAs of 16");
     if (p8.workspace_bytes > p.workspace_bytes) {
       cuda::DecodeParams short_ws = p8;
       short_ws.workspace_bytes = p.workspace_bytes;
