@@ -226,7 +226,7 @@ PROTECTED_CASES = [
     ("tq-3.5bit", 4, 128, 16, 2, 40),
     ("tq-4bit", 2, 64, 4, 0, 24),
     ("bf16", 2, 128, 8, 4, 8),
-    ("tq-3bit", 2, 128, 20, 4, 16),  # 10 query heads per KV head: two sub-groups of 5
+    ("tq-3bit", 2, 128, 20, 4, 16),  # 10 query heads per KV head: one CTA of 10 with a protected split of 10
 ]
 
 

@@ -72,8 +72,8 @@ __host__ __device__ constexpr int head_sub(int G, int M = kMaxGroup) {
 constexpr unsigned sub_magic(int S) { return static_cast<unsigned>((0x100000000ull + S - 1) / static_cast<unsigned>(S)); }
 // Query heads per KV head (G), per CTA, and grid rows of a launch.
 inline int group_size(const DecodeParams& p) { return p.fmt.kv_heads > 0 ? p.q_heads / p.fmt.kv_heads : 0; }
-// Whether the fast kernel's sixteen-head form serves p (decode_d128.cu): head_dim 128, a fast format, no protected
-// rows, DecodeParams::sixteen_heads, and more than kMaxGroup heads per CTA with M = kMaxGroup16.
+// Whether the fast kernel's sixteen-head form serves p (decode_d128.cu): head_dim 128, a fast format,
+// DecodeParams::sixteen_heads, and more than kMaxGroup heads per CTA with M = kMaxGroup16.
 bool fast16_serves(const DecodeParams& p);
 inline int cta_limit(const DecodeParams& p) { return fast16_serves(p) ? kMaxGroup16 : kMaxGroup; }
 inline int cta_heads(const DecodeParams& p) {
@@ -407,8 +407,9 @@ struct Smem {
 };
 
 // The CTA that reads the protected bf16 rows of its (sequence, KV head) in fp32 on CUDA cores
-// and writes them as one more split, rotated into the value domain of the format.
-template <class C>
+// and writes them as one more split, rotated into the value domain of the format. MAXH: the most query heads of the
+// kernel's CTAs (kMaxGroup, or kMaxGroup16 for the fast kernel's sixteen-head form), the size of its per-head state.
+template <class C, int MAXH = kMaxGroup>
 __device__ void protected_split(const float* __restrict__ qin, std::size_t row0, int kh, float scale, const ProtectLayout pr,
                                 const std::uint16_t* __restrict__ prot_rows, const std::int32_t* __restrict__ vperm,
                                 const float* __restrict__ vsigns, const float* __restrict__ kmean,
@@ -421,8 +422,8 @@ __device__ void protected_split(const float* __restrict__ qin, std::size_t row0,
   const float* __restrict__ vmu = vmean ? vmean + static_cast<std::size_t>(kh) * D : nullptr;
   const int tid = threadIdx.x, w = tid >> 5, lane = tid & 31;
   constexpr int J = C::D / 32;
-  float* qs = reinterpret_cast<float*>(smem);        // [8][D]
-  float* red = qs + kMaxGroup * D;                   // [W][8][D + 3]
+  float* qs = reinterpret_cast<float*>(smem);        // [MAXH][D]
+  float* red = qs + MAXH * D;                        // [W][MAXH][D + 3]
   const float qscale = scale * kLog2e;
   for (int i = tid; i < G * D; i += C::THREADS)
     qs[i] = qin[row0 * D + i] * qscale;
@@ -430,9 +431,9 @@ __device__ void protected_split(const float* __restrict__ qin, std::size_t row0,
   const int n_sink = L < pr.sinks ? L : pr.sinks;
   const std::int64_t w0 = pr.packed_end(L);
   const int n_rows = n_sink + static_cast<int>(L - w0);
-  float m[kMaxGroup], l[kMaxGroup], acc[kMaxGroup][J];
+  float m[MAXH], l[MAXH], acc[MAXH][J];
 #pragma unroll
-  for (int h = 0; h < kMaxGroup; ++h) {
+  for (int h = 0; h < MAXH; ++h) {
     m[h] = -INFINITY;
     l[h] = 0;
 #pragma unroll
@@ -450,7 +451,7 @@ __device__ void protected_split(const float* __restrict__ qin, std::size_t row0,
       if (vmu) vv[j] -= vmu[lane + 32 * j];
     }
 #pragma unroll
-    for (int h = 0; h < kMaxGroup; ++h) {
+    for (int h = 0; h < MAXH; ++h) {
       if (h < G) {
         float s = 0;
 #pragma unroll
@@ -468,7 +469,7 @@ __device__ void protected_split(const float* __restrict__ qin, std::size_t row0,
   }
   const int RS = D + 3;
   for (int h = 0; h < G; ++h) {
-    float* rr = red + (w * kMaxGroup + h) * RS;
+    float* rr = red + (w * MAXH + h) * RS;
 #pragma unroll
     for (int j = 0; j < J; ++j) rr[lane + 32 * j] = acc[h][j];
     if (lane == 0) {
@@ -481,11 +482,11 @@ __device__ void protected_split(const float* __restrict__ qin, std::size_t row0,
   for (int i = tid; i < G * D; i += C::THREADS) {
     const int h = i / D, d = i % D;
     float M = -INFINITY;
-    for (int ww = 0; ww < C::WARPS; ++ww) M = fmaxf(M, red[(ww * kMaxGroup + h) * RS + D]);
+    for (int ww = 0; ww < C::WARPS; ++ww) M = fmaxf(M, red[(ww * MAXH + h) * RS + D]);
     float sum = 0, o = 0;
     if (M != -INFINITY) {
       for (int ww = 0; ww < C::WARPS; ++ww) {
-        const float* rr = red + (ww * kMaxGroup + h) * RS;
+        const float* rr = red + (ww * MAXH + h) * RS;
         if (rr[D] == -INFINITY) continue;
         const float sc = exp2f(rr[D] - M);
         sum += sc * rr[D + 1];

@@ -37,7 +37,7 @@ bool fast_format(const DecodeParams& p) {
 
 bool fast16_serves(const DecodeParams& p) {
   const int G = group_size(p);
-  return p.sixteen_heads && G > kMaxGroup && !p.protect.enabled() && G / head_sub(G, kMaxGroup16) > kMaxGroup &&
+  return p.sixteen_heads && G > kMaxGroup && G / head_sub(G, kMaxGroup16) > kMaxGroup &&
          fast_shape(p) && fast_format(p);
 }
 

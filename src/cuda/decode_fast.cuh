@@ -48,8 +48,7 @@ namespace kvq::cuda::detail {
 
 // KB1 / VB1 > 0: outlier split, segment 0 (dims 0-63 in segment order) at KB / VB bits, segment 1
 // (dims 64-127) at KB1 / VB1 bits; TurboQuant keys and values with the same widths on both sides.
-// HG_: query heads per CTA, 4 (G <= 4), 8 (4 < G <= 8; see kHG8 below) or 16 (8 < G <= 16 without protected rows;
-// see kHG16 below).
+// HG_: query heads per CTA, 4 (G <= 4), 8 (4 < G <= 8; see kHG8 below) or 16 (8 < G <= 16; see kHG16 below).
 template <KeyCode KC_, int KB_, ValueCode VC_, int VB_, int KB1_ = 0, int VB1_ = 0, int HG_ = 4>
 struct FCfg {
   static constexpr int D = 128;
@@ -67,7 +66,7 @@ struct FCfg {
   // two n-tiles (o: heads 0-7, o1: heads 8-15; column n = head n, P rounded to fp16 as with eight heads), so the same
   // four heads are the lane's output columns. The codes of a chunk are unpacked once for all sixteen heads (with
   // at most eight heads per CTA, G = 16 took two CTAs that each unpacked them). ~60 more registers than eight heads:
-  // 8 warps. Unprotected launches only (the protected split holds at most kMaxGroup heads).
+  // 8 warps. The protected split keeps the state of PMAXH = 16 heads.
   static constexpr bool kHG16 = HG == 16;
   static constexpr bool kQ2 = HG >= 8;  // two QK n-tiles (eight or sixteen heads)
   static constexpr KeyCode KC = KC_;
@@ -158,7 +157,8 @@ struct FCfg {
   // LOP3 builds it, no add): stages of warps [0, nlo) in the pad, the table, the query, the warps'
   // P-transpose scratch, the stages of the other warps.
   static constexpr int nlo(int lut_pad) { return lut_pad / (NST * STAGE_BYTES) < WARPS ? lut_pad / (NST * STAGE_BYTES) : WARPS; }
-  static constexpr int PROT_BYTES = kMaxGroup * D * 4 + WARPS * kMaxGroup * RS * 4;  // protected split
+  static constexpr int PMAXH = HG > kMaxGroup ? HG : kMaxGroup;  // the protected split's per-head state (protected_split)
+  static constexpr int PROT_BYTES = PMAXH * D * 4 + WARPS * PMAXH * RS * 4;  // protected split
   // Merge of the warps (the kernel's tail, sum_warps): row (warp, head) of RW floats holds dim d at d + (d >> 5).
   // With RW = 4 (one segment) or 6 (split) mod 32, the 32 lanes of each of the writers' stores hit 32 banks (dims
   // 16 g + 2 mt (+ 1), or 64 (mt / 4) + 8 g + 2 (mt % 4) (+ 1), of head t4), and the reader's 32 consecutive dims too.
@@ -487,13 +487,9 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   };
 
   if (split == nsplit) {
-    if constexpr (C::HG <= kMaxGroup) {
-      protected_split<C>(p.q, row0, kh, p.scale, prl, p.protect_rows, p.fmt.value_perm, p.fmt.value_signs,
-                         p.fmt.key_mean, p.fmt.value_mean, G, L, pst, po, plse, smem_raw);
-      finish();
-    } else {
-      __trap();  // unreachable: the launcher gives sixteen-head CTAs no protected split (fast16_serves)
-    }
+    protected_split<C, C::PMAXH>(p.q, row0, kh, p.scale, prl, p.protect_rows, p.fmt.value_perm, p.fmt.value_signs,
+                                 p.fmt.key_mean, p.fmt.value_mean, G, L, pst, po, plse, smem_raw);
+    finish();
     return;
   }
 

@@ -121,8 +121,8 @@ cudaError_t store(const StoreParams& p, cudaStream_t stream = nullptr);
 // ---- decode --------------------------------------------------------------------------------
 // One query token per sequence: out[b][h] = softmax(scale * q K^T) V over positions
 // [0, seq_lens[b]) of sequence b, query head h reading KV head h / (q_heads / kv_heads). Any q_heads that is a
-// multiple of kv_heads: more than 8 query heads per KV head run in CTAs of up to 16 (the fast kernel without protected
-// rows) or up to 8 (docs/kernels.md).
+// multiple of kv_heads: more than 8 query heads per KV head run in CTAs of up to 16 (the fast kernel) or up to 8 (the
+// generic kernel; docs/kernels.md).
 struct DecodeParams {
   FormatDesc fmt;
   const std::uint8_t* pool = nullptr;
@@ -148,9 +148,8 @@ struct DecodeParams {
   // partials through distributed shared memory) where the device holds the launch's clusters in
   // as few waves as its CTAs without clusters; false: always through the workspace.
   bool cluster_merge = true;
-  // Fast kernel, 8 < G query heads per KV head, no protected rows: CTAs of up to 16 heads, which unpack each chunk's
-  // codes once for all of them; false: CTAs of up to 8 heads (two or more per KV head, each unpacking the codes), the
-  // path of protected launches (for tests and A/Bs).
+  // Fast kernel, 8 < G query heads per KV head: CTAs of up to 16 heads, which unpack each chunk's codes once for all
+  // of them; false: CTAs of up to 8 heads (two or more per KV head, each unpacking the codes; for tests and A/Bs).
   bool sixteen_heads = true;
   // Tests only (0 in use): in a cluster merge of two or more CTAs, the CTAs of odd rank wait this
   // many nanoseconds (at most 1e6) before sending their partials, so that a merge reading its receive
@@ -165,7 +164,7 @@ cudaError_t decode(const DecodeParams& p, cudaStream_t stream = nullptr);
 // TurboQuant and fp8 formats including the outlier splits), false when it runs the generic one.
 bool decode_uses_fast_kernel(const DecodeParams& p);
 // Query heads per CTA of decode(p): G up to 8; for more, G / S with S the smallest divisor of G that leaves at most 16
-// (the fast kernel's sixteen-head form: DecodeParams::sixteen_heads, no protected rows, head_dim 128) or at most 8.
+// (the fast kernel's sixteen-head form: DecodeParams::sixteen_heads, head_dim 128) or at most 8.
 int decode_cta_heads(const DecodeParams& p);
 // True when decode(p) merges its splits inside thread-block clusters (DecodeParams::cluster_merge).
 bool decode_uses_cluster_merge(const DecodeParams& p);

@@ -334,7 +334,7 @@ double run_case(const Case& c) {
   // every format but bf16 (outlier splits included); tq-3bit's reads its value pairs from the key table
   // (FCfg::kValWin), so only with equal codebooks. G > 8 runs in S CTAs per KV head and split, each with G / S heads:
   // S the smallest divisor of G with G / S <= 16 where that leaves more than 8 and the fast kernel serves the launch
-  // without protected rows (its sixteen-head form), else with G / S <= 8.
+  // (its sixteen-head form), else with G / S <= 8.
   const bool want_fast = D == 128 && c.fmt != "bf16" && (c.fmt != "tq-3bit" || p.fmt.shared_codebook);
   check(cuda::decode_uses_fast_kernel(p) == want_fast, name + ": expected the " + (want_fast ? "fast" : "generic") + " kernel");
   auto per_cta = [G](int most) {
@@ -342,7 +342,7 @@ double run_case(const Case& c) {
     while (G % s != 0) ++s;
     return G / s;
   };
-  const bool want16 = want_fast && !pr.enabled() && G > 8 && per_cta(16) > 8;
+  const bool want16 = want_fast && G > 8 && per_cta(16) > 8;
   check(cuda::decode_cta_heads(p) == (want16 ? per_cta(16) : per_cta(8)),
         name + ": " + std::to_string(cuda::decode_cta_heads(p)) + " heads per CTA");
   const cudaError_t e = cuda::decode(p);
@@ -361,8 +361,8 @@ double run_case(const Case& c) {
   check(!cluster || want_fast, name + ": a cluster merge outside the fast kernel");
   std::printf("  %-58s %-7s splits %3d%s  NMSE %.2e\n", name.c_str(), want_fast ? "fast" : "generic",
               cuda::decode_splits(p), cluster ? " cluster" : "", nmse);
-  // Sixteen heads per CTA (query fragments without the fp16 residual): the same launch in CTAs of at most 8 heads
-  // must meet the same bound; both errors are printed.
+  // Sixteen heads per CTA (query fragments without the fp16 residual; with protection, a protected split of up to
+  // 16 heads): the same launch in CTAs of at most 8 heads must meet the same bound; both errors are printed.
   if (want16) {
     cuda::DecodeParams p8 = p;
     p8.sixteen_heads = false;
@@ -854,9 +854,10 @@ int main(int argc, char** argv) {
     add("tq-4bit", false, 128, 8, 2, {129, 33}, false, 0, 0, 3);
     add("tq-3.5bit", false, 128, 16, 2, {300, 90}, false, 4, 8, 2);
     add("tq-4bit-nc", false, 128, 2, 2, {129, 700}, false, 0, 0, 5);
-    // More than 8 query heads per KV head (G = 16: 2 x 8 with protection and a cluster merge; G = 9: one CTA of 9
-    // heads, forced splits, cluster merge with two rows on warp 0; G = 12: 2 x 6 on the generic kernel; G = 16
-    // unprotected: one CTA of 16, 3-bit keys through byte windows and fp8 keys; G = 32: 2 x 16).
+    // More than 8 query heads per KV head (G = 16: one CTA of 16 with a protected split of 16 heads and a cluster
+    // merge; G = 9: one CTA of 9 heads, forced splits, cluster merge with two rows on warp 0; G = 12: 2 x 6 on the
+    // generic kernel; G = 16 unprotected: 3-bit keys through byte windows and fp8 keys; G = 32: 2 x 16; every fast
+    // case again in CTAs of at most 8, run_case).
     add("tq-4bit-nc", false, 128, 32, 2, {70, 333}, false, 4, 8, 0);
     add("tq-3.5bit", false, 128, 18, 2, {129, 40}, false, 0, 0, 3);
     add("bf16", false, 128, 24, 2, {95, 40}, false, 0, 0, 0);
@@ -881,7 +882,7 @@ int main(int argc, char** argv) {
       add(fm, false, 128, 32, 2, {64, 1000, 7}, false, 0, 0, 0);         // G = 16: one CTA of 16 heads
       add(fm, false, 128, 22, 2, {129, 3000}, false, 0, 0, 5);            // G = 11, forced splits
       add(fm, false, 128, 64, 2, {512, 300}, true, 0, 0, 0);             // fixture, G = 32 (2 x 16)
-      add(fm, false, 128, 20, 2, {2, 40, 1500}, false, 4, 64, 0);        // G = 10 (2 x 5) with protection
+      add(fm, false, 128, 20, 2, {2, 40, 1500}, false, 4, 64, 0);        // G = 10 with protection (1 x 10, or 2 x 5)
       add(fm, false, 64, 36, 2, {77, 300}, false, 0, 0, 0);              // G = 18 (3 x 6), generic kernel
     }
     // Centered (calibrated) kvq formats: store with the means subtracted, protected rows scored
