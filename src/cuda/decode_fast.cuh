@@ -141,8 +141,12 @@ struct FCfg {
     const int in_pad = kPad1k / (nst * STAGE_BYTES) < warps ? kPad1k / (nst * STAGE_BYTES) : warps;
     return kPad1k + LUT_BYTES + Q_BYTES + warps * SCR_WARP + (warps - in_pad) * nst * STAGE_BYTES;
   }
-  static constexpr int NST =
-      KVQ_FAST_MAX_STAGES >= 3 && AVAIL / (3 * STAGE_BYTES) >= 16 && rings_need(3, WMAX) <= kSmemBudget + 2 * 1024 ? 3 : 2;
+  // Sixteen heads (8 warps, so fewer chunks in flight per SM) also where only their 8 rings fit, except with 3-bit
+  // values (tq-3bit-nc, tq-3bit): in a same-call A/B at 128 / 8 heads (decode-gqa-heads16-2026-12-03.md, section 5)
+  // three stages measured 1.01-1.04x for tq-k3v4-nc, tq-4bit and tq-3.5bit, 1.00-1.02x for tq-4bit-nc and tq-k8v4,
+  // 0.97-1.00x for tq-3bit-nc and tq-3bit.
+  static constexpr bool kTry3 = AVAIL / (3 * STAGE_BYTES) >= 16 || (kHG16 && VB != 3);
+  static constexpr int NST = KVQ_FAST_MAX_STAGES >= 3 && kTry3 && rings_need(3, WMAX) <= kSmemBudget + 2 * 1024 ? 3 : 2;
   static constexpr int WFIT = AVAIL / (NST * STAGE_BYTES);
   static constexpr int WARPS = WFIT >= WMAX ? WMAX : (WFIT / 2) * 2;
   static constexpr int THREADS = WARPS * 32;
