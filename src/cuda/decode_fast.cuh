@@ -1,5 +1,5 @@
-// decode_fast.cuh: the specialized decode kernel for the hot shapes: head_dim 128, G <= 8 query
-// heads per KV head, TurboQuant or fp8 keys, uniform or TurboQuant values (tq-k8v4, tq-4bit-nc,
+// decode_fast.cuh: the specialized decode kernel for the hot shapes: head_dim 128, up to 4, 8 or 16 query
+// heads per CTA (FCfg::HG; the four-head form is described below, the others at kHG8 / kHG16), TurboQuant or fp8 keys, uniform or TurboQuant values (tq-k8v4, tq-4bit-nc,
 // tq-k3v4-nc, tq-3bit-nc, tq-4bit, tq-3bit) and the outlier splits into two segments of 64
 // (tq-3.5bit, tq-2.5bit). Other shapes and formats take the generic kernel of decode.cuh; the
 // split merge through the workspace (finish_group) is shared. Where the device holds them, the NS
