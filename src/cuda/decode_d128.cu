@@ -9,8 +9,9 @@ namespace kvq::cuda::detail {
 namespace {
 KVQ_DEFINE_DECODE_FN(128, launch_decode_generic_d128, supported_generic_d128)
 
-// The fast kernel's conditions other than the heads per CTA.
-bool fast_shape(const DecodeParams& p) {
+// The fast kernel's conditions other than the format. The heads per CTA need no check: cta_heads(p) <= 16 (8
+// unless fast16_serves) by head_sub's construction, and the dispatch below picks the 4-, 8- or 16-head form.
+bool fast_applies(const DecodeParams& p) {
   const FormatDesc& f = p.fmt;
   // The prologue reads the key permutation and signs, the split merge the value permutation and
   // signs as 16-byte vectors (LayerTables' layout is aligned so).
@@ -24,7 +25,6 @@ bool fast_shape(const DecodeParams& p) {
   return f.head_dim == 128 && f.kv_heads > 0 && p.q_heads % f.kv_heads == 0 && (f.segments == 1 || f.segments == 2) &&
          aligned && page32;
 }
-bool fast_applies(const DecodeParams& p) { return fast_shape(p) && cta_heads(p) <= kMaxGroup16; }
 
 #define KVQ_FAST16_FORMAT(KC, KB, VC, VB, KB1, VB1) \
   if (format_is(p.fmt, KC, KB, KB1, VC, VB, VB1)) return !FCfg<KC, KB, VC, VB, KB1, VB1>::kValWin || p.fmt.shared_codebook;
@@ -38,7 +38,7 @@ bool fast_format(const DecodeParams& p) {
 bool fast16_serves(const DecodeParams& p) {
   const int G = group_size(p);
   return p.sixteen_heads && G > kMaxGroup && G / head_sub(G, kMaxGroup16) > kMaxGroup &&
-         fast_shape(p) && fast_format(p);
+         fast_applies(p) && fast_format(p);
 }
 
 // Four heads per CTA for G <= 4, eight for 4 < G <= 8 (FCfg::kHG8), sixteen for more (FCfg::kHG16, fast16_serves). A

@@ -383,6 +383,8 @@ __device__ __forceinline__ void finish_cluster(const DecodeParams& p, const Spli
     const int h = w + C::WARPS * k;
     return h < G && h % NS == rank;
   };
+  // With one row per warp the test is written out as before the sixteen-head form (through the lambda, ptxas
+  // materialized it as a 16-bit flag in the four- and eight-head kernels); mine_row(0) is the same test.
   const bool mine = C::MROWS > 1 ? mine_row(0) || mine_row(1) : w < G && w % NS == rank;
   const float* mu = p.fmt.value_mean ? p.fmt.value_mean + static_cast<std::size_t>(kh) * D : nullptr;
   int4 vp = make_int4(0, 0, 0, 0);
