@@ -1,9 +1,10 @@
 // Device-side fills for benchmarks and tests: random but finite page contents for a format
 // (codes, fp16 norms / scales / zeros) and random bf16 rows, so that a benchmark can build
 // multi-gigabyte caches without host transfers. Decode cost does not depend on code values.
-// Also the benchmarks' read-only L2 flush.
+// Also the benchmarks' read-only L2 flush, and the tests' kernels around programmatic launches.
 #include <cstdint>
 
+#include "device.cuh"
 #include "kvq/numeric.hpp"
 #include "kvq_cuda.hpp"
 
@@ -59,7 +60,56 @@ __global__ void flush_read_kernel(uint4* buf, std::size_t n) {
   if (acc == 0x9e3779b9u) buf[0].x = acc;
 }
 
+// Lets the grid launched programmatically after it start at once, spins delay_ns of the global timer in one
+// thread per CTA, then copies the regions (16-byte words, then the bytes of each region's tail).
+__global__ void delayed_copy_kernel(TestCopies c, unsigned delay_ns) {
+  detail::launch_dependents();
+  if (threadIdx.x == 0) {
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do {
+      __nanosleep(1000);
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    } while (t - t0 < delay_ns);
+  }
+  __syncthreads();
+  const std::size_t tid = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x;
+  const std::size_t nt = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (int r = 0; r < c.n; ++r) {
+    const std::size_t words = c.bytes[r] / 16;
+    const uint4* src = static_cast<const uint4*>(c.src[r]);
+    uint4* dst = static_cast<uint4*>(c.dst[r]);
+    for (std::size_t i = tid; i < words; i += nt) dst[i] = src[i];
+    for (std::size_t i = 16 * words + tid; i < c.bytes[r]; i += nt)
+      static_cast<std::uint8_t*>(c.dst[r])[i] = static_cast<const std::uint8_t*>(c.src[r])[i];
+  }
+}
+
+// Launched programmatically after delayed_copy_kernel and never waiting for it: whether the first byte of buf
+// still held `stale` when it read it (a programmatic launch that did start early).
+__global__ void stale_probe_kernel(const std::uint8_t* buf, std::uint8_t stale, int* saw_stale) {
+  *saw_stale = *reinterpret_cast<const volatile std::uint8_t*>(buf) == stale ? 1 : 0;
+}
+
 }  // namespace
+
+cudaError_t test_delayed_copy(const TestCopies& c, unsigned delay_ns, cudaStream_t stream) {
+  if (c.n < 0 || c.n > TestCopies::kMax) return cudaErrorInvalidValue;
+  for (int r = 0; r < c.n; ++r)
+    if ((c.bytes[r] && (!c.dst[r] || !c.src[r])) || reinterpret_cast<std::uintptr_t>(c.dst[r]) % 16 ||
+        reinterpret_cast<std::uintptr_t>(c.src[r]) % 16)
+      return cudaErrorInvalidValue;
+  // Eight CTAs: the rest of the device is free for the programmatic launch's CTAs while this one waits.
+  delayed_copy_kernel<<<8, 256, 0, stream>>>(c, delay_ns);
+  return cudaGetLastError();
+}
+
+cudaError_t test_stale_probe(const std::uint8_t* buf, std::uint8_t stale, int* saw_stale, cudaStream_t stream) {
+  if (!buf || !saw_stale) return cudaErrorInvalidValue;
+  cudaLaunchAttribute at[2];
+  const cudaLaunchConfig_t cfg = detail::launch_config(dim3(1), 32, 0, stream, 0, true, at);
+  return cudaLaunchKernelEx(&cfg, stale_probe_kernel, buf, stale, saw_stale);
+}
 
 cudaError_t flush_l2_read(std::uint8_t* buf, std::size_t bytes, cudaStream_t stream) {
   if (bytes % 16 || reinterpret_cast<std::uintptr_t>(buf) % 16) return cudaErrorInvalidValue;

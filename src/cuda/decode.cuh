@@ -539,6 +539,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   const std::size_t row0 = cr.row0;
   float* po = part_o + (row0 * NS + split) * D;  // head h: + h * NS * D
   float* plse = part_lse + row0 * NS + split;    // head h: + h * NS
+  grid_dependency_wait();  // the query, pages, protected rows and workspace after the kernel before (programmatic)
 
   if (split == nsplit) {  // protected rows
     protected_split<C>(p.q, row0, kh, p.scale, prl, p.protect_rows, p.fmt.value_perm, p.fmt.value_signs,

@@ -492,6 +492,10 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     else finish_group<C::THREADS, C::D, C::VC == ValueCode::kTq, false, C::MROWS>(p, a, NS, G, reinterpret_cast<float*>(smem_raw));
   };
 
+  // Everything above reads what the kernel before a programmatic launch must not write (DecodeParams::programmatic);
+  // the query, the pages, the protected rows and the workspace are read after it has finished.
+  grid_dependency_wait();
+
   if (split == nsplit) {
     protected_split<C, C::PMAXH>(p.q, row0, kh, p.scale, prl, p.protect_rows, p.fmt.value_perm, p.fmt.value_signs,
                                  p.fmt.key_mean, p.fmt.value_mean, G, L, pst, po, plse, smem_raw);
@@ -1523,16 +1527,16 @@ cudaError_t launch_decode_fast(const DecodeParams& p, const SplitArgs& a, cudaSt
   if (e != cudaSuccess) return e;
   const int NS = a.nsplit + (p.protect.enabled() ? 1 : 0);
   const dim3 grid(static_cast<unsigned>(NS), static_cast<unsigned>(grid_rows(p)), static_cast<unsigned>(p.batch));
+  cudaLaunchAttribute at[2];
   if (fast_cluster_applies<C>(p, NS, smem)) {
     SplitArgs ac = a;
     ac.cluster = 1;
-    cudaLaunchAttribute at[1];
-    const cudaLaunchConfig_t cfg = cluster_launch_config(grid, C::THREADS, smem, st, NS, at);
+    const cudaLaunchConfig_t cfg = launch_config(grid, C::THREADS, smem, st, NS, p.programmatic, at);
     if (cudaLaunchKernelEx(&cfg, decode_fast_kernel<C>, p, ac) == cudaSuccess) return cudaSuccess;
     (void)cudaGetLastError();  // a launch-configuration error is not sticky: merge through the workspace instead
   }
-  decode_fast_kernel<C><<<grid, C::THREADS, static_cast<std::size_t>(smem), st>>>(p, a);
-  return cudaGetLastError();
+  const cudaLaunchConfig_t cfg = launch_config(grid, C::THREADS, smem, st, 0, p.programmatic, at);
+  return cudaLaunchKernelEx(&cfg, decode_fast_kernel<C>, p, a);
 }
 
 }  // namespace kvq::cuda::detail

@@ -30,8 +30,7 @@ cudaError_t launch_decode(const DecodeParams& p, const SplitArgs& a, cudaStream_
   if (e != cudaSuccess) return e;
   const dim3 grid(static_cast<unsigned>(a.nsplit + (p.protect.enabled() ? 1 : 0)), static_cast<unsigned>(grid_rows(p)),
                   static_cast<unsigned>(p.batch));
-  decode_kernel<C><<<grid, C::THREADS, C::SMEM, st>>>(p, a);
-  return cudaGetLastError();
+  return launch_maybe_pdl(decode_kernel<C>, grid, dim3(C::THREADS), C::SMEM, st, p.programmatic, p, a);
 }
 
 inline bool format_is(const FormatDesc& f, KeyCode kc, int kb0, int kb1, ValueCode vc, int vb0, int vb1) {

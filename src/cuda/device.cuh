@@ -99,21 +99,31 @@ cudaError_t smem_limit_once(int bytes) {
   if (e == cudaSuccess && bit != 0) done.fetch_or(bit, std::memory_order_acq_rel);
   return e;
 }
-// A launch of `grid` x `threads` with `smem` bytes of dynamic shared memory in clusters of `cluster`
-// CTAs along x (at: the storage of its one attribute, which must outlive the launch call).
-inline cudaLaunchConfig_t cluster_launch_config(dim3 grid, int threads, int smem, cudaStream_t st, int cluster,
-                                                cudaLaunchAttribute (&at)[1]) {
+// A launch of `grid` x `threads` with `smem` bytes of dynamic shared memory, in clusters of `cluster`
+// CTAs along x (0: no clusters), as a programmatic dependent launch where `pdl` (and pdl_enabled()): it may start
+// before the previous kernel in the stream ends and must griddepcontrol.wait before reading that kernel's output.
+// at: the storage of its attributes, which must outlive the launch call.
+inline cudaLaunchConfig_t launch_config(dim3 grid, int threads, int smem, cudaStream_t st, int cluster, bool pdl,
+                                        cudaLaunchAttribute (&at)[2]) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = dim3(static_cast<unsigned>(threads), 1, 1);
   cfg.dynamicSmemBytes = static_cast<std::size_t>(smem);
   cfg.stream = st;
-  at[0].id = cudaLaunchAttributeClusterDimension;
-  at[0].val.clusterDim.x = static_cast<unsigned>(cluster);
-  at[0].val.clusterDim.y = 1;
-  at[0].val.clusterDim.z = 1;
   cfg.attrs = at;
-  cfg.numAttrs = 1;
+  cfg.numAttrs = 0;
+  if (cluster > 0) {
+    at[cfg.numAttrs].id = cudaLaunchAttributeClusterDimension;
+    at[cfg.numAttrs].val.clusterDim.x = static_cast<unsigned>(cluster);
+    at[cfg.numAttrs].val.clusterDim.y = 1;
+    at[cfg.numAttrs].val.clusterDim.z = 1;
+    ++cfg.numAttrs;
+  }
+  if (pdl && pdl_enabled()) {
+    at[cfg.numAttrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    at[cfg.numAttrs].val.programmaticStreamSerializationAllowed = 1;
+    ++cfg.numAttrs;
+  }
   return cfg;
 }
 // Clusters of `cluster` CTAs (1..8, along the grid's x) of Kernel, with `threads` threads and `smem`
@@ -132,9 +142,9 @@ int max_active_clusters_once(int cluster, int threads, int smem) {
     const int v = slot->load(std::memory_order_acquire);
     if (v != 0) return v > 0 ? v : 0;
   }
-  cudaLaunchAttribute at[1];
+  cudaLaunchAttribute at[2];
   const cudaLaunchConfig_t cfg =
-      cluster_launch_config(dim3(static_cast<unsigned>(cluster), 1, 1), threads, smem, nullptr, cluster, at);
+      launch_config(dim3(static_cast<unsigned>(cluster), 1, 1), threads, smem, nullptr, cluster, false, at);
   int n = 0;
   if (cudaOccupancyMaxActiveClusters(&n, Kernel, &cfg) != cudaSuccess) {
     (void)cudaGetLastError();  // not sticky: clear it, the caller falls back

@@ -151,6 +151,12 @@ struct DecodeParams {
   // Fast kernel, 8 < G query heads per KV head: CTAs of up to 16 heads, which unpack each chunk's codes once for all
   // of them; false: CTAs of up to 8 heads (two or more per KV head, each unpacking the codes; for tests and A/Bs).
   bool sixteen_heads = true;
+  // Launch the decode as a programmatic dependent launch (Hopper): its CTAs may start while the kernel before it in
+  // the stream runs (the store kernels let it from their start), read the sequence lengths, block tables and the
+  // format's tables (pointers in fmt), then wait for that kernel to finish before they read the query, the pages, the
+  // protected rows or the workspace. So the kernel before must not write the first group, and must have been
+  // launched without this attribute itself. KVQ_NO_PDL=1 in the environment turns it off.
+  bool programmatic = false;
   // Tests only (0 in use): in a cluster merge of two or more CTAs, the CTAs of odd rank wait this
   // many nanoseconds (at most 1e6) before sending their partials, so that a merge reading its receive
   // buffer before every send has landed gives wrong results instead of winning the race.
@@ -182,5 +188,20 @@ cudaError_t fill_random_bf16(std::uint16_t* p, std::size_t n, std::uint64_t seed
 // nothing (except, never in practice, one word of buf when the XOR of everything read equals a
 // sentinel, which keeps the loads alive), so the L2 is left holding clean lines only.
 cudaError_t flush_l2_read(std::uint8_t* buf, std::size_t bytes, cudaStream_t stream = nullptr);
+
+// ---- test helpers for programmatic launches (DecodeParams::programmatic) -----------------------
+struct TestCopies {
+  static constexpr int kMax = 4;
+  int n = 0;
+  void* dst[kMax] = {};
+  const void* src[kMax] = {};
+  std::size_t bytes[kMax] = {};
+};
+// One kernel of 8 CTAs that lets a kernel launched programmatically after it start at once, waits delay_ns, then
+// copies the regions (16-byte aligned): a slow writer whose output the programmatic launch must wait for.
+cudaError_t test_delayed_copy(const TestCopies& c, unsigned delay_ns, cudaStream_t stream = nullptr);
+// A programmatic launch that does not wait: *saw_stale = 1 if the first byte of buf was still `stale` when it read
+// it. After test_delayed_copy into buf, 1 shows that programmatic launches start early on this device and setup.
+cudaError_t test_stale_probe(const std::uint8_t* buf, std::uint8_t stale, int* saw_stale, cudaStream_t stream = nullptr);
 
 }  // namespace kvq::cuda

@@ -204,6 +204,7 @@ __device__ __forceinline__ std::uint16_t* protected_row(const StoreParams& p, in
 // One warp per (token, KV head); every check before any write (the record is refused whole, as
 // by the CPU encoders: non-finite rows, TurboQuant stored norms and uniform min / max beyond fp16).
 __global__ void __launch_bounds__(kStoreWarps * 32) store_generic_kernel(const StoreParams p) {
+  launch_dependents();  // a decode launched programmatically after the store may start (DecodeParams::programmatic)
   __shared__ float xs[kStoreWarps][kStoreMaxDim], ys[kStoreWarps][kStoreMaxDim];
   __shared__ std::uint8_t cs[kStoreWarps][2][kStoreMaxDim];
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -792,6 +793,7 @@ __device__ __forceinline__ void fast_setup(StoreTables& T, uint2* BP, uint4* dsm
 template <int D, class F>
 __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const StoreParams p, int tok_shift, bool use_masks,
                                                                       bool use_smean, bool search) {
+  launch_dependents();  // a decode launched programmatically after the store may start (DecodeParams::programmatic)
   __shared__ StoreTables T;
   // The tables' (midpoint, base) pairs, through which every format bucketizes (build_bin_pairs: 16 copies
   // of each bin where they fit, else one; every table has room for one copy of kMaxBins bins). One segment:
@@ -1136,6 +1138,7 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_pair_kernel(const Store
                                                                      bool use_smean, bool search,
                                                                      const __grid_constant__ RowMaps maps) {
   static_assert(kPairedFast<D, F>, "paired store: both sides TurboQuant, one segment, equal widths");
+  launch_dependents();  // a decode launched programmatically after the store may start (DecodeParams::programmatic)
   __shared__ StoreTables T;
   __shared__ uint2 BP[1024];  // store_fast_kernel's pair tables (keys: table 0, values: table 1)
   __shared__ std::uint64_t tbar[kTma ? kFastWarps * 2 : 1];  // kTma: each warp's two stages' mbarriers
@@ -1238,6 +1241,7 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_pair_kernel(const Store
 // threads are consecutive lanes of one warp (D / 8 divides 32), which vote on its finiteness first.
 template <int D>
 __global__ void __launch_bounds__(256) store_bf16_kernel(const StoreParams p, int tok_shift) {
+  launch_dependents();  // a decode launched programmatically after the store may start (DecodeParams::programmatic)
   constexpr int C = D / 8;  // 16-byte chunks per row
   static_assert(32 % C == 0, "a record's chunks within one warp");
   const FormatDesc& f = p.fmt;

@@ -9,11 +9,14 @@
 // norms add in kvq::sum_squares's order on both sides); records the CPU encoders
 // refuse (NaN / inf rows, norms or uniform ranges beyond fp16) must be refused and counted, their
 // slots left untouched. Where the fast kernel merges its splits in thread-block clusters, the merge
-// through the workspace must give the same bits, and relaunches and graph replays take both.
+// through the workspace must give the same bits, and relaunches and graph replays take both. Launched
+// programmatically (DecodeParams::programmatic) after a slow writer of its inputs, and right after the store
+// kernel that wrote its pages, the decode must give the same bits again.
 // Inputs: Gaussian rows with outlier channels and the tiny-gqa fixture keys / values (before RoPE:
 // a kernel test needs none). `--small` runs a reduced set (for compute-sanitizer).
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <numeric>
@@ -41,6 +44,8 @@ namespace {
 int g_cluster_cases = 0;  // decode cases whose launch merged its splits in thread-block clusters
 int g_cluster_multi = 0;  // ... in clusters of two or more CTAs (the merge by asynchronous stores)
 int g_sixteen_cases = 0;  // decode cases run in CTAs of more than 8 heads (and again in CTAs of at most 8)
+int g_pdl_cases = 0;      // decode cases launched programmatically after a slow writer
+int g_pdl_early = 0;      // ... where a probe launched the same way found the writer unfinished
 
 struct Case {
   std::string fmt;
@@ -442,6 +447,69 @@ double run_case(const Case& c) {
         again("graph replay " + std::to_string(r + 1) + (k ? " (workspace merge)" : ""), [&] { call.replay(); });
     }
   }
+  // Programmatic launch (DecodeParams::programmatic) after a writer that lets it start at once and copies the pool,
+  // the query and the protected rows into buffers of 0xff bytes only 30 us later: the decode must wait for the
+  // writer and give the same bits (0xff pages decode to NaN). A probe launched the same way after the same writer,
+  // which does not wait, counts in g_pdl_early the cases where it found the writer unfinished, i.e. where a decode
+  // that read those buffers before its wait would have read 0xff.
+  {
+    cudaStream_t st = nullptr;
+    KVQ_CUDA_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    std::uint8_t *wpool = nullptr, *wq = nullptr, *wprot = nullptr, *sent = nullptr;
+    int* dflag = nullptr;
+    const std::size_t qbytes = q.size() * sizeof(float), pbytes = prot.size() * sizeof(std::uint16_t);
+    KVQ_CUDA_OK(cudaMalloc(&wpool, pool.size()));
+    KVQ_CUDA_OK(cudaMalloc(&wq, qbytes));
+    if (pbytes) KVQ_CUDA_OK(cudaMalloc(&wprot, pbytes));
+    KVQ_CUDA_OK(cudaMalloc(&sent, 32));
+    KVQ_CUDA_OK(cudaMalloc(&dflag, sizeof(int)));
+    KVQ_CUDA_OK(cudaMemset(sent, 0, 16));
+    cuda::TestCopies tc;
+    auto region = [&](void* dst, const void* src, std::size_t n) {
+      tc.dst[tc.n] = dst;
+      tc.src[tc.n] = src;
+      tc.bytes[tc.n++] = n;
+    };
+    region(wpool, dpool, pool.size());
+    region(wq, dq, qbytes);
+    if (pbytes) region(wprot, dprot, pbytes);
+    region(sent + 16, sent, 16);
+    auto poison = [&] {
+      KVQ_CUDA_OK(cudaMemsetAsync(wpool, 0xff, pool.size(), st));
+      KVQ_CUDA_OK(cudaMemsetAsync(wq, 0xff, qbytes, st));
+      if (pbytes) KVQ_CUDA_OK(cudaMemsetAsync(wprot, 0xff, pbytes, st));
+      KVQ_CUDA_OK(cudaMemsetAsync(sent + 16, 0xff, 16, st));
+      KVQ_CUDA_OK(cudaMemsetAsync(dout, 0xff, q.size() * sizeof(float), st));
+    };
+    poison();
+    check(cuda::test_delayed_copy(tc, 30000, st) == cudaSuccess, name + ": delayed copy");
+    check(cuda::test_stale_probe(sent + 16, 0xff, dflag, st) == cudaSuccess, name + ": stale probe");
+    int early = 0;
+    KVQ_CUDA_OK(cudaMemcpyAsync(&early, dflag, sizeof(int), cudaMemcpyDeviceToHost, st));
+    KVQ_CUDA_OK(cudaStreamSynchronize(st));
+    if (early) ++g_pdl_early;
+    ++g_pdl_cases;
+    for (int k = 0; k < (cluster ? 2 : 1); ++k) {
+      cuda::DecodeParams pp = k == 0 ? p : pw;
+      pp.programmatic = true;
+      pp.pool = wpool;
+      pp.q = reinterpret_cast<const float*>(wq);
+      pp.protect_rows = pbytes ? reinterpret_cast<const std::uint16_t*>(wprot) : nullptr;
+      poison();
+      check(cuda::test_delayed_copy(tc, 30000, st) == cudaSuccess, name + ": delayed copy");
+      check(cuda::decode(pp, st) == cudaSuccess, name + ": programmatic decode launch");
+      KVQ_CUDA_OK(cudaStreamSynchronize(st));
+      const std::vector<float> out2 = download(dout, q.size());
+      check(std::memcmp(out2.data(), out.data(), out.size() * sizeof(float)) == 0,
+            name + ": the programmatic launch after a slow writer differs" + (k ? " (workspace merge)" : ""));
+    }
+    KVQ_CUDA_OK(cudaStreamDestroy(st));
+    cudaFree(wpool);
+    cudaFree(wq);
+    cudaFree(wprot);
+    cudaFree(sent);
+    cudaFree(dflag);
+  }
 
   if (c.values_x2)
     upload_into(dvcent, vcent);
@@ -468,9 +536,27 @@ double run_case(const Case& c) {
     sp.positions = dpos;
     sp.seq_ids = dseq;
     sp.protect_seq_lens = dlens;
-    const cudaError_t se = cuda::store(sp);
+    // The decode step's pair: the decode launched programmatically right after the store, on the pages and protected
+    // rows it writes, must give the bits of the decode of the CPU's pages (values_x2 decoded other centroids).
+    cudaStream_t st = nullptr;
+    KVQ_CUDA_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    KVQ_CUDA_OK(cudaMemsetAsync(dout, 0xff, q.size() * sizeof(float), st));
+    const cudaError_t se = cuda::store(sp, st);
     check(se == cudaSuccess, name + ": store launch: " + cudaGetErrorString(se));
-    KVQ_CUDA_OK(cudaDeviceSynchronize());
+    if (!c.values_x2) {
+      cuda::DecodeParams pp = p;
+      pp.programmatic = true;
+      pp.pool = dpool2;
+      pp.protect_rows = pr.enabled() ? dprot2 : nullptr;
+      check(cuda::decode(pp, st) == cudaSuccess, name + ": programmatic decode after the store");
+    }
+    KVQ_CUDA_OK(cudaStreamSynchronize(st));
+    KVQ_CUDA_OK(cudaStreamDestroy(st));
+    if (!c.values_x2) {
+      const std::vector<float> out2 = download(dout, q.size());
+      check(std::memcmp(out2.data(), out.data(), out.size() * sizeof(float)) == 0,
+            name + ": the decode launched programmatically after the store differs");
+    }
     KVQ_CUDA_OK(cudaMemcpy(pool2.data(), dpool2, pool2.size(), cudaMemcpyDeviceToHost));
     std::size_t records = 0, differ = 0;
     for (std::size_t i = 0; i < slots.size(); ++i)
@@ -913,6 +999,15 @@ int main(int argc, char** argv) {
   std::printf("  %d decode cases merged in clusters (and matched the workspace merge bit for bit)\n", g_cluster_cases);
   check(g_sixteen_cases > 0, "no decode case ran in CTAs of more than 8 heads");
   std::printf("  %d decode cases in CTAs of more than 8 heads\n", g_sixteen_cases);
+  // Programmatic launches: with KVQ_NO_PDL=1 they are ordinary ones, so the probe must never find the writer
+  // unfinished; otherwise (outside compute-sanitizer's reduced set) it must at least once, or the checks of the
+  // programmatic decode after the slow writer could not have failed.
+  const char* no_pdl = std::getenv("KVQ_NO_PDL");
+  const bool pdl_off = no_pdl && no_pdl[0] == '1';
+  std::printf("  %d decode cases launched programmatically after a slow writer; a probe found it unfinished in %d%s\n",
+              g_pdl_cases, g_pdl_early, pdl_off ? " (KVQ_NO_PDL=1)" : "");
+  if (pdl_off) check(g_pdl_early == 0, "with KVQ_NO_PDL=1 a launch after the writer started before it ended");
+  else if (!small) check(g_pdl_early > 0, "no programmatic launch started before the writer before it ended");
   test_decode_rejects();
   if (small) {
     test_store_edges("tq-3.5bit", 128, 2, 45, 3);

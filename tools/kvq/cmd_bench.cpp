@@ -15,6 +15,7 @@
 #include <cmath>
 #include <fstream>
 #include <map>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <string>
@@ -39,7 +40,7 @@ struct BenchOptions {
   std::string formats = "bf16,tq-k8v4,tq-4bit-nc,tq-k3v4-nc,tq-3bit-nc,tq-4bit,tq-3.5bit,tq-3bit";
   int q_heads = 32, kv_heads = 8, head_dim = 128, reps = 60, warmup = 5, store_tokens = 0, splits = 0;
   unsigned seed = 7;  // page order and query of each (batch, context): the same for every format
-  bool json = false, centered = false, no_cluster_merge = false, eight_heads = false;
+  bool json = false, centered = false, no_cluster_merge = false, eight_heads = false, step = false;
   std::string pages = "random";  // page order in the pool
   std::string peers, commit = "unknown", command, flush = "read";
 };
@@ -115,6 +116,14 @@ void run_decode_bench(const BenchOptions& o) {
       }
   }
   DevBuf arena(arena_bytes);
+  // --step: a decode step (the store of each sequence's newest token, then the decode) timed on its own stream,
+  // flushed on that stream; a blocking stream, so it is ordered with the legacy stream's work too.
+  cudaStream_t sst = nullptr;
+  std::unique_ptr<L2Flush> sflush;
+  if (o.step) {
+    ok(cudaStreamCreate(&sst), "stream");
+    sflush = std::make_unique<L2Flush>(o.flush, l2, sst);
+  }
 
   for (const auto& fname : split_list(o.formats)) {
     const FormatSpec& f = find_format(fname);
@@ -226,6 +235,39 @@ void run_decode_bench(const BenchOptions& o) {
           ok(cuda::decode(p), "decode");
         });
         const double t_end = wall_seconds();
+        // The decode step: the store of each sequence's newest token (position ctx - 1: its slot in the pages of the
+        // copy the run reads) and the decode after it, timed together; the decode launched as usual, then
+        // programmatically (DecodeParams::programmatic: its CTAs start while the store runs).
+        nlohmann::json step_us = nullptr, step_pdl_us = nullptr;
+        if (o.step) {
+          const std::size_t ne = static_cast<std::size_t>(B) * static_cast<std::size_t>(o.kv_heads) * static_cast<std::size_t>(o.head_dim);
+          DevBuf nk(ne * 2), nv(ne * 2), nslot(static_cast<std::size_t>(B) * 8);
+          ok(cuda::fill_random_bf16(nk.as<std::uint16_t>(), ne, 11), "fill");
+          ok(cuda::fill_random_bf16(nv.as<std::uint16_t>(), ne, 12), "fill");
+          std::vector<std::int64_t> hs(static_cast<std::size_t>(B));
+          for (int b = 0; b < B; ++b)
+            hs[static_cast<std::size_t>(b)] =
+                static_cast<std::int64_t>(ids[static_cast<std::size_t>(b) * pages_per_seq + (ctx - 1) / 64]) * 64 + (ctx - 1) % 64;
+          ok(cudaMemcpy(nslot.p, hs.data(), hs.size() * 8, cudaMemcpyHostToDevice), "copy");
+          cuda::StoreParams sp;
+          sp.fmt = fd;
+          sp.key = nk.as<std::uint16_t>();
+          sp.value = nv.as<std::uint16_t>();
+          sp.slot_mapping = nslot.as<std::int64_t>();
+          sp.n_tokens = B;
+          for (const bool pdl : {false, true}) {
+            cuda::DecodeParams ps = p;
+            ps.programmatic = pdl;
+            const double t = time_us(sst, *sflush, o.warmup, o.reps, [&](int rep) {
+              std::uint8_t* const base = pool + static_cast<std::size_t>(rep % static_cast<int>(copies)) * pool_bytes;
+              sp.pool = base;
+              ps.pool = base;
+              ok(cuda::store(sp, sst), "store");
+              ok(cuda::decode(ps, sst), "decode");
+            });
+            (pdl ? step_pdl_us : step_us) = t;
+          }
+        }
         const double bytes = static_cast<double>(cuda::decode_bytes_read(fd, lens.data(), B, ProtectLayout{}));
         const nlohmann::json flash = peer("sdpa_flash", B, ctx);
         const std::string vpair = f.kind == FormatKind::kTqVllm ? fname : f.pair;
@@ -251,11 +293,18 @@ void run_decode_bench(const BenchOptions& o) {
                               {"centered", fd.key_mean != nullptr},
                               {"t_start", t_start},
                               {"t_end", t_end}};
+        if (o.step) {
+          row["step_us"] = step_us;
+          row["step_programmatic_us"] = step_pdl_us;
+        }
         rows.push_back(row);
         if (!o.json)
           fmt::print(stderr, "{:<11} B={:<3} ctx={:<6} {:9.1f} us {:7.0f} GB/s  vs flash {}  vs vllm {}  ({} kernel)\n", fname, B,
                      ctx, us, bytes / (us * 1e3), row["speedup_vs_bf16_flash"].dump(), row["speedup_vs_vllm_triton"].dump(),
                      row["kernel"].get<std::string>());
+        if (!o.json && o.step)
+          fmt::print(stderr, "{:<11} B={:<3} ctx={:<6} step (store + decode) {:9.1f} us, decode launched programmatically {:9.1f} us\n",
+                     fname, B, ctx, step_us.get<double>(), step_pdl_us.get<double>());
       }
     }
   }
@@ -264,6 +313,10 @@ void run_decode_bench(const BenchOptions& o) {
     rows.push_back({{"format", "peer:" + std::get<0>(k)}, {"batch", std::get<1>(k)}, {"context", std::get<2>(k)},
                     {"q_heads", o.q_heads}, {"kv_heads", o.kv_heads}, {"head_dim", o.head_dim}, {"us", us},
                     {"gbps", nullptr}, {"speedup_vs_bf16_flash", nullptr}, {"speedup_vs_vllm_triton", nullptr}});
+  }
+  if (sst) {
+    sflush.reset();
+    cudaStreamDestroy(sst);
   }
   nlohmann::json res = {{"gpu", prop.name},     {"copy_gbps", copy_gbps}, {"commit", o.commit},
                         {"command", o.command}, {"sms", prop.multiProcessorCount}, {"l2_bytes", l2},
@@ -309,6 +362,9 @@ void register_bench(CLI::App& app) {
                 "merge the fast kernel's splits through the workspace even where they fit in thread-block clusters");
   dec->add_flag("--eight-heads", o->eight_heads,
                 "more than 8 query heads per KV head in CTAs of at most 8 (not the fast kernel's sixteen-head CTAs)");
+  dec->add_flag("--step", o->step,
+                "also time each row's decode step: the store of every sequence's newest token, then the decode, launched "
+                "as usual and programmatically (step_us, step_programmatic_us)");
   dec->add_flag("--centered", o->centered, "kvq's calibrated formats (tq-4bit, tq-3bit, tq-3.5bit, tq-2.5bit) with per-channel means");
   dec->callback([o] {
 #if defined(KVQ_WITH_KVQ_CUDA)
