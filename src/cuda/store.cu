@@ -658,10 +658,13 @@ __device__ __forceinline__ void mbar_wait_parity(std::uint32_t bar, std::uint32_
 // side at S::pos(q)), and body(tb, head, slot, cur) runs on stage cur once its copies have landed; slot is the
 // slot of the item's row g. Warp-uniform: every lane takes part. The copies: cp.async by every lane
 // (stage_item), or with kTma two tensor copies issued by lane 0 (RowMaps; S must be Stage2), which complete
-// on the warp's mbarrier of the stage (shared addresses bar0, bar0 + 8, initialized with count 1).
-template <int D, int V, bool kWhole, class S, bool kTma = false, class Body>
+// on the warp's mbarrier of the stage (shared addresses bar0, bar0 + 8, initialized with count 1). setup() runs in
+// every thread after the warp's first copies are issued and before the first body: the kernel's CTA-wide setup
+// (fast_setup, which ends with a barrier and writes nothing in the stages), so that its table builds and global
+// loads overlap the first rows' round trip.
+template <int D, int V, bool kWhole, class S, bool kTma = false, class Setup, class Body>
 __device__ __forceinline__ void for_each_item(const StoreParams& p, int H, int w, std::uint32_t stage0, int g, std::int64_t ks,
-                                              std::int64_t vs, Body&& body, const RowMaps* maps = nullptr,
+                                              std::int64_t vs, Setup&& setup, Body&& body, const RowMaps* maps = nullptr,
                                               std::uint32_t bar0 = 0) {
   // The chunks this lane copies: chunk q = lane + 32 j of a side is vector cg0 + j RJ of the item, elements ce0 ..
   // ce0 + 7 (a row's D / 8 chunks divide 32, so the element offset is the same for every j and the source
@@ -699,6 +702,7 @@ __device__ __forceinline__ void for_each_item(const StoreParams& p, int H, int w
   std::int64_t slot_next = -1;
   if (it < nitems) slot_next = issue(0, tb, head);
   if constexpr (!kTma) cp_async_commit();
+  setup();
   std::uint32_t phase = 0;  // kTma: bit st = the parity of stage st's next completion
   int cur = 0;
   for (; it < nitems; it += stride) {
@@ -819,7 +823,6 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
   constexpr int D8 = D / 8;
   std::uint16_t* soff = nullptr;  // split formats: channel offsets [side][head][D] after the masks (swizzled units)
   const uint4* smean = nullptr;   // centered formats: the signed segment-order means after those
-  fast_setup<D, F, S>(T, BP, dsm, p, use_masks, use_smean, search, soff, smean);
   const PageLayout& pg = f.page;
   const std::int64_t ks = token_stride(p.key_token_stride, H, D);
   const std::int64_t vs = token_stride(p.value_token_stride, H, D);
@@ -838,7 +841,8 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
   const std::uint32_t sbase = static_cast<std::uint32_t>(__cvta_generic_to_shared(sb));
 
   const int n = p.n_tokens;
-  for_each_item<D, V, NSEG == 1, S>(p, H, w, sbase + wstage, g, ks, vs, [&](int tb, int head, std::int64_t slot, int cur) {
+  auto setup = [&] { fast_setup<D, F, S>(T, BP, dsm, p, use_masks, use_smean, search, soff, smean); };
+  for_each_item<D, V, NSEG == 1, S>(p, H, w, sbase + wstage, g, ks, vs, setup, [&](int tb, int head, std::int64_t slot, int cur) {
     const int tok = tb * V + g;
     const bool valid = tok < n;
     const bool write = slot >= 0;
@@ -1165,7 +1169,6 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_pair_kernel(const Store
   constexpr int D8 = D / 8, D4 = D / 4;
   std::uint16_t* soff = nullptr;
   const uint4* smean = nullptr;
-  fast_setup<D, F, S, 1>(T, BP, dsm, p, use_masks, use_smean, search, soff, smean);
   const PageLayout& pg = f.page;
   const std::int64_t ks = token_stride(p.key_token_stride, H, D);
   const std::int64_t vs = token_stride(p.value_token_stride, H, D);
@@ -1182,7 +1185,8 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_pair_kernel(const Store
 
   const int n = p.n_tokens;
   const std::uint32_t bar0 = static_cast<std::uint32_t>(__cvta_generic_to_shared(tbar + (kTma ? 2 * w : 0)));
-  for_each_item<D, V, true, S, kTma>(p, H, w, sbase + wstage, g, ks, vs, [&](int tb, int head, std::int64_t slot, int cur) {
+  auto setup = [&] { fast_setup<D, F, S, 1>(T, BP, dsm, p, use_masks, use_smean, search, soff, smean); };
+  for_each_item<D, V, true, S, kTma>(p, H, w, sbase + wstage, g, ks, vs, setup, [&](int tb, int head, std::int64_t slot, int cur) {
     const int tok = tb * V + g;
     const bool valid = tok < n;
     const bool write = slot >= 0;
