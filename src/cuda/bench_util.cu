@@ -64,14 +64,7 @@ __global__ void flush_read_kernel(uint4* buf, std::size_t n) {
 // thread per CTA, then copies the regions (16-byte words, then the bytes of each region's tail).
 __global__ void delayed_copy_kernel(TestCopies c, unsigned delay_ns) {
   detail::launch_dependents();
-  if (threadIdx.x == 0) {
-    unsigned long long t0, t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-    do {
-      __nanosleep(1000);
-      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    } while (t - t0 < delay_ns);
-  }
+  if (threadIdx.x == 0) detail::sleep_at_least_ns(delay_ns);
   __syncthreads();
   const std::size_t tid = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x;
   const std::size_t nt = static_cast<std::size_t>(gridDim.x) * blockDim.x;

@@ -349,15 +349,6 @@ __device__ __forceinline__ void st_async16(std::uint32_t dst, float4 v, std::uin
 __device__ __forceinline__ void st_async4(std::uint32_t dst, float v, std::uint32_t bar) {
   asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [%0], %1, [%2];" ::"r"(dst), "f"(v), "r"(bar) : "memory");
 }
-// Spins for at least ns nanoseconds of the global timer (DecodeParams::test_send_delay_ns; tests only).
-__device__ __noinline__ void sleep_at_least_ns(unsigned ns) {
-  unsigned long long t0, t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-  do {
-    __nanosleep(256);
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  } while (t - t0 < ns);
-}
 
 // The split merge inside a thread-block cluster (SplitArgs::cluster): the NS CTAs of a (sequence, KV
 // head) are one cluster, rank = split, each with its partial ([HG][D] outputs, then HG log2-sum-exps) at CL_OFF of

@@ -20,6 +20,16 @@ namespace kvq::cuda::detail {
 __device__ __forceinline__ void grid_dependency_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 // Lets the programmatically launched grid after this one be scheduled before this one ends.
 __device__ __forceinline__ void launch_dependents() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
+// Spins for at least ns nanoseconds of the global timer (tests only: DecodeParams::test_send_delay_ns,
+// test_delayed_copy).
+__device__ __noinline__ void sleep_at_least_ns(unsigned ns) {
+  unsigned long long t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do {
+    __nanosleep(256);
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  } while (t - t0 < ns);
+}
 // Whether environment variable `name` is set to 1 (the kernels' test switches; callers read it once).
 inline bool env_flag(const char* name) {
   const char* v = std::getenv(name);
