@@ -22,7 +22,7 @@ __device__ __forceinline__ void grid_dependency_wait() { asm volatile("griddepco
 __device__ __forceinline__ void launch_dependents() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
 // Spins for at least ns nanoseconds of the global timer (tests only: DecodeParams::test_send_delay_ns,
 // test_delayed_copy).
-__device__ __noinline__ void sleep_at_least_ns(unsigned ns) {
+inline __device__ __noinline__ void sleep_at_least_ns(unsigned ns) {
   unsigned long long t0, t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
   do {
