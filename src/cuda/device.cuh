@@ -40,25 +40,6 @@ inline bool pdl_enabled() {
   static const bool on = !env_flag("KVQ_NO_PDL");
   return on;
 }
-// Launches kernel k; with pdl (and pdl_enabled()) as a programmatic dependent launch: it may start
-// before the previous kernel in the stream ends and must griddepcontrol.wait before reading that
-// kernel's output.
-template <class... Params, class... Args>
-cudaError_t launch_maybe_pdl(void (*k)(Params...), dim3 grid, dim3 block, std::size_t smem, cudaStream_t st, bool pdl,
-                             Args&&... args) {
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = st;
-  cudaLaunchAttribute at[1];
-  at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  at[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = at;
-  cfg.numAttrs = pdl && pdl_enabled() ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, k, std::forward<Args>(args)...);
-}
-
 // log2 of a page's token count when it is a power of two (the writers' slot -> page shift), else -1.
 inline int page_shift(int tokens) {
   for (int s = 0; s < 31; ++s)
@@ -135,6 +116,18 @@ inline cudaLaunchConfig_t launch_config(dim3 grid, int threads, int smem, cudaSt
     ++cfg.numAttrs;
   }
   return cfg;
+}
+// Launches kernel k (launch_config's attributes, without clusters; any block shape); with pdl (and pdl_enabled()) as a
+// programmatic dependent launch: it may start before the previous kernel in the stream ends and must
+// griddepcontrol.wait before reading that kernel's output.
+template <class... Params, class... Args>
+cudaError_t launch_maybe_pdl(void (*k)(Params...), dim3 grid, dim3 block, std::size_t smem, cudaStream_t st, bool pdl,
+                             Args&&... args) {
+  cudaLaunchAttribute at[2];
+  cudaLaunchConfig_t cfg = launch_config(grid, 1, 0, st, 0, pdl, at);
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  return cudaLaunchKernelEx(&cfg, k, std::forward<Args>(args)...);
 }
 // Clusters of `cluster` CTAs (1..8, along the grid's x) of Kernel, with `threads` threads and `smem`
 // bytes of dynamic shared memory each, that the current device holds at once
