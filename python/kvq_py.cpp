@@ -1269,6 +1269,9 @@ struct CudaLayer : LayerBase {
     if ((p.protect_rows = decode_protect(prot, p.batch, protect_rows)) != nullptr) p.protect = protect_layout();
     return p;
   }
+  // decode(programmatic=True): every GQA decode kernel waits for the kernel before it ahead of its first read of the
+  // query, pages, protected rows or workspace.
+  static void set_programmatic(kvq::cuda::DecodeParams& p, bool on) { p.programmatic = on; }
   void launch_decode(const kvq::cuda::DecodeParams& p, int max_seq_len, cudaStream_t s) {
     launch_with_workspace(p, max_seq_len, s, [](const kvq::cuda::DecodeParams& d) { return kvq::cuda::decode_workspace_bytes(d); },
                           [](const kvq::cuda::DecodeParams& d, cudaStream_t st) { return kvq::cuda::decode(d, st); }, "kvq.cuda decode");
@@ -1339,6 +1342,10 @@ struct CudaMlaLayer : LayerBase {
     if ((p.protect_rows = decode_protect(prot, p.batch, protect_rows)) != nullptr) p.protect = protect_layout();
     return p;
   }
+  // The MLA decode's first kernel copies pages before any wait, so it cannot be launched programmatically after a store.
+  static void set_programmatic(kvq::cuda::MlaDecodeParams&, bool on) {
+    if (on) bad_arg("programmatic=True: GQA layers only (the MLA decode reads its pages before it could wait)");
+  }
   void launch_decode(const kvq::cuda::MlaDecodeParams& p, int max_seq_len, cudaStream_t s) {
     launch_with_workspace(p, max_seq_len, s,
                           [](const kvq::cuda::MlaDecodeParams& d) { return kvq::cuda::mla_decode_workspace_bytes(d); },
@@ -1351,9 +1358,10 @@ struct CudaMlaLayer : LayerBase {
 template <class L>
 void layer_decode(L& l, const py::object& pool, const py::object& tables, const py::object& lens, const py::object& q,
                   const py::object& out, float scale, int max_seq_len, int num_splits, std::uintptr_t stream, bool validate,
-                  const py::object& protect_rows) {
+                  const py::object& protect_rows, bool programmatic) {
   DecodeIndex ix;
-  const auto p = l.prepare_decode(pool, tables, lens, q, out, scale, num_splits, protect_rows, ix);
+  auto p = l.prepare_decode(pool, tables, lens, q, out, scale, num_splits, protect_rows, ix);
+  L::set_programmatic(p, programmatic);
   const auto s = reinterpret_cast<cudaStream_t>(stream);
   l.launch_decode(p, LayerBase::resolve_max_seq_len(ix, max_seq_len, validate, s), s);
 }
@@ -1376,11 +1384,13 @@ struct DecodePlan {
 };
 template <class L, class P>
 DecodePlan<L, P> plan_decode(const py::object& self, const py::object& pool, const py::object& tables, const py::object& lens,
-                             const py::object& q, const py::object& out, float scale, int num_splits, const py::object& protect_rows) {
+                             const py::object& q, const py::object& out, float scale, int num_splits, const py::object& protect_rows,
+                             bool programmatic) {
   DecodePlan<L, P> plan;
   plan.layer_ref = self;
   plan.layer = &self.cast<L&>();
   plan.params = plan.layer->prepare_decode(pool, tables, lens, q, out, scale, num_splits, protect_rows, plan.ix);
+  L::set_programmatic(plan.params, programmatic);
   plan.tensors = py::make_tuple(pool, tables, lens, q, out, protect_rows);
   return plan;
 }
@@ -1413,6 +1423,12 @@ void def_layer_common(py::module_& c, py::class_<L>& cls, const char* row_a, con
       "after this call: only the sinks and the last window positions are kept). Returns the count of records refused "
       "(written nowhere: non-finite rows, values beyond fp16) and synchronizes the stream; with counter (an int32 (1,) "
       "CUDA tensor) adds that count to it on the device and returns None without synchronizing.";
+  const std::string decode_help =
+      std::string(decode_doc) +
+      " programmatic=True (GQA only) launches the decode as a programmatic dependent launch: its CTAs may start while "
+      "the kernel before it on the stream (a store, say) still runs, and wait for it before they read anything it may "
+      "write (KVQ_NO_PDL=1 turns it off). It saves a few microseconds only with validate=False, which does not "
+      "synchronize.";
   const std::string plan_help = std::string("decode() with these tensors bound: checked once here; ") + plan_name +
                                 ".run(max_seq_len, stream, validate) launches over their contents at the time of the call "
                                 "(host cost without validate: docs/python.md).";
@@ -1426,10 +1442,11 @@ void def_layer_common(py::module_& c, py::class_<L>& cls, const char* row_a, con
            store_help.c_str())
       .def("decode", &layer_decode<L>, py::arg("pool"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("q"), py::arg("out"),
            py::arg("scale"), py::arg("max_seq_len") = 0, py::arg("num_splits") = 0, py::arg("stream") = 0,
-           py::arg("validate") = true, py::kw_only(), py::arg("protect_rows") = py::none(), decode_doc)
+           py::arg("validate") = true, py::kw_only(), py::arg("protect_rows") = py::none(), py::arg("programmatic") = false,
+           decode_help.c_str())
       .def("plan_decode", &plan_decode<L, P>, py::arg("pool"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("q"),
            py::arg("out"), py::arg("scale"), py::arg("num_splits") = 0, py::kw_only(), py::arg("protect_rows") = py::none(),
-           plan_help.c_str());
+           py::arg("programmatic") = false, plan_help.c_str());
 }
 
 void bind_cuda(py::module_& m) {

@@ -537,6 +537,60 @@ def test_async_store_and_graph_capture():
         assert torch.equal(pool_g, pool_d) and not torch.equal(pool_g, pool), f"{kind}: captured store"
 
 
+def test_programmatic_decode_after_store():
+    """decode(programmatic=True) right after a store on the same stream (its CTAs may start while the store runs)
+    gives the bits of an ordinary decode over the stored pages, launched directly and from a captured graph of the
+    store and the plan's run; an MLA layer refuses programmatic=True."""
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32, device="cuda")  # noqa: E731
+    tables = i32([[3, 1, 6, 0], [2, 7, 5, 4]])
+    tab = tables.cpu().numpy()
+    slots = torch.tensor([int(tab[b, t // 64]) * 64 + t % 64 for b in range(2) for t in range(256)], dtype=torch.int64,
+                         device="cuda")
+    torch.manual_seed(11)
+    layer = kvq.cuda.Layer("tq-4bit-nc", kvq.Geometry(n_layers=1, n_kv_heads=8, head_dim=128))
+    k = torch.randn(512, 8, 128, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn(512, 8, 128, dtype=torch.bfloat16, device="cuda")
+    q = torch.randn(2, 32, 128, device="cuda")
+    lens = i32([256, 173])
+    pool = torch.full((8 * layer.page_bytes,), 0xFF, dtype=torch.uint8, device="cuda")  # NaN pages until stored
+    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+    ref, out = torch.empty_like(q), torch.empty_like(q)
+    stream = torch.cuda.current_stream().cuda_stream
+    layer.store(k, v, slots, pool, counter=counter)
+    layer.decode(pool, tables, lens, q, ref, 0.088, max_seq_len=256)  # creates the workspace
+    torch.cuda.synchronize()
+    assert torch.isfinite(ref).all()
+    for r in range(3):
+        pool.fill_(0xFF)
+        out.fill_(float("nan"))
+        layer.store(k, v, slots, pool, stream, False, counter=counter)
+        layer.decode(pool, tables, lens, q, out, 0.088, 256, 0, stream, False, programmatic=True)
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref), f"programmatic decode after the store differs (launch {r + 1})"
+    plan = layer.plan_decode(pool, tables, lens, q, out, 0.088, programmatic=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cs = torch.cuda.current_stream().cuda_stream
+        layer.store(k, v, slots, pool, cs, False, counter=counter)
+        plan.run(256, cs, False)
+    for r in range(2):
+        pool.fill_(0xFF)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref), f"graph replay {r + 1} of the store and the programmatic decode differs"
+    assert int(counter.item()) == 0
+    mla = kvq.cuda.MlaLayer("c4r4", kvq.Geometry(n_layers=1, d_latent=512, d_rope=64))
+    mpool = torch.zeros(8 * mla.page_bytes, dtype=torch.uint8, device="cuda")
+    mq, mout = torch.randn(2, 16, 576, device="cuda"), torch.empty(2, 16, 512, device="cuda")
+    try:
+        mla.decode(mpool, tables, lens, mq, mout, 0.088, max_seq_len=256, programmatic=True)
+    except ValueError as e:
+        assert "GQA layers only" in str(e), str(e)
+    else:
+        raise AssertionError("MlaLayer.decode accepted programmatic=True")
+
+
 if __name__ == "__main__":
     if not HAVE_GPU:
         print("kvq.cuda tests skipped: needs torch, a CUDA device and kvq.cuda")
@@ -558,3 +612,5 @@ if __name__ == "__main__":
         print("ok   decode plans")
         test_async_store_and_graph_capture()
         print("ok   asynchronous store, plans in a captured CUDA graph")
+        test_programmatic_decode_after_store()
+        print("ok   programmatic decode after the store, direct and in a captured CUDA graph")

@@ -571,6 +571,29 @@ double run_case(const Case& c) {
       check(got == prot, name + ": store kernel protection rows");
     }
     std::printf("  %-58s store: %zu / %zu records differ\n", "", differ, records);
+    // The decode step captured in a CUDA graph: the store, then the decode launched programmatically (a programmatic
+    // edge in the graph unless KVQ_NO_PDL=1), replayed twice over pages, protected rows and an output reset to 0xff
+    // bytes, must give the launch's bits each time.
+    if (!c.values_x2) {
+      cuda::DecodeParams pp = p;
+      pp.programmatic = true;
+      pp.pool = dpool2;
+      pp.protect_rows = pr.enabled() ? dprot2 : nullptr;
+      CapturedCall call([&](cudaStream_t cs) {
+        const cudaError_t e = cuda::store(sp, cs);
+        return e != cudaSuccess ? e : cuda::decode(pp, cs);
+      });
+      check(call.launched() == cudaSuccess, name + ": the decode step under graph capture");
+      for (int r = 0; r < 2; ++r) {
+        KVQ_CUDA_OK(cudaMemset(dpool2, 0xff, pool2.size()));
+        if (pr.enabled()) KVQ_CUDA_OK(cudaMemset(dprot2, 0xff, prot2.size() * sizeof(std::uint16_t)));
+        KVQ_CUDA_OK(cudaMemset(dout, 0xff, q.size() * sizeof(float)));
+        call.replay();
+        const std::vector<float> out3 = download(dout, q.size());
+        check(std::memcmp(out3.data(), out.data(), out.size() * sizeof(float)) == 0,
+              name + ": graph replay " + std::to_string(r + 1) + " of the store and the programmatic decode differs");
+      }
+    }
     cudaFree(dpool2);
     cudaFree(dk);
     cudaFree(dv);
