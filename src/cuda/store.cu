@@ -13,8 +13,10 @@
 // per lane); and the generic one (one warp per (token, KV head), any supported shape).
 #include <algorithm>
 #include <cfloat>
+#include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <type_traits>
 
 #include <cuda.h>
 
@@ -730,19 +732,86 @@ __device__ __forceinline__ void for_each_item(const StoreParams& p, int H, int w
   if constexpr (!kTma) cp_async_wait<0>();
 }
 
+// The (midpoint, base) pair entries of the fast kernels' BP table: the paired kernel's (VT = 1) 1024; the
+// fast kernel's 1024 for one segment, 1536 for the outlier splits (store_fast_kernel says how they are used).
+template <class F, int VT>
+constexpr int kPairEntriesOf = VT == 1 ? 1024 : (F::NSEG == 2 ? 1536 : 1024);
+// Bytes of the fast kernels' shared region after the staging (the masks, then the split formats' channel offsets,
+// then the centered formats' means), where use_masks; the launcher and the image builder take the same choice
+// (fast_mask_region).
+template <int D, int NSEG>
+__host__ __device__ constexpr std::size_t mask_region_bytes(int H, bool use_masks, bool use_smean) {
+  return use_masks ? (NSEG == 2 ? 8u : 4u) * static_cast<std::size_t>(H) * D + (use_smean ? 8u * static_cast<std::size_t>(H) * D : 0u)
+                   : 0u;
+}
+// The setup image (FormatDesc::store_image) in 16-byte units: StoreTables, the BP table, the mask region. The
+// pair bases in StoreTables (shared addresses) are stored relative to the BP table's address.
+constexpr int kImageTableUnits = static_cast<int>(sizeof(StoreTables) / 16);
+constexpr int kImagePairBaseUnit = static_cast<int>(offsetof(StoreTables, pair_base) / 16);
+static_assert(sizeof(StoreTables) % 16 == 0 && offsetof(StoreTables, pair_base) % 16 == 0 &&
+                  sizeof(StoreTables::pair_base) == 16,
+              "the setup image copies StoreTables in 16-byte units, the pair bases in one");
+// Which fast kernels take the image: those with a TurboQuant side (the others build no tables: an image only added
+// a round trip, 0.86x for tq-k8v4's small store, 0.93x for its large one), but the head_dim-64 paired kernels, in
+// which the copy's code made ptxas spill (0.97-0.98x for their large stores).
+template <int D, class F, int VT>
+constexpr bool kTakesImage = (F::KK == KeyCode::kTq || F::VK == ValueCode::kTq) && !(VT == 1 && D == 64);
+template <int D, class F, int VT>
+__host__ __device__ constexpr int image_units(int H, bool use_masks, bool use_smean) {
+  return kImageTableUnits + kPairEntriesOf<F, VT> / 2 + static_cast<int>(mask_region_bytes<D, F::NSEG>(H, use_masks, use_smean) / 16);
+}
+
+// fast_setup's copy of the image (its own function: inlined, it made ptxas spill in the head_dim-64 paired kernels).
+template <int D, class F, int VT>
+__device__ __noinline__ void copy_image(StoreTables& T, uint2* BP, uint4* dsm, int H, bool use_masks, bool use_smean,
+                                        const uint4* image) {
+  constexpr int TU = kImageTableUnits, BU = kPairEntriesOf<F, VT> / 2;
+  const int units = image_units<D, F, VT>(H, use_masks, use_smean);
+  const std::uint32_t ts = static_cast<std::uint32_t>(__cvta_generic_to_shared(&T));
+  const std::uint32_t bs = static_cast<std::uint32_t>(__cvta_generic_to_shared(BP));
+  const std::uint32_t ms = static_cast<std::uint32_t>(__cvta_generic_to_shared(dsm + kStagingBytes / 16));
+  for (int i = threadIdx.x; i < units; i += kFastThreads) {
+    if (i == kImagePairBaseUnit) {
+      uint4 v = __ldg(image + i);
+      v.x += bs;
+      v.y += bs;
+      v.z += bs;
+      v.w += bs;
+      *reinterpret_cast<uint4*>(T.pair_base) = v;
+    } else {
+      const std::uint32_t u = static_cast<std::uint32_t>(i);
+      cp_async16(i < TU ? ts + 16u * u : i < TU + BU ? bs + 16u * (u - TU) : ms + 16u * (u - TU - BU), image + i);
+    }
+  }
+  cp_async_commit();
+  cp_async_wait<0>();
+}
+
 // The fast kernels' shared-memory setup, CTA-wide, ending with a barrier: the bin tables and their
 // (midpoint, base) pairs (warps 0-3: keys / values x segment 0 / 1; tables 0, 1 are the keys', VT and
 // VT + 1 the values'), the split formats' channel offsets (as S::chan_off byte offsets) and the centered
 // formats' means where the launcher gave the space, the sign masks. soff / smean: the offsets and the
 // means in shared memory, nullptr where there are none. search: every table's `ok` cleared, so that the kernel
-// bucketizes by the binary search (store_search_forced).
+// bucketizes by the binary search (store_search_forced). image (FormatDesc::store_image, made by
+// store_image_kernel from this function's result; nullptr: build): all of it copied by cp.async in one round
+// trip, the pair bases rebased on this kernel's BP table (a small store's setup took 2.7-3.9 us to build, mostly
+// dependent global loads and the tables' searches for a bin count).
 template <int D, class F, class S, int VT = 2>
 __device__ __forceinline__ void fast_setup(StoreTables& T, uint2* BP, uint4* dsm, const StoreParams& p, bool use_masks,
-                                           bool use_smean, bool search, std::uint16_t*& soff, const uint4*& smean) {
+                                           bool use_smean, bool search, std::uint16_t*& soff, const uint4*& smean,
+                                           const uint4* image = nullptr) {
   constexpr int NSEG = F::NSEG;
   constexpr bool KTQ = F::KK == KeyCode::kTq, VTQ = F::VK == ValueCode::kTq;
   const FormatDesc& f = p.fmt;
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if constexpr (kTakesImage<D, F, VT>) if (image) {
+    copy_image<D, F, VT>(T, BP, dsm, f.kv_heads, use_masks, use_smean, image);
+    const int H = f.kv_heads;
+    soff = NSEG == 2 && use_masks ? reinterpret_cast<std::uint16_t*>(dsm + kStagingBytes / 16) + 2 * H * D : nullptr;
+    smean = use_smean ? dsm + kStagingBytes / 16 + (NSEG == 2 ? 8 : 4) * H * D / 16 : nullptr;
+    __syncthreads();
+    return;
+  }
   if (w < 4) {
     const int side = w >> 1, seg = w & 1;
     const bool tq = side == 0 ? KTQ : VTQ;
@@ -796,9 +865,9 @@ __device__ __forceinline__ void fast_setup(StoreTables& T, uint2* BP, uint4* dsm
 
 template <int D, class F>
 __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const StoreParams p, int tok_shift, bool use_masks,
-                                                                      bool use_smean, bool search) {
+                                                                      bool use_smean, bool search, const uint4* image) {
   launch_dependents();  // a decode launched programmatically after the store may start (DecodeParams::programmatic)
-  __shared__ StoreTables T;
+  __shared__ __align__(16) StoreTables T;
   // The tables' (midpoint, base) pairs, through which every format bucketizes (build_bin_pairs: 16 copies
   // of each bin where they fit, else one; every table has room for one copy of kMaxBins bins). One segment:
   // tables 0 (keys) and 2 (values), 512 entries each (16 copies up to 32 bins: the sphere codebooks' tables
@@ -806,8 +875,7 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
   // (28 bins), segment 1 (b bits) 320 (20 bins), per side; the tables start at multiples of 128 bytes, so
   // lanes reading different tables still hit their own bank pairs. (With one copy per bin the splits'
   // pairs measured 1-2% slower than the byte table of bins.cuh, which they used until 2026-12-01.)
-  constexpr int kPairEntries = F::NSEG == 2 ? 1536 : 1024;
-  __shared__ uint2 BP[kPairEntries];
+  __shared__ __align__(16) uint2 BP[kPairEntriesOf<F, 2>];
   // [warp][stage][side] staged rows (kStagingBytes), then, when the launcher gives the space, the
   // sign masks (4 H D bytes) and for the split formats the channel offsets (4 H D bytes).
   extern __shared__ uint4 dsm[];
@@ -841,7 +909,7 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_fast_kernel(const Store
   const std::uint32_t sbase = static_cast<std::uint32_t>(__cvta_generic_to_shared(sb));
 
   const int n = p.n_tokens;
-  auto setup = [&] { fast_setup<D, F, S>(T, BP, dsm, p, use_masks, use_smean, search, soff, smean); };
+  auto setup = [&] { fast_setup<D, F, S>(T, BP, dsm, p, use_masks, use_smean, search, soff, smean, image); };
   for_each_item<D, V, NSEG == 1, S>(p, H, w, sbase + wstage, g, ks, vs, setup, [&](int tb, int head, std::int64_t slot, int cur) {
     const int tok = tb * V + g;
     const bool valid = tok < n;
@@ -1139,12 +1207,12 @@ constexpr bool kPairedFast = F::KK == KeyCode::kTq && F::VK == ValueCode::kTq &&
 constexpr int kTmaAlign = 1024;
 template <int D, class F, bool kTma>
 __global__ void __launch_bounds__(kFastThreads, 2) store_pair_kernel(const StoreParams p, int tok_shift, bool use_masks,
-                                                                     bool use_smean, bool search,
+                                                                     bool use_smean, bool search, const uint4* image,
                                                                      const __grid_constant__ RowMaps maps) {
   static_assert(kPairedFast<D, F>, "paired store: both sides TurboQuant, one segment, equal widths");
   launch_dependents();  // a decode launched programmatically after the store may start (DecodeParams::programmatic)
-  __shared__ StoreTables T;
-  __shared__ uint2 BP[1024];  // store_fast_kernel's pair tables (keys: table 0, values: table 1)
+  __shared__ __align__(16) StoreTables T;
+  __shared__ __align__(16) uint2 BP[kPairEntriesOf<F, 1>];  // store_fast_kernel's pair tables (keys: table 0, values: table 1)
   __shared__ std::uint64_t tbar[kTma ? kFastWarps * 2 : 1];  // kTma: each warp's two stages' mbarriers
   extern __shared__ uint4 dsm_raw[];
   uint4* dsm = dsm_raw;
@@ -1185,7 +1253,7 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_pair_kernel(const Store
 
   const int n = p.n_tokens;
   const std::uint32_t bar0 = static_cast<std::uint32_t>(__cvta_generic_to_shared(tbar + (kTma ? 2 * w : 0)));
-  auto setup = [&] { fast_setup<D, F, S, 1>(T, BP, dsm, p, use_masks, use_smean, search, soff, smean); };
+  auto setup = [&] { fast_setup<D, F, S, 1>(T, BP, dsm, p, use_masks, use_smean, search, soff, smean, image); };
   for_each_item<D, V, true, S, kTma>(p, H, w, sbase + wstage, g, ks, vs, setup, [&](int tb, int head, std::int64_t slot, int cur) {
     const int tok = tb * V + g;
     const bool valid = tok < n;
@@ -1361,6 +1429,67 @@ bool row_maps(const StoreParams& p, std::int64_t ks, std::int64_t vs, RowMaps& m
   return one(m.key, p.key, ks) && one(m.value, p.value, vs);
 }
 
+// The fast kernels' choice of shared memory after the staging: the sign masks (and the split formats' channel
+// offsets) where H D <= 4096, the centered formats' means too where they fit; returns its bytes (0: none).
+template <int D, class F>
+std::size_t fast_mask_region(const FormatDesc& f, bool& use_masks, bool& use_smean) {
+  use_masks = f.kv_heads * D <= 4096;
+  use_smean = use_masks && f.key_mean_seg && f.value_mean_seg &&
+              mask_region_bytes<D, F::NSEG>(f.kv_heads, true, true) <= static_cast<std::size_t>(kMaskBytes);
+  return mask_region_bytes<D, F::NSEG>(f.kv_heads, use_masks, use_smean);
+}
+
+// Builds format F's setup image (FormatDesc::store_image): one CTA runs the fast kernel's fast_setup (the paired
+// kernel's where it serves F), then writes StoreTables (pair bases relative to its BP table), the BP table and
+// the mask region to out.
+template <int D, class F>
+__global__ void __launch_bounds__(kFastThreads) store_image_kernel(const StoreParams p, bool use_masks, bool use_smean,
+                                                                   uint4* out) {
+  constexpr int VT = kPairedFast<D, F> ? 1 : 2;
+  __shared__ __align__(16) StoreTables T;
+  __shared__ __align__(16) uint2 BP[kPairEntriesOf<F, VT>];
+  extern __shared__ uint4 dsm[];
+  std::uint16_t* soff = nullptr;
+  const uint4* smean = nullptr;
+  constexpr int TU = kImageTableUnits, BU = kPairEntriesOf<F, VT> / 2;
+  const int units = image_units<D, F, VT>(p.fmt.kv_heads, use_masks, use_smean);
+  // Zeros first: the parts the setup leaves unwritten (tables a format does not use, rows past a table's bins)
+  // are zeros in the image, so that an image is a function of the format alone.
+  for (int i = threadIdx.x; i < units; i += kFastThreads)
+    (i < TU ? reinterpret_cast<uint4*>(&T)[i] : i < TU + BU ? reinterpret_cast<uint4*>(BP)[i - TU] : dsm[kStagingBytes / 16 + (i - TU - BU)]) =
+        make_uint4(0, 0, 0, 0);
+  __syncthreads();
+  if constexpr (kPairedFast<D, F>) fast_setup<D, F, Stage2<D>, 1>(T, BP, dsm, p, use_masks, use_smean, false, soff, smean);
+  else fast_setup<D, F, Stage<D>, 2>(T, BP, dsm, p, use_masks, use_smean, false, soff, smean);
+  const std::uint32_t bs = static_cast<std::uint32_t>(__cvta_generic_to_shared(BP));
+  for (int i = threadIdx.x; i < units; i += kFastThreads) {
+    uint4 v = i < TU ? reinterpret_cast<const uint4*>(&T)[i]
+                     : i < TU + BU ? reinterpret_cast<const uint4*>(BP)[i - TU] : dsm[kStagingBytes / 16 + (i - TU - BU)];
+    if (i == kImagePairBaseUnit) {
+      v.x -= bs;
+      v.y -= bs;
+      v.z -= bs;
+      v.w -= bs;
+    }
+    out[i] = v;
+  }
+}
+template <int D, class F>
+cudaError_t launch_store_image(const FormatDesc& f, void* dst, std::size_t bytes, cudaStream_t stream) {
+  constexpr int VT = kPairedFast<D, F> ? 1 : 2;
+  bool use_masks = false, use_smean = false;
+  const std::size_t mb = fast_mask_region<D, F>(f, use_masks, use_smean);
+  if (bytes != 16u * static_cast<std::size_t>(image_units<D, F, VT>(f.kv_heads, use_masks, use_smean)) ||
+      (reinterpret_cast<std::uintptr_t>(dst) & 15) != 0)
+    return cudaErrorInvalidValue;
+  const std::size_t smem = kStagingBytes + mb;
+  if (const cudaError_t e = smem_limit_once<store_image_kernel<D, F>>(kStagingBytes + kMaskBytes); e != cudaSuccess) return e;
+  StoreParams p;
+  p.fmt = f;
+  store_image_kernel<D, F><<<1, kFastThreads, smem, stream>>>(p, use_masks, use_smean, static_cast<uint4*>(dst));
+  return cudaGetLastError();
+}
+
 template <int D, class F, bool kTma>
 cudaError_t launch_fast_kernel(const StoreParams& p, const RowMaps& maps, cudaStream_t stream) {
   const bool search = store_search_forced();
@@ -1373,21 +1502,22 @@ cudaError_t launch_fast_kernel(const StoreParams& p, const RowMaps& maps, cudaSt
   cudaError_t e = smem_limit_once<kernel>(kStagingBytes + kMaskBytes + extra);
   if (e == cudaSuccess) e = resident_ctas<kernel>(kFastThreads, kStagingBytes + kMaskBytes + extra, max_blocks);
   if (e != cudaSuccess) return e;
-  std::size_t mask_bytes = (F::NSEG == 2 ? 8u : 4u) * static_cast<std::size_t>(p.fmt.kv_heads) * D;
-  const bool use_masks = p.fmt.kv_heads * D <= 4096;
-  // Centered formats keep their means in shared memory too where they fit beside the masks.
-  const std::size_t mean_bytes = 8u * static_cast<std::size_t>(p.fmt.kv_heads) * D;
-  const bool use_smean = use_masks && p.fmt.key_mean_seg && p.fmt.value_mean_seg && mask_bytes + mean_bytes <= kMaskBytes;
-  if (use_smean) mask_bytes += mean_bytes;
+  bool use_masks = false, use_smean = false;
+  const std::size_t mask_bytes = fast_mask_region<D, F>(p.fmt, use_masks, use_smean);
+  // The setup image where the format has one of this kernel's shape (not with the forced search, whose tables differ).
+  constexpr int VT = kPairedFast<D, F> ? 1 : 2;
+  const bool use_image = !search && p.fmt.store_image && (reinterpret_cast<std::uintptr_t>(p.fmt.store_image) & 15) == 0 &&
+                         p.fmt.store_image_bytes == 16u * static_cast<std::uint32_t>(image_units<D, F, VT>(p.fmt.kv_heads, use_masks, use_smean));
+  const uint4* image = use_image ? static_cast<const uint4*>(p.fmt.store_image) : nullptr;
   constexpr int V = 32 / (D / kLaneElems);
   const long nitems = (static_cast<long>(p.n_tokens) + V - 1) / V * p.fmt.kv_heads;  // (V-token block, head) per warp
   const long want = (nitems + kFastWarps - 1) / kFastWarps;
   const unsigned blocks = static_cast<unsigned>(std::min<long>(want, max_blocks));
-  const std::size_t smem = kStagingBytes + (use_masks ? mask_bytes : 0) + extra;
+  const std::size_t smem = kStagingBytes + mask_bytes + extra;
   if constexpr (kPairedFast<D, F>) {
-    kernel<<<blocks, kFastThreads, smem, stream>>>(p, page_shift(p.fmt.page.tokens), use_masks, use_smean, search, maps);
+    kernel<<<blocks, kFastThreads, smem, stream>>>(p, page_shift(p.fmt.page.tokens), use_masks, use_smean, search, image, maps);
   } else {
-    kernel<<<blocks, kFastThreads, smem, stream>>>(p, page_shift(p.fmt.page.tokens), use_masks, use_smean, search);
+    kernel<<<blocks, kFastThreads, smem, stream>>>(p, page_shift(p.fmt.page.tokens), use_masks, use_smean, search, image);
   }
   return cudaGetLastError();
 }
@@ -1428,35 +1558,30 @@ bool fast_layout_ok(const StoreParams& p, std::uint32_t kmb, std::uint32_t vmb) 
   return true;
 }
 
-template <int D>
-cudaError_t dispatch_fast(const StoreParams& p, cudaStream_t stream, bool& done) {
-  const FormatDesc& f = p.fmt;
-  done = false;
+// Whether format F's device tables are there for the fast kernels (and its centering is of TurboQuant sides, from
+// 16-byte aligned signed segment-order means).
+template <class Fm>
+bool fast_tables_ok(const FormatDesc& f) {
+  using KC = KeyCode;
+  using VC = ValueCode;
+  auto a16 = [](const float* q) { return (reinterpret_cast<std::uintptr_t>(q) & 15) == 0; };
+  if ((f.key_mean && (Fm::KK != KC::kTq || !f.key_mean_seg || !a16(f.key_mean_seg))) ||
+      (f.value_mean && (Fm::VK != VC::kTq || !f.value_mean_seg || !a16(f.value_mean_seg))))
+    return false;
+  return !((Fm::KK == KC::kTq && (!f.key_signs || !f.key_thresholds || !f.key_centroids || (Fm::NSEG == 2 && !f.key_perm))) ||
+           (Fm::VK == VC::kTq && (!f.value_signs || !f.value_thresholds || !f.value_centroids || (Fm::NSEG == 2 && !f.value_perm))));
+}
+
+// Calls go(FastFmt tag, key metadata bytes, value metadata bytes) for the fast kernel that serves format f at head_dim
+// D (bf16 excepted: its own kernel); returns cudaSuccess without calling it where none does.
+template <int D, class Go>
+cudaError_t visit_fast_format(const FormatDesc& f, Go&& go) {
   const int ns = f.segments;
   if (ns == 2 && !(f.seg_dims[0] == D / 2 && f.seg_dims[1] == D / 2)) return cudaSuccess;
   if (ns != 1 && ns != 2) return cudaSuccess;
   const int kb0 = f.key_bits[0], kb1 = ns == 2 ? f.key_bits[1] : 0, vb0 = f.value_bits[0], vb1 = ns == 2 ? f.value_bits[1] : 0;
   using KC = KeyCode;
   using VC = ValueCode;
-  auto go = [&](auto fmt_tag, std::uint32_t kmb, std::uint32_t vmb) -> cudaError_t {
-    if (!fast_layout_ok(p, kmb, vmb)) return cudaSuccess;
-    using Fm = decltype(fmt_tag);
-    // Centering: TurboQuant sides only, from the signed segment-order means.
-    auto a16 = [](const float* q) { return (reinterpret_cast<std::uintptr_t>(q) & 15) == 0; };
-    if ((f.key_mean && (Fm::KK != KC::kTq || !f.key_mean_seg || !a16(f.key_mean_seg))) ||
-        (f.value_mean && (Fm::VK != VC::kTq || !f.value_mean_seg || !a16(f.value_mean_seg))))
-      return cudaSuccess;
-    if ((Fm::KK == KC::kTq && (!f.key_signs || !f.key_thresholds || !f.key_centroids || (Fm::NSEG == 2 && !f.key_perm))) ||
-        (Fm::VK == VC::kTq && (!f.value_signs || !f.value_thresholds || !f.value_centroids || (Fm::NSEG == 2 && !f.value_perm))))
-      return cudaSuccess;
-    done = true;
-    return launch_store_fast<D, Fm>(p, stream);
-  };
-  if (f.key == KC::kBf16 && f.value == VC::kBf16 && ns == 1) {
-    if (!fast_layout_ok(p, 0, 0)) return cudaSuccess;
-    done = true;
-    return launch_store_bf16<D>(p, stream);
-  }
   if (f.key == KC::kFp8 && f.value == VC::kUniform && ns == 1 && vb0 == 4) return go(FastFmt<KC::kFp8, VC::kUniform, 1, 0, 0, 4, 4>{}, 0, 4);
   if (f.key == KC::kTq && f.value == VC::kUniform && ns == 1) {
     if (kb0 == 4 && vb0 == 4) return go(FastFmt<KC::kTq, VC::kUniform, 1, 4, 4, 4, 4>{}, 2, 4);
@@ -1472,6 +1597,54 @@ cudaError_t dispatch_fast(const StoreParams& p, cudaStream_t stream, bool& done)
   return cudaSuccess;
 }
 
+template <int D>
+cudaError_t dispatch_fast(const StoreParams& p, cudaStream_t stream, bool& done) {
+  const FormatDesc& f = p.fmt;
+  done = false;
+  if (f.key == KeyCode::kBf16 && f.value == ValueCode::kBf16 && f.segments == 1) {
+    if (!fast_layout_ok(p, 0, 0)) return cudaSuccess;
+    done = true;
+    return launch_store_bf16<D>(p, stream);
+  }
+  return visit_fast_format<D>(f, [&](auto fmt_tag, std::uint32_t kmb, std::uint32_t vmb) -> cudaError_t {
+    using Fm = decltype(fmt_tag);
+    if (!fast_layout_ok(p, kmb, vmb) || !fast_tables_ok<Fm>(f)) return cudaSuccess;
+    done = true;
+    return launch_store_fast<D, Fm>(p, stream);
+  });
+}
+
+// The setup image of f at head_dim D: its bytes where a fast kernel with a setup serves f (writing it to dst when
+// dst is not null), else 0.
+template <int D>
+cudaError_t image_of(const FormatDesc& f, void* dst, std::size_t& bytes, cudaStream_t stream) {
+  const std::size_t want = bytes;
+  bytes = 0;
+  return visit_fast_format<D>(f, [&](auto fmt_tag, std::uint32_t, std::uint32_t) -> cudaError_t {
+    using Fm = decltype(fmt_tag);
+    constexpr int VT = kPairedFast<D, Fm> ? 1 : 2;
+    if constexpr (!kTakesImage<D, Fm, VT>) {
+      return cudaSuccess;
+    } else {
+      if (!fast_tables_ok<Fm>(f)) return cudaSuccess;
+      bool use_masks = false, use_smean = false;
+      fast_mask_region<D, Fm>(f, use_masks, use_smean);
+      bytes = 16u * static_cast<std::size_t>(image_units<D, Fm, VT>(f.kv_heads, use_masks, use_smean));
+      if (!dst) return cudaSuccess;
+      return want == bytes ? launch_store_image<D, Fm>(f, dst, bytes, stream) : cudaErrorInvalidValue;
+    }
+  });
+}
+template <class Fn>
+cudaError_t by_head_dim(int d, Fn&& fn) {
+  switch (d) {
+    case 64: return fn(std::integral_constant<int, 64>{});
+    case 128: return fn(std::integral_constant<int, 128>{});
+    case 256: return fn(std::integral_constant<int, 256>{});
+    default: return cudaSuccess;
+  }
+}
+
 }  // namespace detail
 
 cudaError_t store(const StoreParams& p, cudaStream_t stream) {
@@ -1481,18 +1654,25 @@ cudaError_t store(const StoreParams& p, cudaStream_t stream) {
   if (p.n_tokens == 0) return cudaSuccess;
   if (!p.key || !p.value || !p.slot_mapping || !p.pool) return cudaErrorInvalidValue;
   bool done = false;
-  cudaError_t e = cudaSuccess;
-  switch (f.head_dim) {
-    case 64: e = detail::dispatch_fast<64>(p, stream, done); break;
-    case 128: e = detail::dispatch_fast<128>(p, stream, done); break;
-    case 256: e = detail::dispatch_fast<256>(p, stream, done); break;
-    default: break;
-  }
+  const cudaError_t e = detail::by_head_dim(f.head_dim, [&](auto d) { return detail::dispatch_fast<decltype(d)::value>(p, stream, done); });
   if (done || e != cudaSuccess) return e;
   const long warps = static_cast<long>(p.n_tokens) * f.kv_heads;
   const unsigned blocks = static_cast<unsigned>((warps + detail::kStoreWarps - 1) / detail::kStoreWarps);
   detail::store_generic_kernel<<<blocks, detail::kStoreWarps * 32, 0, stream>>>(p);
   return cudaGetLastError();
+}
+
+std::size_t store_image_bytes(const FormatDesc& f) {
+  std::size_t bytes = 0;
+  if (f.kv_heads <= 0) return 0;
+  const cudaError_t e = detail::by_head_dim(f.head_dim, [&](auto d) { return detail::image_of<decltype(d)::value>(f, nullptr, bytes, nullptr); });
+  return e == cudaSuccess ? bytes : 0;
+}
+
+cudaError_t build_store_image(const FormatDesc& f, void* dst, std::size_t bytes, cudaStream_t stream) {
+  if (!dst || bytes == 0 || bytes != store_image_bytes(f)) return cudaErrorInvalidValue;
+  std::size_t b = bytes;
+  return detail::by_head_dim(f.head_dim, [&](auto d) { return detail::image_of<decltype(d)::value>(f, dst, b, stream); });
 }
 
 }  // namespace kvq::cuda

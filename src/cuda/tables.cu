@@ -195,7 +195,10 @@ LayerTables::LayerTables(const FormatSpec& f, const CacheGeometry& g, int layer,
   put(vm.data(), hd * 4);
   put(kms.data(), hd * 4);
   put(vms.data(), hd * 4);
-  if (cudaMemcpy(dev_, host.data(), bytes, cudaMemcpyHostToDevice) != cudaSuccess) fail("LayerTables: cudaMemcpy failed");
+  if (cudaMemcpy(dev_, host.data(), bytes, cudaMemcpyHostToDevice) != cudaSuccess) {
+    cudaFree(dev_);
+    fail("LayerTables: cudaMemcpy failed");
+  }
   const auto* base = static_cast<const std::uint8_t*>(dev_);
   fd.key_signs = reinterpret_cast<const float*>(base);
   fd.value_signs = reinterpret_cast<const float*>(base + hd * 4);
@@ -213,9 +216,26 @@ LayerTables::LayerTables(const FormatSpec& f, const CacheGeometry& g, int layer,
     fd.key_mean_seg = fd.value_mean + hd;
     fd.value_mean_seg = fd.key_mean_seg + hd;
   }
+  // The store's setup image, built once on the device from these tables (FormatDesc::store_image).
+  if (const std::size_t ib = store_image_bytes(fd); ib > 0) {
+    if (cudaMalloc(&image_, ib) != cudaSuccess) {
+      cudaFree(dev_);
+      fail("LayerTables: cudaMalloc of the store image (" + std::to_string(ib) + " bytes) failed");
+    }
+    cudaError_t e = build_store_image(fd, image_, ib, nullptr);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(nullptr);
+    if (e != cudaSuccess) {
+      cudaFree(image_);
+      cudaFree(dev_);
+      fail(std::string("LayerTables: building the store image failed: ") + cudaGetErrorString(e));
+    }
+    fd.store_image = image_;
+    fd.store_image_bytes = static_cast<std::uint32_t>(ib);
+  }
 }
 
 LayerTables::~LayerTables() {
+  if (image_) cudaFree(image_);
   if (dev_) cudaFree(dev_);
 }
 

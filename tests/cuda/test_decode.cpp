@@ -580,8 +580,8 @@ double run_case(const Case& c) {
       pp.pool = dpool2;
       pp.protect_rows = pr.enabled() ? dprot2 : nullptr;
       CapturedCall call([&](cudaStream_t cs) {
-        const cudaError_t e = cuda::store(sp, cs);
-        return e != cudaSuccess ? e : cuda::decode(pp, cs);
+        const cudaError_t es = cuda::store(sp, cs);
+        return es != cudaSuccess ? es : cuda::decode(pp, cs);
       });
       check(call.launched() == cudaSuccess, name + ": the decode step under graph capture");
       for (int r = 0; r < 2; ++r) {
@@ -839,6 +839,42 @@ void test_store_edges(const std::string& fmt, int D, int H, int n_tok, unsigned 
   if (poison) {
     const std::vector<std::uint16_t> gprot = download(dprot, cprot.size());
     check(gprot == cprot, name + ": protection rows (refused records untouched)");
+  }
+  // The fast kernels copy their setup from the layer's image (FormatDesc::store_image); the same store building it
+  // in the kernel must write the same bytes. The image exists wherever a fast kernel with a setup serves the format.
+  // (Not for formats without a TurboQuant side, nor for the head_dim-64 paired kernel of tq-4bit / tq-3bit.)
+  const cuda::FormatDesc& fd = sp.fmt;
+  const bool tq_side = fd.key == cuda::KeyCode::kTq || fd.value == cuda::ValueCode::kTq;
+  const bool paired = fd.key == cuda::KeyCode::kTq && fd.value == cuda::ValueCode::kTq && fd.segments == 1 &&
+                      fd.key_bits[0] == fd.value_bits[0];
+  const bool want_image = (D == 128 || D == 256 || (D == 64 && !paired)) && tq_side;
+  check(want_image == (fd.store_image != nullptr), name + (want_image ? ": the layer has no store image" : ": an unexpected store image"));
+  check(!fd.store_image || fd.store_image_bytes == cuda::store_image_bytes(fd), name + ": the store image's size");
+  if (sp.fmt.store_image) {
+    cuda::StoreParams sb = sp;
+    sb.fmt.store_image = nullptr;
+    KVQ_CUDA_OK(cudaMemset(dpool, 0xff, pool.size()));
+    KVQ_CUDA_OK(cudaMemset(dprot, 0xff, cprot.size() * sizeof(std::uint16_t)));
+    KVQ_CUDA_OK(cudaMemset(drej, 0, 4));
+    check(cuda::store(sb) == cudaSuccess, name + ": store launch without the image");
+    KVQ_CUDA_OK(cudaDeviceSynchronize());
+    check(download(dpool, pool.size()) == pool2, name + ": the store without its image writes other bytes");
+    if (poison) check(download(dprot, cprot.size()) == cprot, name + ": protection rows without the image");
+    std::uint32_t rej2 = 0;
+    KVQ_CUDA_OK(cudaMemcpy(&rej2, drej, 4, cudaMemcpyDeviceToHost));
+    check(rej2 == got_rejected, name + ": refused records without the image");
+    // A size other than the format's is refused and writes nothing.
+    const std::size_t ib = cuda::store_image_bytes(sp.fmt);
+    std::uint8_t* img = nullptr;
+    KVQ_CUDA_OK(cudaMalloc(&img, ib + 16));
+    check(cuda::build_store_image(sp.fmt, img, ib + 16) == cudaErrorInvalidValue, name + ": an image of a wrong size built");
+    check(cuda::build_store_image(sp.fmt, img + 8, ib) == cudaErrorInvalidValue, name + ": a misaligned image built");
+    // A rebuilt image is the layer's, byte for byte (the setup is a function of the tables).
+    check(cuda::build_store_image(sp.fmt, img, ib) == cudaSuccess, name + ": image build");
+    KVQ_CUDA_OK(cudaDeviceSynchronize());
+    check(download(img, ib) == download(static_cast<const std::uint8_t*>(sp.fmt.store_image), ib),
+          name + ": a rebuilt store image differs from the layer's");
+    cudaFree(img);
   }
   cudaFree(drej);
   cudaFree(dprot);
