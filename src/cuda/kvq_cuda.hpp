@@ -71,14 +71,15 @@ struct FormatDesc {
   const float* value_mean_seg = nullptr;
   // The fast store kernels' shared-memory setup (their bin tables, sign masks, channel offsets and means), built
   // once from the tables above by build_store_image, so that every store copies it (one round trip) instead of
-  // computing it (2.7-3.9 us of a small store on the H200). nullptr, or a size that does not match
-  // store_image_bytes: each store builds it. Rebuild it whenever the tables above change. LayerTables makes it.
+  // computing it (2.2-3.9 us of a small store on the H200). nullptr, or a size that does not match
+  // store_image_bytes: each store builds it. Rebuild it whenever the tables above change. LayerTables makes it
+  // (formats with a TurboQuant side; not tq-4bit / tq-3bit at head_dim 64, whose paired kernels build their own).
   const void* store_image = nullptr;
   std::uint32_t store_image_bytes = 0;
 };
 
-// The size of f's store setup image (FormatDesc::store_image) in bytes; 0 where no fast store kernel with a setup
-// serves f (bf16, the generic kernel's formats, missing tables).
+// The size of f's store setup image (FormatDesc::store_image) in bytes; 0 where no fast store kernel that takes one
+// serves f (bf16, tq-k8v4, the generic kernel's formats, tq-4bit / tq-3bit at head_dim 64, missing tables).
 std::size_t store_image_bytes(const FormatDesc& f);
 // Writes f's store setup image to dst (device memory, 16-byte aligned, `bytes` = store_image_bytes(f)) on stream;
 // cudaErrorInvalidValue for a wrong size or a null or misaligned dst.

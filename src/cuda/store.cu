@@ -761,7 +761,8 @@ __host__ __device__ constexpr int image_units(int H, bool use_masks, bool use_sm
   return kImageTableUnits + kPairEntriesOf<F, VT> / 2 + static_cast<int>(mask_region_bytes<D, F::NSEG>(H, use_masks, use_smean) / 16);
 }
 
-// fast_setup's copy of the image (its own function: inlined, it made ptxas spill in the head_dim-64 paired kernels).
+// fast_setup's copy of the image, out of line (inlined or not, it made ptxas spill in the head_dim-64 paired kernels,
+// which therefore do not take the image: kTakesImage).
 template <int D, class F, int VT>
 __device__ __noinline__ void copy_image(StoreTables& T, uint2* BP, uint4* dsm, int H, bool use_masks, bool use_smean,
                                         const uint4* image) {
@@ -794,7 +795,7 @@ __device__ __noinline__ void copy_image(StoreTables& T, uint2* BP, uint4* dsm, i
 // means in shared memory, nullptr where there are none. search: every table's `ok` cleared, so that the kernel
 // bucketizes by the binary search (store_search_forced). image (FormatDesc::store_image, made by
 // store_image_kernel from this function's result; nullptr: build): all of it copied by cp.async in one round
-// trip, the pair bases rebased on this kernel's BP table (a small store's setup took 2.7-3.9 us to build, mostly
+// trip, the pair bases rebased on this kernel's BP table (a small store's setup took 2.2-3.9 us to build, mostly
 // dependent global loads and the tables' searches for a bin count).
 template <int D, class F, class S, int VT = 2>
 __device__ __forceinline__ void fast_setup(StoreTables& T, uint2* BP, uint4* dsm, const StoreParams& p, bool use_masks,
