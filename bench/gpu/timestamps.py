@@ -90,8 +90,8 @@ _EDITS = [
      "    if (pb && tt == 0) { pb[PSLOT(3)] = tbar_; pb[PSLOT(4)] = tmw_; pb[PSLOT(5)] = tfin_; }\n"
      "  }\n"
      "}"),
-    ("  const dim3 grid(static_cast<unsigned>(NS), static_cast<unsigned>(grid_rows(p)), static_cast<unsigned>(p.batch));\n",
-     "  const dim3 grid(static_cast<unsigned>(NS), static_cast<unsigned>(grid_rows(p)), static_cast<unsigned>(p.batch));\n"
+    ("  const dim3 grid(static_cast<unsigned>(NS), static_cast<unsigned>(grid_rows(p, a)), static_cast<unsigned>(p.batch));\n",
+     "  const dim3 grid(static_cast<unsigned>(NS), static_cast<unsigned>(grid_rows(p, a)), static_cast<unsigned>(p.batch));\n"
      "  if (grid.x * grid.y * grid.z > 8192) return cudaErrorInvalidValue;  // the probe buffer's CTAs\n"
      "  if (!probe_buf) {\n"
      "    cudaMalloc(&probe_buf, 8192 * 48 * 8);\n"

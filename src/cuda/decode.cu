@@ -116,7 +116,12 @@ cudaError_t decode(const DecodeParams& p, cudaStream_t stream) {
   // (decode.cuh).
   const int G = p.q_heads / f.kv_heads;
   if (G < 1 || f.page.tokens != 64) return cudaErrorInvalidValue;
-  if (detail::grid_rows(p) > 65535) return cudaErrorInvalidValue;  // the grid's y extent
+  detail::SplitArgs a;
+  a.head_sub = detail::head_sub(G, detail::cta_limit(p));
+  a.group = G;
+  a.heads = G / a.head_sub;
+  a.sub_magic = a.head_sub > 1 ? detail::sub_magic(a.head_sub) : 0u;
+  if (detail::grid_rows(p, a) > 65535) return cudaErrorInvalidValue;  // the grid's y extent
   if (!p.pool || !p.block_tables || !p.seq_lens || !p.q || !p.out) return cudaErrorInvalidValue;
   if (p.protect.enabled() && (!p.protect_rows || p.protect.kv_heads != f.kv_heads || p.protect.head_dim != f.head_dim))
     return cudaErrorInvalidValue;
@@ -127,7 +132,6 @@ cudaError_t decode(const DecodeParams& p, cudaStream_t stream) {
   if (reinterpret_cast<std::uintptr_t>(p.workspace) % 16 != 0) return cudaErrorInvalidValue;
   const int NS = ns + (p.protect.enabled() ? 1 : 0);
   const std::size_t rows = static_cast<std::size_t>(p.batch) * static_cast<std::size_t>(p.q_heads);
-  detail::SplitArgs a;
   a.nsplit = ns;
   const int chunks = std::max(1, (p.max_seq_len + detail::kChunk - 1) / detail::kChunk);
   a.cps = (chunks + ns - 1) / ns;
@@ -135,10 +139,6 @@ cudaError_t decode(const DecodeParams& p, cudaStream_t stream) {
   a.part_o = reinterpret_cast<float*>(static_cast<std::uint8_t*>(p.workspace) + counter_bytes(p));
   a.part_lse = a.part_o + rows * static_cast<std::size_t>(NS) * static_cast<std::size_t>(f.head_dim);
   a.epoch = next_epoch();
-  a.head_sub = detail::head_sub(G, detail::cta_limit(p));
-  a.group = G;
-  a.heads = G / a.head_sub;
-  a.sub_magic = a.head_sub > 1 ? detail::sub_magic(a.head_sub) : 0u;
   cudaError_t e = cudaErrorInvalidValue;
   switch (f.head_dim) {
     case 64: e = detail::launch_decode_d64(p, a, stream); break;

@@ -82,6 +82,10 @@ inline int cta_heads(const DecodeParams& p) {
 }
 inline int grid_rows(const DecodeParams& p) { return p.fmt.kv_heads * head_sub(std::max(1, group_size(p)), cta_limit(p)); }
 
+// A launch's grid rows, from the SplitArgs whose head_sub the kernels' cta_row below decodes: decode.cu fills
+// head_sub once (grid_rows(p) / kv_heads) and checks the grid's y extent on these rows; the launchers use them.
+inline int grid_rows(const DecodeParams& p, const SplitArgs& a) { return p.fmt.kv_heads * a.head_sub; }
+
 // The CTA of grid row y of sequence b (S = SplitArgs::head_sub): its KV head, its query heads (G of them) and the
 // first one's row in q / out.
 struct CtaRow {

@@ -48,12 +48,12 @@ bool fast16_serves(const DecodeParams& p) {
   if (format_is(p.fmt, KC, KB, KB1, VC, VB, VB1)) {                                 \
     if (FCfg<KC, KB, VC, VB, KB1, VB1>::kValWin && !p.fmt.shared_codebook)           \
       return cudaErrorNotSupported;                                                 \
-    if (cta_heads(p) > 8) {                                                         \
+    if (heads > 8) {                                                                \
       if (warps) *warps = FCfg<KC, KB, VC, VB, KB1, VB1, 16>::WARPS;                \
       if (!launch) return cudaSuccess;                                              \
       return launch_decode_fast<FCfg<KC, KB, VC, VB, KB1, VB1, 16>>(p, a, st);      \
     }                                                                               \
-    if (cta_heads(p) > 4) {                                                         \
+    if (heads > 4) {                                                                \
       if (warps) *warps = FCfg<KC, KB, VC, VB, KB1, VB1, 8>::WARPS;                 \
       if (!launch) return cudaSuccess;                                              \
       return launch_decode_fast<FCfg<KC, KB, VC, VB, KB1, VB1, 8>>(p, a, st);       \
@@ -67,6 +67,7 @@ bool fast16_serves(const DecodeParams& p) {
 // its warps per CTA); cudaErrorNotSupported when it does not apply.
 cudaError_t decode_fast_d128(const DecodeParams& p, bool launch, int* warps, const SplitArgs& a, cudaStream_t st) {
   if (!fast_applies(p)) return cudaErrorNotSupported;
+  const int heads = launch ? a.heads : cta_heads(p);  // a launch's CTAs hold a.heads (decode.cu: G / head_sub)
   KVQ_FAST_FORMATS(KVQ_FAST_CASE)
   return cudaErrorNotSupported;
 }
@@ -75,19 +76,21 @@ cudaError_t decode_fast_d128(const DecodeParams& p, bool launch, int* warps, con
 template <class C>
 bool fast_cluster_for(const DecodeParams& p, int ns) {
   const int smem = fast_smem<C>(p);
-  return smem > 0 && smem_limit_once<decode_fast_kernel<C>>(smem) == cudaSuccess && fast_cluster_applies<C>(p, ns, smem);
+  return smem > 0 && smem_limit_once<decode_fast_kernel<C>>(smem) == cudaSuccess &&
+         fast_cluster_applies<C>(p, ns, grid_rows(p), smem);
 }
 #define KVQ_FAST_CLUSTER_CASE(KC, KB, VC, VB, KB1, VB1)                                  \
   if (format_is(p.fmt, KC, KB, KB1, VC, VB, VB1)) {                                      \
     if (FCfg<KC, KB, VC, VB, KB1, VB1>::kValWin && !p.fmt.shared_codebook) return false; \
-    if (cta_heads(p) > 8) return fast_cluster_for<FCfg<KC, KB, VC, VB, KB1, VB1, 16>>(p, ns); \
-    if (cta_heads(p) > 4) return fast_cluster_for<FCfg<KC, KB, VC, VB, KB1, VB1, 8>>(p, ns); \
+    if (heads > 8) return fast_cluster_for<FCfg<KC, KB, VC, VB, KB1, VB1, 16>>(p, ns);        \
+    if (heads > 4) return fast_cluster_for<FCfg<KC, KB, VC, VB, KB1, VB1, 8>>(p, ns);         \
     return fast_cluster_for<FCfg<KC, KB, VC, VB, KB1, VB1>>(p, ns);                      \
   }
 
 // Whether the fast kernel's launch with ns CTAs per group would merge in clusters.
 bool decode_fast_cluster_d128(const DecodeParams& p, int ns) {
   if (!fast_applies(p)) return false;
+  const int heads = cta_heads(p);
   KVQ_FAST_FORMATS(KVQ_FAST_CLUSTER_CASE)
   return false;
 }

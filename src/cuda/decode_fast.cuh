@@ -1494,16 +1494,16 @@ int fast_smem(const DecodeParams& p) {
   return smem > kSmemBudget + 2 * 1024 ? 0 : smem;
 }
 
-// Whether a launch with NS CTAs per group merges in clusters: asked for (cluster_merge), NS <= 8 (the
-// portable cluster size), and the device holds the launch's clusters in no more waves than its CTAs
+// Whether a launch with NS CTAs per group and `rows` grid rows merges in clusters: asked for (cluster_merge), NS <= 8
+// (the portable cluster size), and the device holds the launch's clusters in no more waves than its CTAs
 // without clusters (one CTA per SM); clusters of NS CTAs must fit in one GPC, so a size that leaves
 // SMs idle would cost a wave. The caller has raised the kernel's shared-memory limit to smem.
 template <class C>
-bool fast_cluster_applies(const DecodeParams& p, int NS, int smem) {
+bool fast_cluster_applies(const DecodeParams& p, int NS, int rows, int smem) {
   if (!p.cluster_merge || NS < 1 || NS > C::kClMax || smem <= 0) return false;
   const int per = max_active_clusters_once<decode_fast_kernel<C>>(NS, C::THREADS, smem);
   if (per <= 0) return false;
-  const long groups = static_cast<long>(p.batch) * grid_rows(p);
+  const long groups = static_cast<long>(p.batch) * rows;
   const int sms = p.sm_count > 0 ? p.sm_count : device_sms();
   const long waves_cluster = (groups + per - 1) / per;
   const long waves_plain = (groups * NS + sms - 1) / sms;
@@ -1517,9 +1517,9 @@ cudaError_t launch_decode_fast(const DecodeParams& p, const SplitArgs& a, cudaSt
   cudaError_t e = smem_limit_once<decode_fast_kernel<C>>(smem);
   if (e != cudaSuccess) return e;
   const int NS = a.nsplit + (p.protect.enabled() ? 1 : 0);
-  const dim3 grid(static_cast<unsigned>(NS), static_cast<unsigned>(grid_rows(p)), static_cast<unsigned>(p.batch));
+  const dim3 grid(static_cast<unsigned>(NS), static_cast<unsigned>(grid_rows(p, a)), static_cast<unsigned>(p.batch));
   cudaLaunchAttribute at[2];
-  if (fast_cluster_applies<C>(p, NS, smem)) {
+  if (fast_cluster_applies<C>(p, NS, static_cast<int>(grid.y), smem)) {
     SplitArgs ac = a;
     ac.cluster = 1;
     const cudaLaunchConfig_t cfg = launch_config(grid, C::THREADS, smem, st, NS, p.programmatic, at);
