@@ -73,9 +73,9 @@ _EDITS = [
      "  }\n"
      "  unsigned tfirst_ = 0;\n"
      "  for (int i = 0; i < nloc; ++i) {\n"),
-    ("    cp_async_wait<kSplitGroups ? 2 * C::NST - 3 : C::NST - 2>();\n    __syncwarp();\n",
-     "    cp_async_wait<kSplitGroups ? 2 * C::NST - 3 : C::NST - 2>();\n    __syncwarp();\n    if (i == 0) tfirst_ = gt32_();\n"),
-    ("  cp_async_wait<0>();\n\n  // ---- merge", "  cp_async_wait<0>();\n  const unsigned tend_ = gt32_();\n\n  // ---- merge"),
+    ("    __syncwarp();\n    issue_or_skip(i + C::NST - 1 < nloc, slot_wr, page_next);",
+     "    __syncwarp();\n    if (i == 0) tfirst_ = gt32_();\n    issue_or_skip(i + C::NST - 1 < nloc, slot_wr, page_next);"),
+    ("\n\n  // ---- merge: rounded", "\n  const unsigned tend_ = gt32_();\n\n  // ---- merge: rounded"),
     ("  float* const red = reinterpret_cast<float*>(smem_raw + C::red_off(lut_pad));",
      "  const unsigned tbar_ = gt32_();\n  float* const red = reinterpret_cast<float*>(smem_raw + C::red_off(lut_pad));"),
     ("  sum_warps<C>(red, zc_s, po, pst, G);\n  finish();\n}",
