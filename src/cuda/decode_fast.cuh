@@ -42,6 +42,9 @@
 
 namespace kvq::cuda::detail {
 
+#ifndef KVQ_FAST_BULK
+#define KVQ_FAST_BULK 1  // chunks by bulk copies (one lane, an mbarrier per stage); 0: cp.async by every lane
+#endif
 #ifndef KVQ_FAST_MAX_STAGES
 #define KVQ_FAST_MAX_STAGES 3  // cp.async stages per warp where 16 warps fit (2 otherwise; -D...=2 for A/B builds)
 #endif
@@ -582,10 +585,46 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   // section 8).
   constexpr int nk = kChunk * C::KCB / 16, nv = kChunk * C::VCB / 16, nm = kChunk * C::MB / 16;
   constexpr bool kSplitGroups = C::kValWin || NSEG == 2;
+  // kBulk: lane 0 copies a chunk's three regions with bulk copies (cp.async.bulk) that complete on the stage's
+  // mbarriers, kept in the stage's last 16 bytes (past the regions): the first for the key codes and metadata (and
+  // the value codes unless kSplitGroups), the second for the value codes (kSplitGroups). The other 31 lanes issue no
+  // copy and compute no address. Same-call A/B against cp.async by every lane (bench/results/decode-gqa-bulk-2026-12-03.md):
+  // 1.02-1.04x for tq-k8v4, tq-4bit-nc, tq-k3v4-nc, tq-3bit-nc and tq-3.5bit at batch 8. Not for tq-3bit (kValWin:
+  // 0.984-0.993x), tq-2.5bit (ptxas then spills 8 / 12 bytes), or kSwzV (tq-4bit: its copies permute the sources).
+  constexpr bool kBulk = KVQ_FAST_BULK != 0 && !C::kSwzV && !C::kValWin && !(NSEG == 2 && C::kb(1) == 2);
+  static_assert(!kBulk || 16 * (nk + nv + nm) + 16 <= C::STAGE_BYTES, "fast decode: the stage's mbarriers");
+  const std::uint32_t stages_s = smem_u32(my_stages);
+  auto mbar_of = [&](int slot_i) {
+    return stages_s + static_cast<std::uint32_t>(slot_i * C::STAGE_BYTES + C::STAGE_BYTES - 16);
+  };
+  if constexpr (kBulk) {
+    if (lane == 0) {
+#pragma unroll
+      for (int s = 0; s < C::NST; ++s) {
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(mbar_of(s)) : "memory");
+        if constexpr (kSplitGroups) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(mbar_of(s) + 8) : "memory");
+      }
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncwarp();
+  }
   auto issue = [&](int slot_i, int page) {
     const std::uint64_t pgo = static_cast<std::uint64_t>(static_cast<std::uint32_t>(page)) * page_bytes32;
     std::uint8_t* dst = my_stages + slot_i * C::STAGE_BYTES;
-    if constexpr (nk % 32 == 0 && nv % 32 == 0) {
+    if constexpr (kBulk) {
+      if (lane == 0) {
+        const std::uint32_t d = stages_s + static_cast<std::uint32_t>(slot_i * C::STAGE_BYTES), mb = mbar_of(slot_i);
+        // The warp's generic reads of this stage (ordered by the __syncwarp before the issue) before the async writes.
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        const std::uint32_t tx0 = 16 * (kSplitGroups ? nk + nm : nk + nv + nm);
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(mb), "r"(tx0) : "memory");
+        bulk_copy(d, pool_k + pgo, 16 * nk, mb);
+        bulk_copy(d + 16 * (nk + nv), pool_m + pgo, 16 * nm, mb);
+        if constexpr (kSplitGroups)
+          asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(mb + 8), "r"(16 * nv) : "memory");
+        bulk_copy(d + 16 * nk, pool_v + pgo, 16 * nv, kSplitGroups ? mb + 8 : mb);
+      }
+    } else if constexpr (nk % 32 == 0 && nv % 32 == 0) {
       static_assert(nm <= 32, "chunk regions");
       const std::uint8_t* srck = pool_k + 16 * lane + pgo;
       const std::uint8_t* srcv = pool_v + 16 * vlane + pgo;
@@ -628,9 +667,12 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   // the waits below count groups alike in every iteration.
   auto issue_or_skip = [&](bool go, int slot_i, int page) {
     if (go) issue(slot_i, page);
-    else if constexpr (kSplitGroups) cp_async_commit();
-    cp_async_commit();
+    if constexpr (!kBulk) {
+      if (!go && kSplitGroups) cp_async_commit();
+      cp_async_commit();
+    }
   };
+  std::uint32_t phase = 0;  // kBulk: bit s = the parity of stage s's next completion
 #pragma unroll
   for (int s = 0; s + 1 < C::NST; ++s) issue_or_skip(s < nloc, s, page_first(s));
   int page_next = page_first(C::NST - 1);
@@ -792,7 +834,9 @@ __global__ void __launch_bounds__(C::THREADS, 1)
 #pragma unroll C::UNROLL
   for (int i = 0; i < nloc; ++i) {
     // chunk i's keys and metadata have landed (kSplitGroups: its values may still be in flight)
-    cp_async_wait<kSplitGroups ? 2 * C::NST - 3 : C::NST - 2>();
+    const int slot_i = slot_rd;
+    if constexpr (kBulk) mbar_wait_parity(mbar_of(slot_i), (phase >> slot_i) & 1u);
+    else cp_async_wait<kSplitGroups ? 2 * C::NST - 3 : C::NST - 2>();
     __syncwarp();
     issue_or_skip(i + C::NST - 1 < nloc, slot_wr, page_next);  // into the slot read last iteration
     page_next = page_of(i + C::NST);  // used next iteration: the load's latency is hidden
@@ -1144,7 +1188,11 @@ __global__ void __launch_bounds__(C::THREADS, 1)
             (e & 1 ? scr16_st1 : scr16_st0)[256 * s + 128 * kk + 64 * (e >> 1)] =
                 pack2<false>(pv16[s][e][2 * kk], pv16[s][e][2 * kk + 1]);
     }
-    if constexpr (kSplitGroups) cp_async_wait<2 * C::NST - 2>();  // chunk i's values have landed (the syncwarp below)
+    if constexpr (kSplitGroups) {  // chunk i's values have landed (the syncwarp below)
+      if constexpr (kBulk) mbar_wait_parity(mbar_of(slot_i) + 8, (phase >> slot_i) & 1u);
+      else cp_async_wait<2 * C::NST - 2>();
+    }
+    if constexpr (kBulk) phase ^= 1u << slot_i;
     __syncwarp();
     uint2 bk[NSEG][2];  // [segment][k-block]
     uint2 bk1[NSEG][2];  // sixteen heads: n-tile 1 (heads 8-15); bk is n-tile 0
@@ -1320,7 +1368,19 @@ __global__ void __launch_bounds__(C::THREADS, 1)
       }
     }
   }
-  cp_async_wait<0>();
+  if constexpr (kBulk) {
+    // Every copy issued was waited for in the loop; the stages' mbarriers end before the merge reuses the memory.
+    __syncwarp();
+    if (lane == 0) {
+#pragma unroll
+      for (int s = 0; s < C::NST; ++s) {
+        asm volatile("mbarrier.inval.shared::cta.b64 [%0];" ::"r"(mbar_of(s)) : "memory");
+        if constexpr (kSplitGroups) asm volatile("mbarrier.inval.shared::cta.b64 [%0];" ::"r"(mbar_of(s) + 8) : "memory");
+      }
+    }
+  } else {
+    cp_async_wait<0>();
+  }
 
   // ---- merge: rounded + residual columns, the lanes of a head, then the warps through shared memory ----
 #pragma unroll

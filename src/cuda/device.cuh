@@ -195,6 +195,23 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// Waits for the completion of the given parity of the mbarrier at shared address bar. The copies that complete
+// on it carry a fixed byte count, and a bad address faults the launch instead of leaving the barrier open. (A poll
+// counter with a trap made the store kernels spill 8-24 bytes.)
+__device__ __forceinline__ void mbar_wait_parity(std::uint32_t bar, std::uint32_t parity) {
+  asm volatile(
+      "{\n .reg .pred p;\n W:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra W;\n}" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+// Bulk copy of `bytes` (a multiple of 16; both addresses 16-byte aligned) from global memory into this CTA's shared
+// memory at shared address dst, completing that many bytes on the mbarrier at shared address bar.
+__device__ __forceinline__ void bulk_copy(std::uint32_t dst, const void* src, std::uint32_t bytes, std::uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+
 // cp.async of 16 bytes, zero-filled when !valid (nothing read); shared address as a 32-bit offset or
 // a generic pointer.
 __device__ __forceinline__ void cp_async16_zfill(std::uint32_t saddr, const void* gmem, bool valid) {

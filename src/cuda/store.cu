@@ -644,15 +644,6 @@ __device__ __forceinline__ void tma_rows(std::uint32_t dst, const CUtensorMap* m
       ::"r"(dst), "l"(reinterpret_cast<std::uint64_t>(map)), "r"(0), "r"(0), "r"(head), "r"(t0), "r"(bar)
       : "memory");
 }
-// Waits for the completion of the given parity of the mbarrier at shared address bar. The copies carry a
-// fixed byte count (the whole box, rows past n included), and a bad address faults the launch instead
-// of leaving the barrier open. (A poll counter with a trap made the kernels spill 8-24 bytes.)
-__device__ __forceinline__ void mbar_wait_parity(std::uint32_t bar, std::uint32_t parity) {
-  asm volatile(
-      "{\n .reg .pred p;\n W:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra W;\n}" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
 
 // The fast kernels' item loop: the grid-stride walk over work items (block tb of V tokens, KV head), warp w of
 // CTA b starting at item b kFastWarps + w, (tb, head) carried incrementally; each item's rows are copied into the
