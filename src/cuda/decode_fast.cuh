@@ -408,9 +408,9 @@ __device__ __forceinline__ void finish_cluster(const DecodeParams& p, const Spli
   if (tid == 0) {
     int owned = 0;  // rows this CTA merges: NS partial rows and log2-sum-exps each
     for (int h = rank; h < G; h += NS) ++owned;
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(owned * NS * (D + 1) * 4) : "memory");
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    mbar_init<1>(bar);
+    mbar_arrive_expect_tx(bar, owned * NS * (D + 1) * 4);
+    mbar_init_fence();
   }
   __syncthreads();  // the partial is complete (every exit path wrote it with all threads), the barrier initialized
   __cluster_barrier_arrive_relaxed();
@@ -601,10 +601,10 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     if (lane == 0) {
 #pragma unroll
       for (int s = 0; s < C::NST; ++s) {
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(mbar_of(s)) : "memory");
-        if constexpr (kSplitGroups) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(mbar_of(s) + 8) : "memory");
+        mbar_init<1>(mbar_of(s));
+        if constexpr (kSplitGroups) mbar_init<1>(mbar_of(s) + 8);
       }
-      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+      mbar_init_fence();
     }
     __syncwarp();
   }
@@ -615,13 +615,12 @@ __global__ void __launch_bounds__(C::THREADS, 1)
       if (lane == 0) {
         const std::uint32_t d = stages_s + static_cast<std::uint32_t>(slot_i * C::STAGE_BYTES), mb = mbar_of(slot_i);
         // The warp's generic reads of this stage (ordered by the __syncwarp before the issue) before the async writes.
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        const std::uint32_t tx0 = 16 * (kSplitGroups ? nk + nm : nk + nv + nm);
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(mb), "r"(tx0) : "memory");
+        async_proxy_fence();
+        mbar_arrive_expect_tx(mb, 16 * (kSplitGroups ? nk + nm : nk + nv + nm));
         bulk_copy(d, pool_k + pgo, 16 * nk, mb);
         bulk_copy(d + 16 * (nk + nv), pool_m + pgo, 16 * nm, mb);
         if constexpr (kSplitGroups)
-          asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(mb + 8), "r"(16 * nv) : "memory");
+          mbar_arrive_expect_tx(mb + 8, 16 * nv);
         bulk_copy(d + 16 * nk, pool_v + pgo, 16 * nv, kSplitGroups ? mb + 8 : mb);
       }
     } else if constexpr (nk % 32 == 0 && nv % 32 == 0) {
@@ -1374,8 +1373,8 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     if (lane == 0) {
 #pragma unroll
       for (int s = 0; s < C::NST; ++s) {
-        asm volatile("mbarrier.inval.shared::cta.b64 [%0];" ::"r"(mbar_of(s)) : "memory");
-        if constexpr (kSplitGroups) asm volatile("mbarrier.inval.shared::cta.b64 [%0];" ::"r"(mbar_of(s) + 8) : "memory");
+        mbar_inval(mbar_of(s));
+        if constexpr (kSplitGroups) mbar_inval(mbar_of(s) + 8);
       }
     }
   } else {

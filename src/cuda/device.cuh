@@ -204,6 +204,21 @@ __device__ __forceinline__ void mbar_wait_parity(std::uint32_t bar, std::uint32_
       "r"(parity)
       : "memory");
 }
+// mbarrier operations on shared addresses: init with an arrival count (kCount), the fence that makes inits visible to the
+// async proxy (and the cluster), one arrival announcing `bytes` of transactions, invalidation before the memory is
+// reused; and the fence that orders this thread's generic shared-memory accesses before later async-proxy writes.
+template <int kCount>
+__device__ __forceinline__ void mbar_init(std::uint32_t bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "n"(kCount) : "memory");
+}
+__device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+__device__ __forceinline__ void mbar_arrive_expect_tx(std::uint32_t bar, std::uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_inval(std::uint32_t bar) {
+  asm volatile("mbarrier.inval.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void async_proxy_fence() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 // Bulk copy of `bytes` (a multiple of 16; both addresses 16-byte aligned) from global memory into this CTA's shared
 // memory at shared address dst, completing that many bytes on the mbarrier at shared address bar.
 __device__ __forceinline__ void bulk_copy(std::uint32_t dst, const void* src, std::uint32_t bytes, std::uint32_t bar) {

@@ -84,7 +84,6 @@ __device__ __forceinline__ void wait_n(int n) {
     default: wait<7>(); break;
   }
 }
-__device__ __forceinline__ void proxy_fence() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 // Keeps the compiler from moving accesses of accumulator registers across a wait.
 __device__ __forceinline__ void pin(float (&d)[8]) {
 #pragma unroll
@@ -231,7 +230,7 @@ __global__ void __launch_bounds__(128, 2) mla_decode_wg_kernel(const __grid_cons
   // PV (MN-major: token blocks along K), P (B of PV); per k-step only the start address moves.
   const std::uint64_t qdesc = desc(sQ, 256, 128), vdesc = desc(sV, kVCB, 128), vtdesc = desc(sV, 128, kVCB),
                       pdesc = desc(sP, 256, 128);
-  proxy_fence();
+  detail::async_proxy_fence();
   __syncthreads();
 
   // Scores of tile vt (steps 1-3): S^T in s (accumulator registers, written by the wgmmas only:
@@ -293,7 +292,7 @@ __global__ void __launch_bounds__(128, 2) mla_decode_wg_kernel(const __grid_cons
         mcur[k][1] = mnx[k][1];
       }
     }
-    proxy_fence();
+    detail::async_proxy_fence();
     __syncthreads();  // the content tile is complete
     // S^T = K Q^T: the content k-steps from the V tile (A K-major in shared memory) into four
     // accumulators in turn (four independent chains), the RoPE k-steps from the fragments.
@@ -369,7 +368,7 @@ __global__ void __launch_bounds__(128, 2) mla_decode_wg_kernel(const __grid_cons
       const int tok = 16 * w + g + 8 * ((i >> 1) & 1), h = 2 * t + 8 * (i >> 2);
       *reinterpret_cast<std::uint32_t*>(smem_raw + kVBytes + kQBytes + p_off(h, tok)) = detail::pack2<false>(p0, p1);
     }
-    proxy_fence();
+    detail::async_proxy_fence();
     __syncthreads();  // the V tile and P are complete
   };
   // O^T += V^T P^T (step 4), one commit group per m-tile (the next tile's scores wait on them one by one).

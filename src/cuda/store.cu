@@ -681,8 +681,8 @@ __device__ __forceinline__ void for_each_item(const StoreParams& p, int H, int w
       if (lane == 0) {
         const std::uint32_t bar = bar0 + 8u * static_cast<std::uint32_t>(st);
         // The warp's generic reads of this stage (ordered by the __syncwarp after them) before the async writes.
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(kStageBytes) : "memory");
+        async_proxy_fence();
+        mbar_arrive_expect_tx(bar, kStageBytes);
         tma_rows(dst, &maps->key, bar, h_, tb_ * V);
         tma_rows(dst + kSideBytes, &maps->value, bar, h_, tb_ * V);
       }
@@ -1213,9 +1213,9 @@ __global__ void __launch_bounds__(kFastThreads, 2) store_pair_kernel(const Store
     dsm += ((kTmaAlign - (a & (kTmaAlign - 1))) & (kTmaAlign - 1)) / 16;
     if ((threadIdx.x & 31) == 0) {
       const std::uint32_t b = static_cast<std::uint32_t>(__cvta_generic_to_shared(tbar + 2 * (threadIdx.x >> 5)));
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(b) : "memory");
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(b + 8) : "memory");
-      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+      mbar_init<1>(b);
+      mbar_init<1>(b + 8);
+      mbar_init_fence();
     }
   }
   using S = Stage2<D>;
