@@ -20,7 +20,7 @@
 //    3- and 4-bit uniform values enter the MMA as fp16 magic numbers (1024 + c 2^p, one LOP3 per register);
 //    the merge takes the offset and the scale 2^p out once.
 //  - Swizzles against shared-memory bank conflicts: the query rows by 16-byte chunk (qs_chunk), and
-//    tq-4bit's 64-byte value rows by 16-byte unit in the stages (kSwzV).
+//    tq-4bit's 64-byte value rows by 16-byte unit in the stages (kSwzV, only in cp.async builds, KVQ_FAST_BULK=0).
 //  - Pair tables laid out [entry][64 words]: key pairs at word `lane`, value pairs at word
 //    32 + lane, so a table address is `entry << 8 | lane << 2` (+128): for 4-bit codes one PRMT
 //    builds it from a byte of codes; value pairs of two tokens are interleaved nibble-wise with one
@@ -117,9 +117,11 @@ struct FCfg {
   // 16-byte unit u of row r at u ^ (2 ((r >> 1) & 1)). A PV load phase (16 lanes: rows t4 = 0..3, 8 bytes at
   // 8 g) then hits 32 different banks; unswizzled, rows t4 and t4 + 2 (128 bytes apart) share theirs (2-way
   // conflicts). tq-4bit's loop waits most on the shared-memory queue (its value pairs are table lookups):
-  // 1.02-1.07x. The 4-bit uniform values (magic numbers, no lookups) measured 0.94-1.00x with it, so they
-  // keep the plain rows.
-  static constexpr bool kSwzV = NSEG == 1 && VCB == 64 && VC == ValueCode::kTq;
+  // 1.02-1.07x with cp.async copies. The 4-bit uniform values (magic numbers, no lookups) measured 0.94-1.00x
+  // with it, so they keep the plain rows. Only with KVQ_FAST_BULK=0: a bulk copy cannot permute its source, and
+  // tq-4bit by bulk copies into plain rows measured 1.044-1.067x against cp.async into swizzled ones
+  // (bench/results/decode-gqa-bulk-2026-12-04.md).
+  static constexpr bool kSwzV = KVQ_FAST_BULK == 0 && NSEG == 1 && VCB == 64 && VC == ValueCode::kTq;
   // Segment 0's table (key and value pairs of segment 0, or of the only segment), aligned to its
   // size; the split formats' segment 1 table follows it.
   static constexpr int LUT_ALIGN = (KROWS > VENT ? KROWS : VENT) * 256;  // may be 0; a power of two
@@ -589,9 +591,11 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   // mbarriers, kept in the stage's last 16 bytes (past the regions): the first for the key codes and metadata (and
   // the value codes unless kSplitGroups), the second for the value codes (kSplitGroups). The other 31 lanes issue no
   // copy and compute no address. Same-call A/B against cp.async by every lane (bench/results/decode-gqa-bulk-2026-12-03.md):
-  // 1.02-1.04x for tq-k8v4, tq-4bit-nc, tq-k3v4-nc, tq-3bit-nc and tq-3.5bit at batch 8. Not for tq-3bit (kValWin:
-  // 0.984-0.993x), tq-2.5bit (ptxas then spills 8 / 12 bytes), or kSwzV (tq-4bit: its copies permute the sources).
-  constexpr bool kBulk = KVQ_FAST_BULK != 0 && !C::kSwzV && !C::kValWin && !(NSEG == 2 && C::kb(1) == 2);
+  // 1.02-1.04x for tq-k8v4, tq-4bit-nc, tq-k3v4-nc, tq-3bit-nc and tq-3.5bit at batch 8, 1.044-1.067x for tq-4bit
+  // (whose rows are then not swizzled, kSwzV) at batch 8 and 32 (decode-gqa-bulk-2026-12-04.md). Not for tq-3bit
+  // (kValWin: 0.984-0.993x) or tq-2.5bit (ptxas then spills 8 / 12 bytes).
+  constexpr bool kBulk = KVQ_FAST_BULK != 0 && !C::kValWin && !(NSEG == 2 && C::kb(1) == 2);
+  static_assert(!(kBulk && C::kSwzV), "fast decode: bulk copies cannot swizzle the value rows");
   static_assert(!kBulk || 16 * (nk + nv + nm) + 16 <= C::STAGE_BYTES, "fast decode: the stage's mbarriers");
   const std::uint32_t stages_s = smem_u32(my_stages);
   auto mbar_of = [&](int slot_i) {
