@@ -1,5 +1,7 @@
 """Pieces shared by the peer benchmarks (peers.py, peers_mla.py): their common options and the L2
 flush, the same two methods as `kvq bench` (tools/kvq/bench_gpu.hpp)."""
+import time
+
 import torch
 
 
@@ -9,6 +11,14 @@ def add_common_args(ap, batch, context, reps, warmup):
     ap.add_argument("--reps", type=int, default=reps)
     ap.add_argument("--warmup", type=int, default=warmup)
     ap.add_argument("--flush", choices=["read", "write"], default="read")
+
+
+def settle(gap_ms):
+    """gap_ms of idle GPU before a timed series (the device synchronized, then the host asleep), so that the series
+    does not start under the power state the one before it left; nothing for 0."""
+    if gap_ms > 0:
+        torch.cuda.synchronize()
+        time.sleep(gap_ms / 1000.0)
 
 
 def flush_buffer(dev):

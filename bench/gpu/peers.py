@@ -25,7 +25,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from peer_common import add_common_args, flush_buffer, flush_l2
+from peer_common import add_common_args, flush_buffer, flush_l2, settle
 
 VLLM_PRESETS = {  # name: (key bits (8 = fp8), value bits, norm correction)
     "tq-k8v4": (8, 4, False),
@@ -35,7 +35,8 @@ VLLM_PRESETS = {  # name: (key bits (8 = fp8), value bits, norm correction)
 }
 
 
-def timed(fn, reps, warmup, flush, mode):
+def timed(fn, reps, warmup, flush, mode, gap_ms=0):
+    settle(gap_ms)
     for i in range(warmup):
         fn(i)
     torch.cuda.synchronize()
@@ -58,6 +59,8 @@ def main():
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--vllm-splits", type=int, default=32)
+    ap.add_argument("--gap-ms", type=int, default=0,
+                    help="idle GPU before each timed series (ms), as `kvq bench decode --gap-ms`")
     args, _ = ap.parse_known_args()
     dev = torch.device("cuda")
     flush, l2 = flush_buffer(dev)
@@ -92,7 +95,7 @@ def main():
                     F.scaled_dot_product_attention(q, ks[i % copies], vs[i % copies])
 
             try:
-                us = timed(run_flash, args.reps, args.warmup, flush, args.flush)
+                us = timed(run_flash, args.reps, args.warmup, flush, args.flush, args.gap_ms)
             except Exception as e:  # noqa: BLE001
                 print(f"sdpa_flash failed: {e!r}", file=sys.stderr)
                 us = None
@@ -111,7 +114,7 @@ def main():
                         print(f"vllm {name} failed: {e!r}", file=sys.stderr)
                 rows.append({"impl": "vllm_triton", "format": name, "batch": B, "context": C, "us": us})
                 print(f"vllm_triton {name} B={B} C={C}: {us} us", file=sys.stderr)
-    print(json.dumps({"versions": versions, "flush": args.flush, "rows": rows}, indent=1))
+    print(json.dumps({"versions": versions, "flush": args.flush, "gap_ms": args.gap_ms, "rows": rows}, indent=1))
 
 
 def run_vllm(tqd, name, kb, vb, nc, B, C, Hq, Hk, D, l2, flush, args, dev):
@@ -151,7 +154,7 @@ def run_vllm(tqd, name, kb, vb, nc, B, C, Hq, Hk, D, l2, flush, args, dev):
             mse_bits=(vb if key_fp8 else kb), key_packed_size=kps, value_quant_bits=vb, key_fp8=key_fp8,
             norm_correction=nc, PiT=PiT, max_num_kv_splits=args.vllm_splits)
 
-    us = timed(run, args.reps, args.warmup, flush, args.flush)
+    us = timed(run, args.reps, args.warmup, flush, args.flush, args.gap_ms)
     del caches
     torch.cuda.empty_cache()
     return us

@@ -16,6 +16,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "command.hpp"
@@ -76,10 +77,19 @@ class L2Flush {
   void* buf_ = nullptr;
 };
 
+// Milliseconds of idle GPU before each timed series (`--gap-ms`): the device is synchronized and the host sleeps, so
+// that a series does not start under the power state that the series before it (a heavy row, a pool fill, the L2
+// flushes) left. 0: none. docs/kernels.md (benchmark method) measures what it changes.
+inline int series_gap_ms = 0;
+
 // Median microseconds of `reps` runs of launch(rep) on `stream`, each after flush(rep), timed by
-// CUDA events recorded on the same stream; `warmup` untimed runs first.
+// CUDA events recorded on the same stream; `warmup` untimed runs first, after series_gap_ms of idle GPU.
 template <class F>
 double time_us(cudaStream_t stream, const L2Flush& flush, int warmup, int reps, F&& launch) {
+  if (series_gap_ms > 0) {
+    ok(cudaDeviceSynchronize(), "gap");
+    std::this_thread::sleep_for(std::chrono::milliseconds(series_gap_ms));
+  }
   cudaEvent_t a, b;
   ok(cudaEventCreate(&a), "event");
   ok(cudaEventCreate(&b), "event");

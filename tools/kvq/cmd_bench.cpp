@@ -38,7 +38,7 @@ namespace {
 struct BenchOptions {
   std::string batches = "8,32", contexts = "4096,16384,65536";
   std::string formats = "bf16,tq-k8v4,tq-4bit-nc,tq-k3v4-nc,tq-3bit-nc,tq-4bit,tq-3.5bit,tq-3bit";
-  int q_heads = 32, kv_heads = 8, head_dim = 128, reps = 60, warmup = 5, store_tokens = 0, splits = 0;
+  int q_heads = 32, kv_heads = 8, head_dim = 128, reps = 60, warmup = 5, store_tokens = 0, splits = 0, gap_ms = 0;
   unsigned seed = 7;  // page order and query of each (batch, context): the same for every format
   bool json = false, centered = false, no_cluster_merge = false, eight_heads = false, step = false;
   std::string pages = "random";  // page order in the pool
@@ -62,6 +62,7 @@ void run_decode_bench(const BenchOptions& o) {
   ok(cudaGetDeviceProperties(&prop, dev), "cudaGetDeviceProperties");
   const std::size_t l2 = static_cast<std::size_t>(prop.l2CacheSize);
   const L2Flush flush(o.flush, l2, nullptr);
+  gpu::series_gap_ms = o.gap_ms;
   const double copy_gbps = gpu::copy_gbps(nullptr, flush);
 
   std::map<PeerKey, double> peer_us;
@@ -76,6 +77,10 @@ void run_decode_bench(const BenchOptions& o) {
     const std::string peer_flush = pj.value("flush", std::string("write"));
     if (peer_flush != o.flush)
       fail("peers file '" + o.peers + "' was measured with --flush " + peer_flush + ", this run uses --flush " + o.flush);
+    // Nor peers timed with another idle gap before each series (files without the key had none).
+    const int peer_gap = pj.value("gap_ms", 0);
+    if (peer_gap != o.gap_ms)
+      fail(fmt::format("peers file '{}' was measured with --gap-ms {}, this run uses --gap-ms {}", o.peers, peer_gap, o.gap_ms));
     for (const auto& r : pj["rows"]) {
       if (r["us"].is_null()) continue;
       std::string impl = r["impl"].get<std::string>();
@@ -321,7 +326,7 @@ void run_decode_bench(const BenchOptions& o) {
   nlohmann::json res = {{"gpu", prop.name},     {"copy_gbps", copy_gbps}, {"commit", o.commit},
                         {"command", o.command}, {"sms", prop.multiProcessorCount}, {"l2_bytes", l2},
                         {"peers", peer_info},   {"rows", rows},           {"store", store_rows},
-                        {"flush", flush.mode()}, {"pages", o.pages}, {"seed", o.seed}};
+                        {"flush", flush.mode()}, {"pages", o.pages}, {"seed", o.seed}, {"gap_ms", o.gap_ms}};
   if (o.json) {
     fmt::print("{}\n", res.dump(1));
   } else {
@@ -354,6 +359,10 @@ void register_bench(CLI::App& app) {
       ->check(CLI::IsMember({"read", "write"}));
   dec->add_option("--pages", o->pages, "page order in the pool: random (default) or sequential")
       ->check(CLI::IsMember({"random", "sequential"}));
+  dec->add_option("--gap-ms", o->gap_ms,
+                  "idle GPU before each timed series (ms), so that no row starts under the power state the rows before it "
+                  "left (bench/gpu/peers.py takes the same option)")
+      ->check(CLI::Range(0, 10000));
   dec->add_option("--seed", o->seed, "seed of each shape's page order and query (with batch and context)");
   dec->add_option("--splits", o->splits, "splits per sequence and KV head (0: the launcher's choice)")
       ->check(CLI::Range(0, 256));
