@@ -11,6 +11,8 @@ def add_common_args(ap, batch, context, reps, warmup):
     ap.add_argument("--reps", type=int, default=reps)
     ap.add_argument("--warmup", type=int, default=warmup)
     ap.add_argument("--flush", choices=["read", "write"], default="read")
+    ap.add_argument("--gap-ms", type=int, default=0,
+                    help="idle GPU before each timed series (ms), as `kvq bench decode / mla --gap-ms`")
 
 
 def settle(gap_ms):

@@ -59,8 +59,6 @@ def main():
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--vllm-splits", type=int, default=32)
-    ap.add_argument("--gap-ms", type=int, default=0,
-                    help="idle GPU before each timed series (ms), as `kvq bench decode --gap-ms`")
     args, _ = ap.parse_known_args()
     dev = torch.device("cuda")
     flush, l2 = flush_buffer(dev)

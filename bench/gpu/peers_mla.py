@@ -19,7 +19,7 @@ import statistics
 import sys
 
 import torch
-from peer_common import add_common_args, flush_buffer, flush_l2
+from peer_common import add_common_args, flush_buffer, flush_l2, settle
 
 
 def main():
@@ -61,7 +61,7 @@ def main():
                 print(f"flashmla B={B} C={C} H={H}: {us} us", file=sys.stderr)
             del cache
             torch.cuda.empty_cache()
-    print(json.dumps({"versions": versions, "flush": args.flush, "rows": rows}, indent=1))
+    print(json.dumps({"versions": versions, "flush": args.flush, "gap_ms": args.gap_ms, "rows": rows}, indent=1))
 
 
 def run_flashmla(fm, cache, ids, lens, B, H, flush, args, dev):
@@ -82,6 +82,7 @@ def run_flashmla(fm, cache, ids, lens, B, H, flush, args, dev):
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         call()
+    settle(args.gap_ms)
     for _ in range(args.warmup):
         g.replay()
     torch.cuda.synchronize()

@@ -46,7 +46,7 @@ namespace {
 struct MlaBenchOptions {
   std::string batches = "8,32", contexts = "4096,32768,131072", heads = "16,128";
   std::string formats = "bf16,c8r8,c4r4,c2r4,mla-tq4", protect = "none,paper";
-  int reps = 30, warmup = 3, store_tokens = 1 << 20, warps = 0, splits = 0, d_latent = 512, d_rope = 64;
+  int reps = 30, warmup = 3, store_tokens = 1 << 20, warps = 0, splits = 0, d_latent = 512, d_rope = 64, gap_ms = 0;
   unsigned seed = 7;  // page order and queries of each (batch, context): the same for every format
   bool json = false, generic = false;
   std::string kernel = "auto";
@@ -76,6 +76,7 @@ void run_mla_bench(const MlaBenchOptions& o) {
   cudaStream_t st;
   ok(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "stream");
   const L2Flush flush(o.flush, l2, st);
+  gpu::series_gap_ms = o.gap_ms;
   const double copy_gbps = gpu::copy_gbps(st, flush);
   const int dc = o.d_latent, dr = o.d_rope, D = dc + dr;
   if (!o.peers.empty() && (dc != 512 || dr != 64)) fail("--peers: FlashMLA's rows are for d_c = 512, d_r = 64 only");
@@ -90,6 +91,9 @@ void run_mla_bench(const MlaBenchOptions& o) {
     const std::string peer_flush = pj.value("flush", std::string("write"));
     if (peer_flush != o.flush)
       fail("peers file '" + o.peers + "' was measured with --flush " + peer_flush + ", this run uses --flush " + o.flush);
+    const int peer_gap = pj.value("gap_ms", 0);
+    if (peer_gap != o.gap_ms)
+      fail(fmt::format("peers file '{}' was measured with --gap-ms {}, this run uses --gap-ms {}", o.peers, peer_gap, o.gap_ms));
     peer_info = pj.value("versions", nlohmann::json::object());
     for (const auto& r : pj.at("rows"))
       if (r.value("impl", std::string()) == "flashmla" && !r["us"].is_null())
@@ -273,7 +277,7 @@ void run_mla_bench(const MlaBenchOptions& o) {
                         {"rows", rows},
                         {"store", store_rows},
                         {"flush", flush.mode()},
-                        {"pages", o.pages}, {"seed", o.seed},
+                        {"pages", o.pages}, {"seed", o.seed}, {"gap_ms", o.gap_ms},
                         {"d_latent", dc},
                         {"d_rope", dr},
                         {"kernel", o.generic || dc != 512 || dr != 64 ? "generic-shape" : "tuned"}};
@@ -310,6 +314,8 @@ void register_bench_mla(CLI::App& app) {
   cmd->add_option("--warmup", o->warmup, "warm-up replays");
   cmd->add_option("--store-tokens", o->store_tokens, "tokens per writer run");
   cmd->add_option("--seed", o->seed, "seed of each shape's page order and queries (with batch and context)");
+  cmd->add_option("--gap-ms", o->gap_ms, "idle GPU before each timed series (ms), as `kvq bench decode --gap-ms` (peers_mla.py too)")
+      ->check(CLI::Range(0, 10000));
   cmd->add_option("--splits", o->splits, "splits per sequence (0: the launcher's choice)")->check(CLI::Range(0, 1 << 20));
   cmd->add_option("--warps", o->warps, "accepted for compatibility (the decode kernel runs 8-warp CTAs)");
   cmd->add_option("--commit", o->commit, "commit recorded in the result");
