@@ -19,6 +19,8 @@
 #include <thread>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "command.hpp"
 #include "kvq_cuda.hpp"
 
@@ -109,6 +111,19 @@ double time_us(cudaStream_t stream, const L2Flush& flush, int warmup, int reps, 
   cudaEventDestroy(a);
   cudaEventDestroy(b);
   return median(t);
+}
+
+// A peers file (bench/gpu/peers.py, peers_mla.py) timed another way than this run is not comparable: refuses one whose
+// L2 flush (files without the key predate the option and used the memset) or idle gap before each series (files
+// without the key had none) differs.
+inline void check_peers_method(const nlohmann::json& pj, const std::string& path, const std::string& flush, int gap_ms) {
+  const std::string peer_flush = pj.value("flush", std::string("write"));
+  if (peer_flush != flush)
+    fail("peers file '" + path + "' was measured with --flush " + peer_flush + ", this run uses --flush " + flush);
+  const int peer_gap = pj.value("gap_ms", 0);
+  if (peer_gap != gap_ms)
+    fail("peers file '" + path + "' was measured with --gap-ms " + std::to_string(peer_gap) + ", this run uses --gap-ms " +
+         std::to_string(gap_ms));
 }
 
 // Copy bandwidth as docs/kernels.md defines it: (read + written) / time of a 4 GiB

@@ -72,15 +72,7 @@ void run_decode_bench(const BenchOptions& o) {
     if (!in) fail("cannot open peers file '" + o.peers + "'");
     nlohmann::json pj = nlohmann::json::parse(in);
     peer_info = pj.value("versions", nlohmann::json::object());
-    // Peers timed under another flush method are not comparable (files without the key predate
-    // the option and used the memset).
-    const std::string peer_flush = pj.value("flush", std::string("write"));
-    if (peer_flush != o.flush)
-      fail("peers file '" + o.peers + "' was measured with --flush " + peer_flush + ", this run uses --flush " + o.flush);
-    // Nor peers timed with another idle gap before each series (files without the key had none).
-    const int peer_gap = pj.value("gap_ms", 0);
-    if (peer_gap != o.gap_ms)
-      fail(fmt::format("peers file '{}' was measured with --gap-ms {}, this run uses --gap-ms {}", o.peers, peer_gap, o.gap_ms));
+    gpu::check_peers_method(pj, o.peers, o.flush, o.gap_ms);
     for (const auto& r : pj["rows"]) {
       if (r["us"].is_null()) continue;
       std::string impl = r["impl"].get<std::string>();

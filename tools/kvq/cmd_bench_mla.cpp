@@ -88,12 +88,7 @@ void run_mla_bench(const MlaBenchOptions& o) {
     std::ifstream in(o.peers);
     if (!in) fail("cannot open peers file '" + o.peers + "'");
     const nlohmann::json pj = nlohmann::json::parse(in);
-    const std::string peer_flush = pj.value("flush", std::string("write"));
-    if (peer_flush != o.flush)
-      fail("peers file '" + o.peers + "' was measured with --flush " + peer_flush + ", this run uses --flush " + o.flush);
-    const int peer_gap = pj.value("gap_ms", 0);
-    if (peer_gap != o.gap_ms)
-      fail(fmt::format("peers file '{}' was measured with --gap-ms {}, this run uses --gap-ms {}", o.peers, peer_gap, o.gap_ms));
+    gpu::check_peers_method(pj, o.peers, o.flush, o.gap_ms);
     peer_info = pj.value("versions", nlohmann::json::object());
     for (const auto& r : pj.at("rows"))
       if (r.value("impl", std::string()) == "flashmla" && !r["us"].is_null())
