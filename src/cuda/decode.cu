@@ -82,7 +82,12 @@ int decode_cta_heads(const DecodeParams& p) { return detail::cta_heads(p); }
 
 bool decode_uses_cluster_merge(const DecodeParams& p) {
   return decode_uses_fast_kernel(p) &&
-         detail::decode_fast_cluster_d128(p, decode_splits(p) + (p.protect.enabled() ? 1 : 0));
+         detail::decode_fast_cluster_d128(p, decode_splits(p) + (p.protect.enabled() ? 1 : 0)) > 0;
+}
+
+bool decode_uses_early_sends(const DecodeParams& p) {
+  return decode_uses_fast_kernel(p) &&
+         detail::decode_fast_cluster_d128(p, decode_splits(p) + (p.protect.enabled() ? 1 : 0)) == 2;
 }
 
 namespace {

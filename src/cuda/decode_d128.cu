@@ -73,26 +73,30 @@ cudaError_t decode_fast_d128(const DecodeParams& p, bool launch, int* warps, con
 }
 #undef KVQ_FAST_CASE
 
+// 0: no cluster merge, 1: a cluster merge, 2: one with early sends (the kernel's early_sends: clusters of two CTAs
+// without protection, FCfg::ep_ok at the device's lut_pad).
 template <class C>
-bool fast_cluster_for(const DecodeParams& p, int ns) {
+int fast_cluster_for(const DecodeParams& p, int ns) {
   const int smem = fast_smem<C>(p);
-  return smem > 0 && smem_limit_once<decode_fast_kernel<C>>(smem) == cudaSuccess &&
-         fast_cluster_applies<C>(p, ns, grid_rows(p), smem);
+  if (!(smem > 0 && smem_limit_once<decode_fast_kernel<C>>(smem) == cudaSuccess &&
+        fast_cluster_applies<C>(p, ns, grid_rows(p), smem)))
+    return 0;
+  return ns == 2 && !p.protect.enabled() && C::ep_ok(fast_pad<C>()) ? 2 : 1;
 }
-#define KVQ_FAST_CLUSTER_CASE(KC, KB, VC, VB, KB1, VB1)                                  \
-  if (format_is(p.fmt, KC, KB, KB1, VC, VB, VB1)) {                                      \
-    if (FCfg<KC, KB, VC, VB, KB1, VB1>::kValWin && !p.fmt.shared_codebook) return false; \
-    if (heads > 8) return fast_cluster_for<FCfg<KC, KB, VC, VB, KB1, VB1, 16>>(p, ns);        \
-    if (heads > 4) return fast_cluster_for<FCfg<KC, KB, VC, VB, KB1, VB1, 8>>(p, ns);         \
-    return fast_cluster_for<FCfg<KC, KB, VC, VB, KB1, VB1>>(p, ns);                      \
+#define KVQ_FAST_CLUSTER_CASE(KC, KB, VC, VB, KB1, VB1)                              \
+  if (format_is(p.fmt, KC, KB, KB1, VC, VB, VB1)) {                                  \
+    if (FCfg<KC, KB, VC, VB, KB1, VB1>::kValWin && !p.fmt.shared_codebook) return 0; \
+    if (heads > 8) return fast_cluster_for<FCfg<KC, KB, VC, VB, KB1, VB1, 16>>(p, ns);    \
+    if (heads > 4) return fast_cluster_for<FCfg<KC, KB, VC, VB, KB1, VB1, 8>>(p, ns);     \
+    return fast_cluster_for<FCfg<KC, KB, VC, VB, KB1, VB1>>(p, ns);                  \
   }
 
-// Whether the fast kernel's launch with ns CTAs per group would merge in clusters.
-bool decode_fast_cluster_d128(const DecodeParams& p, int ns) {
-  if (!fast_applies(p)) return false;
+// Whether the fast kernel's launch with ns CTAs per group would merge in clusters (fast_cluster_for's answer).
+int decode_fast_cluster_d128(const DecodeParams& p, int ns) {
+  if (!fast_applies(p)) return 0;
   const int heads = cta_heads(p);
   KVQ_FAST_FORMATS(KVQ_FAST_CLUSTER_CASE)
-  return false;
+  return 0;
 }
 #undef KVQ_FAST_CLUSTER_CASE
 

@@ -201,6 +201,18 @@ struct FCfg {
   static constexpr int RC_BAR = RC_LSE + HG * kClMax * 4;
   static constexpr int CL_END = RC_OFF + RC_BAR + 16;
   static_assert(CL_END <= kSmemBudget, "fast decode: the cluster merge's buffers");
+  // Early sends (clusters of two CTAs without protection, finish_cluster): the partner's rows go into the rotated
+  // query's region, dead once the B fragments are loaded, while this CTA may still be in its loop: row h (h % 2 = this
+  // CTA's rank) at [h / 2][D] floats, their log2-sum-exps after them, the transaction barrier (initialized in the
+  // prologue) last. Taken only where that region overlaps neither the warps' merge rows nor the partial (ep_ok).
+  static constexpr int EP_LSE = (HG / 2) * D * 4;
+  static constexpr int EP_BAR = (EP_LSE + (HG / 2) * 4 + 7) / 8 * 8;
+  static constexpr int EP_BYTES = EP_BAR + 8;
+  static_assert(EP_BYTES <= Q_BYTES, "fast decode: the early sends' buffer");
+  static constexpr bool ep_ok(int lut_pad) {
+    const int q0 = lut_pad + LUT_BYTES, q1 = q0 + EP_BYTES, r0 = red_off(lut_pad);
+    return (q1 <= r0 || r0 + RED_BYTES <= q0) && (q1 <= CL_OFF || CL_OFF + CL_BYTES <= q0);
+  }
   static constexpr int smem(int lut_pad) {
     const int need = lut_pad + LUT_BYTES + Q_BYTES + WARPS * SCR_WARP + (WARPS - nlo(lut_pad)) * NST * STAGE_BYTES;
     return need > CL_END ? need : CL_END;
@@ -355,6 +367,50 @@ __device__ __forceinline__ void st_async4(std::uint32_t dst, float v, std::uint3
   asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [%0], %1, [%2];" ::"r"(dst), "f"(v), "r"(bar) : "memory");
 }
 
+// Bytes from pad to the first shared-window address aligned to LUT_ALIGN past the dynamic shared memory's start sbase
+// (the kernel's layout; every CTA of a launch has the same).
+template <class C>
+__device__ __forceinline__ int lut_pad_of(std::uint32_t sbase) {
+  return C::LUT_ALIGN > 0 ? static_cast<int>((C::LUT_ALIGN - (sbase & (C::LUT_ALIGN - 1))) & (C::LUT_ALIGN - 1)) : 0;
+}
+// Early sends (FCfg::EP_*): a cluster of two CTAs without protection whose layout leaves the rotated query's region
+// alone after the prologue. The same answer in both CTAs (the launch's arguments and layout).
+template <class C>
+__device__ __forceinline__ bool early_sends(const DecodeParams& p, const SplitArgs& a, std::uint32_t sbase) {
+  return a.cluster != 0 && a.nsplit == 2 && !p.protect.enabled() && C::ep_ok(lut_pad_of<C>(sbase));
+}
+template <class C>
+__device__ __forceinline__ std::uint32_t ep_base(std::uint32_t sbase) {
+  return sbase + static_cast<std::uint32_t>(lut_pad_of<C>(sbase) + C::LUT_BYTES);
+}
+// Arms the early sends once the region is free (packed CTAs: after the B fragments and a CTA barrier; empty ones at
+// once): thread 0 initializes the transaction barrier for the partner's rows of this CTA's heads, then every thread
+// arrives on the cluster barrier, whose wait in finish_cluster lets the partner send.
+template <class C>
+__device__ __forceinline__ void ep_arm(std::uint32_t sbase, int rank, int G, int tid) {
+  if (tid == 0) {
+    int owned = 0;
+    for (int h = rank; h < G; h += 2) ++owned;
+    const std::uint32_t bar = ep_base<C>(sbase) + C::EP_BAR;
+    mbar_init<1>(bar);
+    mbar_arrive_expect_tx(bar, static_cast<std::uint32_t>(owned * (C::D + 1) * 4));
+    mbar_init_fence();
+  }
+  __cluster_barrier_arrive_relaxed();
+}
+// Waits until the transaction barrier at bar (this CTA) has completed its first phase: every byte sent to it by the
+// cluster's CTAs has landed (acquire, cluster scope).
+__device__ __forceinline__ void wait_cluster_bytes(std::uint32_t bar) {
+  std::uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], 0;\n selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done)
+        : "r"(bar)
+        : "memory");
+  } while (!done);
+}
+
 // The split merge inside a thread-block cluster (SplitArgs::cluster): the NS CTAs of a (sequence, KV
 // head) are one cluster, rank = split, each with its partial ([HG][D] outputs, then HG log2-sum-exps) at CL_OFF of
 // its shared memory. Row h is merged by warp h % WARPS of the CTA of rank h % NS (its owner), as finish_group merges from
@@ -407,45 +463,70 @@ __device__ __forceinline__ void finish_cluster(const DecodeParams& p, const Spli
     }
     return;
   }
-  if (tid == 0) {
-    int owned = 0;  // rows this CTA merges: NS partial rows and log2-sum-exps each
-    for (int h = rank; h < G; h += NS) ++owned;
-    mbar_init<1>(bar);
-    mbar_arrive_expect_tx(bar, owned * NS * (D + 1) * 4);
-    mbar_init_fence();
+  // Early sends (clusters of two without protection, early_sends): the partner armed its barrier in its prologue, so
+  // this CTA sends its rows of the partner's heads without waiting for the partner's loop, and merges its own heads
+  // from its own partial and the partner's rows (sent when the partner finished, usually already there). Same
+  // partials in the same order, so the same bits as the general path and the workspace merge.
+  const bool early = NS == 2 && early_sends<C>(p, a, base);
+  const std::uint32_t ep = ep_base<C>(base);
+  if (early) {
+    __syncthreads();  // the partial is complete (every exit path wrote it with all threads)
+  } else {
+    if (tid == 0) {
+      int owned = 0;  // rows this CTA merges: NS partial rows and log2-sum-exps each
+      for (int h = rank; h < G; h += NS) ++owned;
+      mbar_init<1>(bar);
+      mbar_arrive_expect_tx(bar, owned * NS * (D + 1) * 4);
+      mbar_init_fence();
+    }
+    __syncthreads();  // the partial is complete (every exit path wrote it with all threads), the barrier initialized
+    __cluster_barrier_arrive_relaxed();
   }
-  __syncthreads();  // the partial is complete (every exit path wrote it with all threads), the barrier initialized
-  __cluster_barrier_arrive_relaxed();
-  __cluster_barrier_wait();
+  __cluster_barrier_wait();  // early: the prologue's arrivals (the partner's buffer and barrier are ready)
   if (p.test_send_delay_ns > 0 && (rank & 1)) sleep_at_least_ns(static_cast<unsigned>(p.test_send_delay_ns));
-  for (int i = tid; i < G * (D / 4); i += C::THREADS) {
-    const int h = i / (D / 4), q = i % (D / 4), o = h % NS;
-    st_async16(cluster_addr(rc + static_cast<std::uint32_t>(((h * C::kClMax + rank) * D + 4 * q) * 4), o),
-               reinterpret_cast<const float4*>(part)[i], cluster_addr(bar, o));
-  }
-  if (tid < G) {
-    const int o = tid % NS;
-    st_async4(cluster_addr(rc + static_cast<std::uint32_t>(C::RC_LSE + (tid * C::kClMax + rank) * 4), o), part[C::HG * D + tid],
-              cluster_addr(bar, o));
+  const std::uint32_t rbar = early ? ep + C::EP_BAR : bar;  // this CTA's barrier for the rows it merges
+  if (early) {
+    const int o = rank ^ 1;
+    for (int i = tid; i < G * (D / 4); i += C::THREADS) {
+      const int h = i / (D / 4), q = i % (D / 4);
+      if ((h & 1) == o)
+        st_async16(cluster_addr(ep + static_cast<std::uint32_t>(((h >> 1) * D + 4 * q) * 4), o),
+                   reinterpret_cast<const float4*>(part)[i], cluster_addr(rbar, o));
+    }
+    if (tid < G && (tid & 1) == o)
+      st_async4(cluster_addr(ep + static_cast<std::uint32_t>(C::EP_LSE + (tid >> 1) * 4), o), part[C::HG * D + tid],
+                cluster_addr(rbar, o));
+  } else {
+    for (int i = tid; i < G * (D / 4); i += C::THREADS) {
+      const int h = i / (D / 4), q = i % (D / 4), o = h % NS;
+      st_async16(cluster_addr(rc + static_cast<std::uint32_t>(((h * C::kClMax + rank) * D + 4 * q) * 4), o),
+                 reinterpret_cast<const float4*>(part)[i], cluster_addr(bar, o));
+    }
+    if (tid < G) {
+      const int o = tid % NS;
+      st_async4(cluster_addr(rc + static_cast<std::uint32_t>(C::RC_LSE + (tid * C::kClMax + rank) * 4), o), part[C::HG * D + tid],
+                cluster_addr(bar, o));
+    }
   }
   __cluster_barrier_arrive_relaxed();
   if (mine) {
-    std::uint32_t done = 0;
-    do {
-      asm volatile(
-          "{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], 0;\n selp.u32 %0, 1, 0, p;\n}"
-          : "=r"(done)
-          : "r"(bar)
-          : "memory");
-    } while (!done);
+    wait_cluster_bytes(rbar);
     const float* const recv = reinterpret_cast<const float*>(smem_raw + C::RC_OFF);
+    const float* const erecv = reinterpret_cast<const float*>(smem_raw + (ep - base));
 #pragma unroll
     for (int k = 0; k < C::MROWS; ++k) {
       const int h = w + C::WARPS * k;
       if (C::MROWS == 1 || mine_row(k))
         merge_row_reg<C::VC == ValueCode::kTq>(
-            p, NS, lane, vp, vs, mu, row + C::WARPS * k, [&](int s) { return recv[C::RC_LSE / 4 + h * C::kClMax + s]; },
-            [&](int s) { return reinterpret_cast<const float4*>(recv + (h * C::kClMax + s) * D)[lane]; });
+            p, NS, lane, vp, vs, mu, row + C::WARPS * k,
+            [&](int s) {
+              return !early ? recv[C::RC_LSE / 4 + h * C::kClMax + s]
+                            : s == rank ? part[C::HG * D + h] : erecv[C::EP_LSE / 4 + (h >> 1)];
+            },
+            [&](int s) {
+              const float* r = !early ? recv + (h * C::kClMax + s) * D : s == rank ? part + h * D : erecv + (h >> 1) * D;
+              return reinterpret_cast<const float4*>(r)[lane];
+            });
     }
   }
   __cluster_barrier_wait();
@@ -539,11 +620,12 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   const int cb = max(c_lo, split * cps), ce = min(c_hi, (split + 1) * cps);
   if (cb >= ce) {
     for (int h = tid; h < G; h += C::THREADS) plse[static_cast<std::size_t>(h) * pst] = -INFINITY;
+    if (clus && early_sends<C>(p, a, smem_u32(smem_raw))) ep_arm<C>(smem_u32(smem_raw), split, G, tid);
     finish();
     return;
   }
   const std::uint32_t sbase = smem_u32(smem_raw);
-  const int lut_pad = C::LUT_ALIGN > 0 ? static_cast<int>((C::LUT_ALIGN - (sbase & (C::LUT_ALIGN - 1))) & (C::LUT_ALIGN - 1)) : 0;
+  const int lut_pad = lut_pad_of<C>(sbase);
   {
     std::uint32_t dyn;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
@@ -788,6 +870,13 @@ __global__ void __launch_bounds__(C::THREADS, 1)
       qb1[kt][0] = lo_col ? l0 : h0;
       qb1[kt][1] = lo_col ? l1 : h1;
     }
+  }
+  // Early sends: the rotated query is dead once every warp has its B fragments, so the partner may send into it.
+  // The test hook holds the odd ranks here too, so that the partner's rows land while their loop is still to run.
+  if (clus && early_sends<C>(p, a, sbase)) {
+    __syncthreads();
+    ep_arm<C>(sbase, split, G, tid);
+    if (p.test_send_delay_ns > 0 && (split & 1)) sleep_at_least_ns(static_cast<unsigned>(p.test_send_delay_ns));
   }
   const std::uint32_t L4 = static_cast<std::uint32_t>(lane) << 2;
   const std::uint32_t lut1_s = lut_s + static_cast<std::uint32_t>(C::LUT_ALIGN);  // split: segment 1's table
@@ -1539,6 +1628,16 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   X(KeyCode::kTq, 4, ValueCode::kTq, 4, 3, 3)       \
   X(KeyCode::kTq, 3, ValueCode::kTq, 3, 2, 2)
 
+// The kernel's lut_pad on this device (lut_pad_of: the dynamic shared memory starts after the per-block reserved
+// bytes), or -1 where the device's facts are not available.
+template <class C>
+int fast_pad() {
+  DeviceFacts dv;
+  if (device_facts(dv) != cudaSuccess) return -1;
+  const int reserved = dv.reserved_smem;
+  return C::LUT_ALIGN > 0 ? (C::LUT_ALIGN - reserved % C::LUT_ALIGN) % C::LUT_ALIGN : 0;
+}
+
 // The launch's dynamic shared memory (0 where the format's page layout is not this kernel's).
 template <class C>
 int fast_smem(const DecodeParams& p) {
@@ -1549,10 +1648,8 @@ int fast_smem(const DecodeParams& p) {
     return 0;
   // Dynamic shared memory starts after the per-block reserved bytes (1 KB on sm_90; the kernel has no
   // static shared memory); the kernel checks the layout against the size it got and traps otherwise.
-  DeviceFacts dv;
-  if (device_facts(dv) != cudaSuccess) return 0;
-  const int reserved = dv.reserved_smem;
-  const int pad = C::LUT_ALIGN > 0 ? (C::LUT_ALIGN - reserved % C::LUT_ALIGN) % C::LUT_ALIGN : 0;
+  const int pad = fast_pad<C>();
+  if (pad < 0) return 0;
   const int smem = C::smem(pad);
   return smem > kSmemBudget + 2 * 1024 ? 0 : smem;
 }

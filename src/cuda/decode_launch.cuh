@@ -63,7 +63,8 @@ cudaError_t launch_decode_d256(const DecodeParams&, const SplitArgs&, cudaStream
 // head_dim 128: the fast kernel (decode_fast.cuh) where it applies; cudaErrorNotSupported where
 // not. launch = false only reports its warps per CTA (for the split count).
 cudaError_t decode_fast_d128(const DecodeParams& p, bool launch, int* warps, const SplitArgs& a, cudaStream_t st);
-bool decode_fast_cluster_d128(const DecodeParams& p, int ns);
+// 0: the launch with ns CTAs per group merges without clusters, 1: in clusters, 2: in clusters with early sends.
+int decode_fast_cluster_d128(const DecodeParams& p, int ns);
 bool supported_d64(const FormatDesc&);
 bool supported_d96(const FormatDesc&);
 bool supported_d128(const FormatDesc&);

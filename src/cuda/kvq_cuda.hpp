@@ -174,7 +174,9 @@ struct DecodeParams {
   bool programmatic = false;
   // Tests only (0 in use): in a cluster merge of two or more CTAs, the CTAs of odd rank wait this
   // many nanoseconds (at most 1e6) before sending their partials, so that a merge reading its receive
-  // buffer before every send has landed gives wrong results instead of winning the race.
+  // buffer before every send has landed gives wrong results instead of winning the race. With early sends
+  // they also wait as long after arming their receive buffer, before their main loop, so that the partner's
+  // rows land while they have the loop still to run.
   std::int32_t test_send_delay_ns = 0;
 };
 // Split count the launcher will use, and the workspace it needs.
@@ -189,6 +191,9 @@ bool decode_uses_fast_kernel(const DecodeParams& p);
 int decode_cta_heads(const DecodeParams& p);
 // True when decode(p) merges its splits inside thread-block clusters (DecodeParams::cluster_merge).
 bool decode_uses_cluster_merge(const DecodeParams& p);
+// True when that cluster merge sends early: clusters of two CTAs without protection, where each CTA takes its
+// partner's rows in the region of its rotated query, armed in the prologue (docs/kernels.md, cluster merge).
+bool decode_uses_early_sends(const DecodeParams& p);
 
 // Bytes the decode kernel must read for one launch (codes, metadata, protected bf16 rows and
 // block tables), the figure the benchmark divides by time.

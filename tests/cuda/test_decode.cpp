@@ -43,6 +43,7 @@ namespace {
 
 int g_cluster_cases = 0;  // decode cases whose launch merged its splits in thread-block clusters
 int g_cluster_multi = 0;  // ... in clusters of two or more CTAs (the merge by asynchronous stores)
+int g_early_sends = 0;    // ... in clusters of two with early sends (the partner's rows armed in the prologue)
 int g_sixteen_cases = 0;  // decode cases run in CTAs of more than 8 heads (and again in CTAs of at most 8)
 int g_pdl_cases = 0;      // decode cases launched programmatically after a slow writer
 int g_pdl_early = 0;      // ... where a probe launched the same way found the writer unfinished
@@ -404,6 +405,10 @@ double run_case(const Case& c) {
   if (cluster) {
     ++g_cluster_cases;
     if (cluster_multi) ++g_cluster_multi;
+    const bool early = cuda::decode_uses_early_sends(p);
+    check(!early || (cuda::decode_splits(p) == 2 && !p.protect.enabled()),
+          name + ": early sends outside a cluster of two without protection");
+    if (early) ++g_early_sends;
     check(!cuda::decode_uses_cluster_merge(pw), name + ": cluster_merge = false still merges in clusters");
     KVQ_CUDA_OK(cudaMemset(dout, 0xff, q.size() * sizeof(float)));
     check(cuda::decode(pw) == cudaSuccess, name + ": decode launch without clusters");
@@ -997,6 +1002,7 @@ int main(int argc, char** argv) {
     // Clusters of several CTAs (forced splits): an empty split (33 tokens in three splits), a protected split CTA
     // among them (eight heads), more CTAs than heads (G = 1: CTAs that merge no row).
     add("tq-4bit", false, 128, 8, 2, {129, 33}, false, 0, 0, 3);
+    add("tq-4bit", false, 128, 8, 2, {129, 33}, false, 0, 0, 2);  // two: early sends, an empty CTA among them
     add("tq-3.5bit", false, 128, 16, 2, {300, 90}, false, 4, 8, 2);
     add("tq-4bit-nc", false, 128, 2, 2, {129, 700}, false, 0, 0, 5);
     // More than 8 query heads per KV head (G = 16: one CTA of 16 with a protected split of 16 heads and a cluster
@@ -1019,6 +1025,7 @@ int main(int argc, char** argv) {
       add(fm, false, 128, 12, 2, {129, 3000}, false, 0, 0, 5);            // G = 6, forced splits
       add(fm, false, 128, 16, 2, {2, 40, 333, 1500}, false, 4, 64, 0);   // G = 8 with protection
       add(fm, false, 128, 2, 2, {129, 3000}, false, 0, 0, 5);             // G = 1, forced splits
+      add(fm, false, 128, 8, 2, {129, 33, 700}, false, 0, 0, 2);          // two splits: early sends, an empty CTA
       add(fm, false, 128, 8, 2, {2, 40, 333, 1500}, false, 4, 64, 0);    // protection, lengths below and above S + W
       add(fm, false, 128, 4, 2, {511, 200}, true, 4, 32, 3);             // fixture with protection
       add(fm, false, 64, 32, 8, {77, 300}, false, 0, 0, 0);
@@ -1055,7 +1062,9 @@ int main(int argc, char** argv) {
   // The fast kernel's launches of these shapes fit the device in clusters (one wave or less).
   check(g_cluster_cases > 0, "no decode case merged its splits in a cluster");
   check(g_cluster_multi > 0, "no decode case merged its splits in a cluster of two or more CTAs");
-  std::printf("  %d decode cases merged in clusters (and matched the workspace merge bit for bit)\n", g_cluster_cases);
+  check(g_early_sends > 0, "no decode case merged in a cluster with early sends");
+  std::printf("  %d decode cases merged in clusters (and matched the workspace merge bit for bit), %d with early sends\n",
+              g_cluster_cases, g_early_sends);
   check(g_sixteen_cases > 0, "no decode case ran in CTAs of more than 8 heads");
   std::printf("  %d decode cases in CTAs of more than 8 heads\n", g_sixteen_cases);
   // Programmatic launches: with KVQ_NO_PDL=1 they are ordinary ones, so the probe must never find the writer

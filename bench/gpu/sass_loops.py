@@ -1,0 +1,111 @@
+#!/usr/bin/env python3
+"""Main-loop sizes of the kernels in a CUDA object or cubin, from `cuobjdump -sass`.
+
+For each kernel (Function) the main loop is taken as the smallest backward branch region [target, branch] that holds
+at least 16 HMMA instructions (one chunk's QK or PV); its instruction count and its HMMA / LDS / PRMT / LOP3 counts are
+printed, with the kernel's whole instruction count. Used to check that a change outside a loop left ptxas's
+allocation of the loop alone (docs/kernels.md, warps' merge).
+
+  bench/gpu/sass_loops.py A.o [B.o]     one column per file; with two, the kernels present in both, and B - A
+A file named *.txt or *.txt.gz is read as cuobjdump's output instead (a listing saved on a GPU host).
+"""
+import gzip
+import re
+import subprocess
+import sys
+
+INSN = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?);")
+FUNC = re.compile(r"^\s*Function\s*:\s*(\S+)")
+BRA = re.compile(r"\bBRA(?:\.[A-Z.]+)?\s+(?:`?\(?\.?L?_?x?_?)?(0x[0-9a-f]+)")
+
+
+def parse(path):
+    if path.endswith(".gz"):
+        with gzip.open(path, "rt") as f:
+            out = f.read()
+    elif path.endswith(".txt"):
+        with open(path) as f:
+            out = f.read()
+    else:
+        out = subprocess.run(["cuobjdump", "-sass", path], capture_output=True, text=True, check=True).stdout
+    kernels, name, insns = {}, None, []
+    for line in out.splitlines():
+        m = FUNC.match(line)
+        if m:
+            if name:
+                kernels[name] = insns
+            name, insns = m.group(1), []
+            continue
+        m = INSN.match(line)
+        if m and name:
+            insns.append((int(m.group(1), 16), m.group(2).strip()))
+    if name:
+        kernels[name] = insns
+    return kernels
+
+
+def opcode(text):
+    t = text.split()
+    if t and t[0].startswith("@"):
+        t = t[1:]
+    return t[0].split(".")[0] if t else ""
+
+
+def main_loop(insns):
+    addr = [a for a, _ in insns]
+    best = None
+    for i, (a, text) in enumerate(insns):
+        if opcode(text) != "BRA":
+            continue
+        m = BRA.search(text)
+        if not m:
+            continue
+        tgt = int(m.group(1), 16)
+        if tgt > a:
+            continue
+        j = next((k for k, x in enumerate(addr) if x >= tgt), i)
+        body = [opcode(t) for _, t in insns[j:i + 1]]
+        if body.count("HMMA") < 16:
+            continue
+        if best is None or len(body) < len(best):
+            best = body
+    if best is None:
+        return None
+    body = best
+    return {"loop": len(body), "HMMA": body.count("HMMA"), "LDS": body.count("LDS"), "PRMT": body.count("PRMT"),
+            "LOP3": body.count("LOP3")}
+
+
+def demangle(names):
+    try:
+        out = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True, check=True).stdout
+        return dict(zip(names, out.splitlines()))
+    except (OSError, subprocess.CalledProcessError):
+        return {n: n for n in names}
+
+
+def main(argv):
+    if not 1 <= len(argv) <= 2:
+        print(__doc__, file=sys.stderr)
+        return 2
+    files = [parse(p) for p in argv]
+    names = sorted(set(files[0]).intersection(*files[1:]))
+    readable = demangle(names)
+    for n in names:
+        cols = []
+        for f in files:
+            loop = main_loop(f[n])
+            nk = sum(1 for _, t in f[n] if opcode(t) not in ("NOP",))
+            cols.append((nk, loop))
+        if all(c[1] is None for c in cols):
+            continue
+        txt = " | ".join(f"total {c[0]:6d} loop {c[1]['loop'] if c[1] else '-':>5} "
+                         f"(HMMA {c[1]['HMMA'] if c[1] else '-'}, LDS {c[1]['LDS'] if c[1] else '-'})" for c in cols)
+        if len(cols) == 2 and cols[0][1] and cols[1][1]:
+            txt += f" | loop {cols[1][1]['loop'] - cols[0][1]['loop']:+d}, total {cols[1][0] - cols[0][0]:+d}"
+        print(f"{readable.get(n, n)}\n    {txt}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
