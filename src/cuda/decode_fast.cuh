@@ -377,6 +377,9 @@ __device__ __forceinline__ int lut_pad_of(std::uint32_t sbase) {
 // alone after the prologue. The same answer in both CTAs (the launch's arguments and layout).
 template <class C>
 __device__ __forceinline__ bool early_sends(const DecodeParams& p, const SplitArgs& a, std::uint32_t sbase) {
+  // Every form of every fast format takes them at sm_90's pad (1 KB reserved per block); a layout change that lost
+  // them there fails here instead of only in test_cuda_decode's count of early-send cases on a GPU host.
+  static_assert(C::ep_ok(C::kPad1k), "fast decode: the early sends' buffer overlaps the merge rows or the partial");
   return a.cluster != 0 && a.nsplit == 2 && !p.protect.enabled() && C::ep_ok(lut_pad_of<C>(sbase));
 }
 template <class C>
@@ -876,7 +879,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   if (clus && early_sends<C>(p, a, sbase)) {
     __syncthreads();
     ep_arm<C>(sbase, split, G, tid);
-    if (p.test_send_delay_ns > 0 && (split & 1)) sleep_at_least_ns(static_cast<unsigned>(p.test_send_delay_ns));
+    if (p.test_send_delay_ns > 0 && (split & 1)) spin_at_least_ns(static_cast<unsigned>(p.test_send_delay_ns));
   }
   const std::uint32_t L4 = static_cast<std::uint32_t>(lane) << 2;
   const std::uint32_t lut1_s = lut_s + static_cast<std::uint32_t>(C::LUT_ALIGN);  // split: segment 1's table

@@ -20,9 +20,9 @@ namespace kvq::cuda::detail {
 __device__ __forceinline__ void grid_dependency_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 // Lets the programmatically launched grid after this one be scheduled before this one ends.
 __device__ __forceinline__ void launch_dependents() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
-// Spins for at least ns nanoseconds of the global timer (tests only: DecodeParams::test_send_delay_ns,
-// test_delayed_copy).
-inline __device__ __noinline__ void sleep_at_least_ns(unsigned ns) {
+// Spins for at least ns nanoseconds of the global timer, inlined (the fast decode kernel's prologue with early sends
+// and DecodeParams::test_send_delay_ns).
+__device__ __forceinline__ void spin_at_least_ns(unsigned ns) {
   unsigned long long t0, t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
   do {
@@ -30,6 +30,8 @@ inline __device__ __noinline__ void sleep_at_least_ns(unsigned ns) {
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   } while (t - t0 < ns);
 }
+// The same as a call (tests only: DecodeParams::test_send_delay_ns before the sends, test_delayed_copy).
+inline __device__ __noinline__ void sleep_at_least_ns(unsigned ns) { spin_at_least_ns(ns); }
 // Whether environment variable `name` is set to 1 (the kernels' test switches; callers read it once).
 inline bool env_flag(const char* name) {
   const char* v = std::getenv(name);
