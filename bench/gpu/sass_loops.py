@@ -8,9 +8,18 @@ allocation of the loop alone (docs/kernels.md, warps' merge).
 
   bench/gpu/sass_loops.py A.o [B.o]     one column per file; with two, the kernels present in both, and B - A
 A file named *.txt or *.txt.gz is read as cuobjdump's output instead (a listing saved on a GPU host).
+
+  bench/gpu/sass_loops.py --spills K.cubin [PATTERN]
+Without cuobjdump (a machine with ptxas only): reads the sm_90 cubin's kernel sections directly and prints, per
+kernel whose name contains PATTERN (default decode_fast), every local load / store (LDL / STL, ptxas's spill code)
+that has HMMA instructions both before and after it, with those counts: for the fast decode kernels, whose HMMAs
+are all in the main loop, that is a spill inside or between the loop's MMAs. The opcodes are the low 12 bits of an
+instruction's first 64-bit word (sm_90: HMMA 0x23c, LDL 0x983, STL 0x387), read off cuobjdump listings of the same
+kernels; a heuristic for a local check, not a disassembler.
 """
 import gzip
 import re
+import struct
 import subprocess
 import sys
 
@@ -84,7 +93,66 @@ def demangle(names):
         return {n: n for n in names}
 
 
+SM90_OPS = {0x23C: "HMMA", 0x983: "LDL", 0x387: "STL"}
+
+
+def cubin_kernels(path):
+    """{kernel name: .text bytes} of an ELF64 cubin (sections named .text.<kernel>)."""
+    with open(path, "rb") as f:
+        d = f.read()
+    if d[:4] != b"\x7fELF" or d[4] != 2:
+        raise ValueError(f"{path}: not an ELF64 file")
+    shoff = struct.unpack_from("<Q", d, 0x28)[0]
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", d, 0x3A)
+    secs = [struct.unpack_from("<IIQQQQIIQQ", d, shoff + i * shentsize) for i in range(shnum)]
+    names = secs[shstrndx][4]
+    out = {}
+    for s in secs:
+        name = d[names + s[0]:d.index(b"\0", names + s[0])].decode()
+        if name.startswith(".text."):
+            out[name[6:]] = d[s[4]:s[4] + s[5]]
+    return out
+
+
+def spills_between_mma(text):
+    """(HMMA count, [(offset, LDL/STL, HMMAs before, HMMAs after)]) of one kernel's code, for the local accesses
+    that lie between two HMMAs."""
+    found = []
+    for off in range(0, len(text) - 15, 16):
+        op = struct.unpack_from("<Q", text, off)[0] & 0xFFF
+        if op in SM90_OPS:
+            found.append((off, SM90_OPS[op]))
+    mma = [o for o, k in found if k == "HMMA"]
+    out = []
+    for off, kind in found:
+        if kind != "HMMA":
+            before = sum(1 for o in mma if o < off)
+            if 0 < before < len(mma):
+                out.append((off, kind, before, len(mma) - before))
+    return len(mma), out
+
+
+def main_spills(argv):
+    if not 1 <= len(argv) <= 2:
+        print(__doc__, file=sys.stderr)
+        return 2
+    try:
+        all_kernels = cubin_kernels(argv[0])
+    except (OSError, ValueError, struct.error) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    kernels = {n: t for n, t in all_kernels.items() if (argv[1] if len(argv) > 1 else "decode_fast") in n}
+    readable = demangle(sorted(kernels))
+    for n in sorted(kernels):
+        nmma, sp = spills_between_mma(kernels[n])
+        what = " ".join(f"{k}@{o:x} (HMMA {b} | {a})" for o, k, b, a in sp) or "none"
+        print(f"{readable.get(n, n)}\n    HMMA {nmma}, local accesses between them: {what}")
+    return 0
+
+
 def main(argv):
+    if argv[:1] == ["--spills"]:
+        return main_spills(argv[1:])
     if not 1 <= len(argv) <= 2:
         print(__doc__, file=sys.stderr)
         return 2

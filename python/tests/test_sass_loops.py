@@ -68,3 +68,41 @@ def test_two_listings_print_the_difference(tmp_path):
     # only the kernel present in both, with B - A of the loop and of the whole kernel
     assert "other" not in out
     assert "loop +3, total +3" in out
+
+
+def tiny_cubin(path, kernels):
+    """An ELF64 file with a section .text.<name> per kernel, holding 16-byte instructions of the given opcodes."""
+    import struct
+    names = b"\0.shstrtab\0" + b"".join(b".text." + n.encode() + b"\0" for n in kernels)
+    body, secs = b"", []
+    off = 64 + len(names)
+    for n, ops in kernels.items():
+        text = b"".join(struct.pack("<QQ", op | 0x1000, 0) for op in ops)
+        secs.append((names.index(b".text." + n.encode()), off + len(body), len(text)))
+        body += text
+    shoff = off + len(body)
+    header = bytearray(64)
+    header[:7] = b"\x7fELF\x02\x01\x01"
+    struct.pack_into("<Q", header, 0x28, shoff)
+    struct.pack_into("<HHH", header, 0x3A, 64, 2 + len(secs), 1)
+    shdrs = struct.pack("<IIQQQQIIQQ", 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+    shdrs += struct.pack("<IIQQQQIIQQ", 1, 3, 0, 0, 64, len(names), 0, 0, 1, 0)
+    for name, o, size in secs:
+        shdrs += struct.pack("<IIQQQQIIQQ", name, 1, 6, 0, o, size, 0, 0, 128, 0)
+    path.write_bytes(bytes(header) + names + body + shdrs)
+
+
+def test_spills_between_mma_from_a_cubin(tmp_path):
+    HMMA, LDL, STL, NOP = 0x23C, 0x983, 0x387, 0x918
+    # a store before the loop and a reload after it (outside), then one reload between two HMMAs (inside)
+    tiny_cubin(tmp_path / "k.cubin", {"_Z11decode_fastv": [STL, NOP, HMMA, HMMA, LDL, HMMA, NOP, LDL],
+                                      "_Z5otherv": [HMMA, LDL, HMMA]})
+    kernels = sass_loops.cubin_kernels(str(tmp_path / "k.cubin"))
+    assert sorted(kernels) == ["_Z11decode_fastv", "_Z5otherv"]
+    assert sass_loops.spills_between_mma(kernels["_Z11decode_fastv"]) == (3, [(4 * 16, "LDL", 2, 1)])
+    out = subprocess.run([sys.executable, _path, "--spills", str(tmp_path / "k.cubin")], capture_output=True, text=True,
+                         check=True).stdout
+    assert "LDL@40 (HMMA 2 | 1)" in out and "other" not in out
+    (tmp_path / "bad.cubin").write_bytes(b"not an elf")
+    bad = subprocess.run([sys.executable, _path, "--spills", str(tmp_path / "bad.cubin")], capture_output=True, text=True)
+    assert bad.returncode == 1 and bad.stderr.startswith("error:") and "not an ELF64 file" in bad.stderr

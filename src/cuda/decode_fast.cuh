@@ -451,7 +451,11 @@ __device__ __forceinline__ void finish_cluster(const DecodeParams& p, const Spli
     }
   }
   const float* const part = reinterpret_cast<const float*>(smem_raw + C::CL_OFF);
-  const std::uint32_t base = smem_u32(smem_raw);
+  // An opaque copy (asm volatile): from smem_raw directly, ptxas may take the early-send test and the buffer's address
+  // from the prologue and keep them across the main loop; without the copy tq-4bit-nc's four-head loop had a spill
+  // reload between its MMAs (bench/gpu/sass_loops.py --spills on the cubin).
+  std::uint32_t base;
+  asm volatile("mov.u32 %0, %1;" : "=r"(base) : "r"(smem_u32(smem_raw)));
   const std::uint32_t rc = base + C::RC_OFF, bar = rc + C::RC_BAR;
   const std::size_t row = cr.row0 + w;
   if (NS == 1) {  // a cluster of one CTA (asynchronous stores need two or more): the merge of its own partial
