@@ -25,7 +25,7 @@ import sys
 
 INSN = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?);")
 FUNC = re.compile(r"^\s*Function\s*:\s*(\S+)")
-BRA = re.compile(r"\bBRA(?:\.[A-Z.]+)?\s+(?:`?\(?\.?L?_?x?_?)?(0x[0-9a-f]+)")
+BRA = re.compile(r"\bBRA(?:\.[A-Z.]+)?\s+(0x[0-9a-f]+)")  # cuobjdump's absolute targets
 
 
 def parse(path):
@@ -156,7 +156,11 @@ def main(argv):
     if not 1 <= len(argv) <= 2:
         print(__doc__, file=sys.stderr)
         return 2
-    files = [parse(p) for p in argv]
+    try:
+        files = [parse(p) for p in argv]
+    except (OSError, subprocess.CalledProcessError) as e:
+        print(f"error: {e} (cuobjdump is on GPU hosts; here, --spills reads a cubin)", file=sys.stderr)
+        return 1
     names = sorted(set(files[0]).intersection(*files[1:]))
     readable = demangle(names)
     for n in names:
