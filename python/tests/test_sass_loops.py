@@ -2,6 +2,7 @@
 
 import importlib.util
 import os
+import struct
 import subprocess
 import sys
 
@@ -72,7 +73,6 @@ def test_two_listings_print_the_difference(tmp_path):
 
 def tiny_cubin(path, kernels):
     """An ELF64 file with a section .text.<name> per kernel, holding 16-byte instructions of the given opcodes."""
-    import struct
     names = b"\0.shstrtab\0" + b"".join(b".text." + n.encode() + b"\0" for n in kernels)
     body, secs = b"", []
     off = 64 + len(names)

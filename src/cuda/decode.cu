@@ -80,15 +80,17 @@ bool decode_uses_fast_kernel(const DecodeParams& p) {
 
 int decode_cta_heads(const DecodeParams& p) { return detail::cta_heads(p); }
 
-bool decode_uses_cluster_merge(const DecodeParams& p) {
-  return decode_uses_fast_kernel(p) &&
-         detail::decode_fast_cluster_d128(p, decode_splits(p) + (p.protect.enabled() ? 1 : 0)) > 0;
+namespace {
+// decode_fast_cluster_d128's answer for the launch decode(p) makes (0 where the fast kernel does not serve it).
+int cluster_mode(const DecodeParams& p) {
+  return decode_uses_fast_kernel(p) ? detail::decode_fast_cluster_d128(p, decode_splits(p) + (p.protect.enabled() ? 1 : 0))
+                                    : 0;
 }
+}  // namespace
 
-bool decode_uses_early_sends(const DecodeParams& p) {
-  return decode_uses_fast_kernel(p) &&
-         detail::decode_fast_cluster_d128(p, decode_splits(p) + (p.protect.enabled() ? 1 : 0)) == 2;
-}
+bool decode_uses_cluster_merge(const DecodeParams& p) { return cluster_mode(p) > 0; }
+
+bool decode_uses_early_sends(const DecodeParams& p) { return cluster_mode(p) == 2; }
 
 namespace {
 // Workspace: the groups' arrival counters (8 bytes per sequence x grid row, i.e. KV head x head_sub, 256-byte

@@ -492,6 +492,8 @@ __device__ __forceinline__ void finish_cluster(const DecodeParams& p, const Spli
   __cluster_barrier_wait();  // early: the prologue's arrivals (the partner's buffer and barrier are ready)
   if (p.test_send_delay_ns > 0 && (rank & 1)) sleep_at_least_ns(static_cast<unsigned>(p.test_send_delay_ns));
   const std::uint32_t rbar = early ? ep + C::EP_BAR : bar;  // this CTA's barrier for the rows it merges
+  // The two paths' sends are written out separately: one loop with the destination selected per row (the same
+  // stores) brought a spill reload back into tq-4bit-nc's four-head main loop (ptxas -v, sass_loops.py --spills).
   if (early) {
     const int o = rank ^ 1;
     for (int i = tid; i < G * (D / 4); i += C::THREADS) {
