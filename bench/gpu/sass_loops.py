@@ -80,9 +80,8 @@ def main_loop(insns):
             best = body
     if best is None:
         return None
-    body = best
-    return {"loop": len(body), "HMMA": body.count("HMMA"), "LDS": body.count("LDS"), "PRMT": body.count("PRMT"),
-            "LOP3": body.count("LOP3")}
+    return {"loop": len(best), "HMMA": best.count("HMMA"), "LDS": best.count("LDS"), "PRMT": best.count("PRMT"),
+            "LOP3": best.count("LOP3")}
 
 
 def demangle(names):
@@ -171,8 +170,8 @@ def main(argv):
             cols.append((nk, loop))
         if all(c[1] is None for c in cols):
             continue
-        txt = " | ".join(f"total {c[0]:6d} loop {c[1]['loop'] if c[1] else '-':>5} "
-                         f"(HMMA {c[1]['HMMA'] if c[1] else '-'}, LDS {c[1]['LDS'] if c[1] else '-'})" for c in cols)
+        txt = " | ".join(f"total {nk:6d} loop {loop['loop']:>5} (HMMA {loop['HMMA']}, LDS {loop['LDS']}, PRMT {loop['PRMT']}, "
+                         f"LOP3 {loop['LOP3']})" if loop else f"total {nk:6d} loop     -" for nk, loop in cols)
         if len(cols) == 2 and cols[0][1] and cols[1][1]:
             txt += f" | loop {cols[1][1]['loop'] - cols[0][1]['loop']:+d}, total {cols[1][0] - cols[0][0]:+d}"
         print(f"{readable.get(n, n)}\n    {txt}")

@@ -69,6 +69,8 @@ def test_two_listings_print_the_difference(tmp_path):
     # only the kernel present in both, with B - A of the loop and of the whole kernel
     assert "other" not in out
     assert "loop +3, total +3" in out
+    # each column's counts, the LOP3s added in B's loop among them
+    assert "(HMMA 16, LDS 4, PRMT 2, LOP3 0)" in out and "(HMMA 16, LDS 4, PRMT 2, LOP3 3)" in out
 
 
 def tiny_cubin(path, kernels):
