@@ -209,6 +209,17 @@ struct FCfg {
   static constexpr int EP_BAR = (EP_LSE + (HG / 2) * 4 + 7) / 8 * 8;
   static constexpr int EP_BYTES = EP_BAR + 8;
   static_assert(EP_BYTES <= Q_BYTES, "fast decode: the early sends' buffer");
+  // Which kernels take them: all but those where a same-call A/B at 8 x 16K measured them >= 1% slower than the
+  // same kernel without (bench/results/decode-gqa-ab-2026-12-04.md, section 7): tq-3bit (four, eight and sixteen
+  // heads: 1.2-3.7%), tq-2.5bit with four heads (2.6%), tq-4bit and tq-3bit-nc with eight (3.5%, 1.9%),
+  // tq-4bit-nc with sixteen (11%). Elsewhere they measured -2.5% (tq-3.5bit, four heads) to +0.5%. Each kernel's code
+  // depends only on its own kEarly, so every kernel is one of the two measured builds.
+  static constexpr bool kEarlyLoss =
+      kValWin || (NSEG == 2 && KB == 3 && HG == 4) ||
+      (NSEG == 1 && KC == KeyCode::kTq && KB == 4 && VC == ValueCode::kTq && VB == 4 && HG == 8) ||
+      (KC == KeyCode::kTq && KB == 3 && VC == ValueCode::kUniform && VB == 3 && HG == 8) ||
+      (KC == KeyCode::kTq && KB == 4 && VC == ValueCode::kUniform && VB == 4 && HG == 16);
+  static constexpr bool kEarly = !kEarlyLoss;
   static constexpr bool ep_ok(int lut_pad) {
     const int q0 = lut_pad + LUT_BYTES, q1 = q0 + EP_BYTES, r0 = red_off(lut_pad);
     return (q1 <= r0 || r0 + RED_BYTES <= q0) && (q1 <= CL_OFF || CL_OFF + CL_BYTES <= q0);
@@ -379,8 +390,8 @@ template <class C>
 __device__ __forceinline__ bool early_sends(const DecodeParams& p, const SplitArgs& a, std::uint32_t sbase) {
   // Every form of every fast format takes them at sm_90's pad (1 KB reserved per block); a layout change that lost
   // them there fails here instead of only in test_cuda_decode's count of early-send cases on a GPU host.
-  static_assert(C::ep_ok(C::kPad1k), "fast decode: the early sends' buffer overlaps the merge rows or the partial");
-  return a.cluster != 0 && a.nsplit == 2 && !p.protect.enabled() && C::ep_ok(lut_pad_of<C>(sbase));
+  static_assert(!C::kEarly || C::ep_ok(C::kPad1k), "fast decode: the early sends' buffer overlaps the merge rows or the partial");
+  return C::kEarly && a.cluster != 0 && a.nsplit == 2 && !p.protect.enabled() && C::ep_ok(lut_pad_of<C>(sbase));
 }
 template <class C>
 __device__ __forceinline__ std::uint32_t ep_base(std::uint32_t sbase) {
