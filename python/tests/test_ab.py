@@ -126,3 +126,39 @@ def test_run_order_alternates_which_side_goes_first():
     assert out[:6] == ["a b", "b a"] * 3
     script = open(os.path.join(ROOT, "scripts", "gpu-ab")).read()
     assert 'for s in $(kvq_ab_order "$r"); do' in script and "rounds=4" in script
+
+
+def _fake_build(ab_dir, side, us):
+    """A stand-in for gpu-ab's build of one side: a `kvq` that prints one decode row's JSON and records its arguments."""
+    kvq = ab_dir / f"build-{side}" / "tools" / "kvq" / "kvq"
+    kvq.parent.mkdir(parents=True)
+    row = {"format": "tq-4bit", "batch": 8, "context": 16384, "q_heads": 64, "kv_heads": 8, "head_dim": 128, "us": us,
+           "gbps": 1.0, "splits": 2}
+    doc = json.dumps({"gpu": "test", "commit": "x", "copy_gbps": 1.0, "rows": [row], "store": []})
+    kvq.write_text(f"#!/bin/sh\necho \"$@\" >> {ab_dir}/args-{side}\ncat <<'JSON'\n{doc}\nJSON\n")
+    kvq.chmod(0o755)
+
+
+def test_reuse_runs_the_builds_of_the_same_patch_and_rebuilds_for_another(tmp_path):
+    # --reuse times other bench options on the builds an earlier call left for the same patch (no copy, no build);
+    # with another patch, or without those builds, it goes the usual way (here: the patch does not apply).
+    ab_dir = tmp_path / "ab"
+    patch = tmp_path / "x.patch"
+    patch.write_text("--- a/no/such/file.cu\n+++ b/no/such/file.cu\n@@ -1 +1 @@\n-x\n+y\n")
+    _fake_build(ab_dir, "a", 50.0)
+    _fake_build(ab_dir, "b", 40.0)
+    (ab_dir / "patch").write_text(patch.read_text())
+    r = _script(tmp_path, str(patch), "--reuse", "--rounds", "2", "--q-heads", "64", "--formats", "tq-4bit")
+    assert r.returncode == 0, r.stderr
+    assert "reusing the builds" in r.stdout
+    assert "tq-4bit B=8 N=16384 64/8 d128" in r.stdout and "1.250  1.250" in r.stdout
+    for side in "ab":
+        calls = (ab_dir / f"args-{side}").read_text().splitlines()
+        assert len(calls) == 2 and all("--q-heads 64" in c and "--json" in c for c in calls)
+    assert not (ab_dir / "a").exists()  # no tree was copied
+    other = tmp_path / "y.patch"
+    other.write_text(patch.read_text().replace("+y", "+z"))
+    r = _script(tmp_path, str(other), "--reuse")
+    assert r.returncode == 1 and "does not apply" in r.stderr and "reusing" not in r.stdout
+    # A call that builds removes the recorded patch first, so builds it did not finish are never reused.
+    assert not (ab_dir / "patch").exists()

@@ -211,9 +211,9 @@ struct FCfg {
   static_assert(EP_BYTES <= Q_BYTES, "fast decode: the early sends' buffer");
   // Which kernels take them: all but those where a same-call A/B at 8 x 16K measured them >= 1% slower than the
   // same kernel without (bench/results/decode-gqa-ab-2026-12-04.md, section 7): tq-3bit (four, eight and sixteen
-  // heads: 1.2-3.7%), tq-2.5bit with four heads (2.6%), tq-4bit and tq-3bit-nc with eight (3.5%, 1.9%),
-  // tq-4bit-nc with sixteen (11%). Elsewhere they measured -2.5% (tq-3.5bit, four heads) to +0.5%. Each kernel's code
-  // depends only on its own kEarly, so every kernel is one of the two measured builds.
+  // heads: 1.1-3.8%), tq-2.5bit with four heads (2.6%), tq-4bit and tq-3bit-nc with eight (3.5%, 1.9%),
+  // tq-4bit-nc with sixteen (11%). Elsewhere they measured between 2.5% faster (tq-3.5bit, four heads) and 0.5%
+  // slower. Each kernel's code depends only on its own kEarly, so every kernel is one of the two measured builds.
   static constexpr bool kEarlyLoss =
       kValWin || (NSEG == 2 && KB == 3 && HG == 4) ||
       (NSEG == 1 && KC == KeyCode::kTq && KB == 4 && VC == ValueCode::kTq && VB == 4 && HG == 8) ||
