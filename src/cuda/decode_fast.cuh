@@ -210,15 +210,16 @@ struct FCfg {
   static constexpr int EP_BYTES = EP_BAR + 8;
   static_assert(EP_BYTES <= Q_BYTES, "fast decode: the early sends' buffer");
   // Which kernels take them: all but those where a same-call A/B at 8 x 16K measured them >= 1% slower than the
-  // same kernel without (bench/results/decode-gqa-ab-2026-12-04.md, section 7): tq-3bit (four, eight and sixteen
-  // heads: 1.1-3.8%), tq-2.5bit with four heads (2.6%), tq-4bit and tq-3bit-nc with eight (3.5%, 1.9%),
-  // tq-4bit-nc with sixteen (11%). Elsewhere they measured between 2.5% faster (tq-3.5bit, four heads) and 0.5%
-  // slower. Each kernel's code depends only on its own kEarly, so every kernel is one of the two measured builds.
+  // same kernel without (bench/results/decode-gqa-ab-2026-12-04.md, sections 7 and 8):
+  // - tq-3bit (four, eight and sixteen heads: 1.1-3.8%) and tq-3bit-nc (1.2-1.7%, 1.9%, 9.6%);
+  // - the other uniform-value formats with sixteen heads (tq-k8v4 1.7%, tq-4bit-nc 11%, tq-k3v4-nc 11%);
+  // - tq-2.5bit with four heads (2.6%) and tq-4bit with eight (3.5%).
+  // Elsewhere they measured between 5% faster (tq-2.5bit, sixteen heads) and 0.8% slower. Each kernel's code depends
+  // only on its own kEarly, so every kernel is one of the two measured builds.
   static constexpr bool kEarlyLoss =
-      kValWin || (NSEG == 2 && KB == 3 && HG == 4) ||
-      (NSEG == 1 && KC == KeyCode::kTq && KB == 4 && VC == ValueCode::kTq && VB == 4 && HG == 8) ||
-      (KC == KeyCode::kTq && KB == 3 && VC == ValueCode::kUniform && VB == 3 && HG == 8) ||
-      (KC == KeyCode::kTq && KB == 4 && VC == ValueCode::kUniform && VB == 4 && HG == 16);
+      kValWin || (KC == KeyCode::kTq && KB == 3 && VC == ValueCode::kUniform && VB == 3) ||
+      (HG == 16 && VC == ValueCode::kUniform) || (NSEG == 2 && KB == 3 && HG == 4) ||
+      (NSEG == 1 && KC == KeyCode::kTq && KB == 4 && VC == ValueCode::kTq && VB == 4 && HG == 8);
   static constexpr bool kEarly = !kEarlyLoss;
   static constexpr bool ep_ok(int lut_pad) {
     const int q0 = lut_pad + LUT_BYTES, q1 = q0 + EP_BYTES, r0 = red_off(lut_pad);
