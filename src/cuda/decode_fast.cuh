@@ -389,9 +389,10 @@ __device__ __forceinline__ int lut_pad_of(std::uint32_t sbase) {
 // alone after the prologue. The same answer in both CTAs (the launch's arguments and layout).
 template <class C>
 __device__ __forceinline__ bool early_sends(const DecodeParams& p, const SplitArgs& a, std::uint32_t sbase) {
-  // Every form of every fast format takes them at sm_90's pad (1 KB reserved per block); a layout change that lost
-  // them there fails here instead of only in test_cuda_decode's count of early-send cases on a GPU host.
-  static_assert(!C::kEarly || C::ep_ok(C::kPad1k), "fast decode: the early sends' buffer overlaps the merge rows or the partial");
+  // Every kernel that takes them (FCfg::kEarly) fits them at sm_90's pad (1 KB reserved per block); a layout change
+  // that lost them there fails here instead of only in test_cuda_decode's count of early-send cases on a GPU host.
+  static_assert(!C::kEarly || C::ep_ok(C::kPad1k),
+                "fast decode: the early sends' buffer overlaps the merge rows or the partial");
   return C::kEarly && a.cluster != 0 && a.nsplit == 2 && !p.protect.enabled() && C::ep_ok(lut_pad_of<C>(sbase));
 }
 template <class C>
