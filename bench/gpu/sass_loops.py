@@ -16,6 +16,12 @@ that has HMMA instructions both before and after it, with those counts: for the 
 are all in the main loop, that is a spill inside or between the loop's MMAs. The opcodes are the low 12 bits of an
 instruction's first 64-bit word (sm_90: HMMA 0x23c, LDL 0x983, STL 0x387), read off cuobjdump listings of the same
 kernels; a heuristic for a local check, not a disassembler.
+
+  bench/gpu/sass_loops.py --same A.cubin B.cubin [C.cubin]
+Also without cuobjdump: which kernels a change touched, by their code bytes (.text). With two cubins, each kernel is
+"same" or "differs" (or in one file only). With three, each kernel of C is named after the build whose code it has:
+"A", "B", "A and B" (both equal), or "neither"; the exit status is 1 if any is "neither". That is how a build that
+picks, kernel by kernel, between two measured variants is checked to contain only measured code.
 """
 import gzip
 import re
@@ -149,9 +155,37 @@ def main_spills(argv):
     return 0
 
 
+def main_same(argv):
+    if len(argv) not in (2, 3):
+        print(__doc__, file=sys.stderr)
+        return 2
+    try:
+        files = [cubin_kernels(p) for p in argv]
+    except (OSError, ValueError, struct.error) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    readable = demangle(sorted(set().union(*files)))
+    if len(files) == 2:
+        a, b = files
+        for n in sorted(set(a) | set(b)):
+            what = ("same" if a[n] == b[n] else "differs") if n in a and n in b else ("A only" if n in a else "B only")
+            print(f"{what:8s} {readable.get(n, n)}")
+        return 0
+    a, b, c = files
+    rc = 0
+    for n in sorted(c):
+        src = [side for side, f in (("A", a), ("B", b)) if f.get(n) == c[n]]
+        if not src:
+            rc = 1
+        print(f"{' and '.join(src) or 'neither':8s} {readable.get(n, n)}")
+    return rc
+
+
 def main(argv):
     if argv[:1] == ["--spills"]:
         return main_spills(argv[1:])
+    if argv[:1] == ["--same"]:
+        return main_same(argv[1:])
     if not 1 <= len(argv) <= 2:
         print(__doc__, file=sys.stderr)
         return 2

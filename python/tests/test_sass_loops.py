@@ -108,3 +108,25 @@ def test_spills_between_mma_from_a_cubin(tmp_path):
     (tmp_path / "bad.cubin").write_bytes(b"not an elf")
     bad = subprocess.run([sys.executable, _path, "--spills", str(tmp_path / "bad.cubin")], capture_output=True, text=True)
     assert bad.returncode == 1 and bad.stderr.startswith("error:") and "not an ELF64 file" in bad.stderr
+
+
+def test_same_names_the_build_each_kernel_comes_from(tmp_path):
+    HMMA, LDL, NOP = 0x23C, 0x983, 0x918
+    tiny_cubin(tmp_path / "a.cubin", {"_Z1fv": [HMMA, NOP], "_Z1gv": [HMMA, HMMA], "_Z1hv": [NOP]})
+    tiny_cubin(tmp_path / "b.cubin", {"_Z1fv": [HMMA, LDL], "_Z1gv": [HMMA, HMMA], "_Z1kv": [NOP]})
+
+    def run(*files):
+        r = subprocess.run([sys.executable, _path, "--same", *map(str, files)], capture_output=True, text=True)
+        # "WHAT     NAME" (WHAT padded to 8); NAME demangled where c++filt is installed ("f()"), else "_Z1fv"
+        return r.returncode, {line[9:].replace("_Z1", "").replace("v", "()"): line[:8].strip()
+                              for line in r.stdout.splitlines()}
+
+    assert run(tmp_path / "a.cubin", tmp_path / "b.cubin") == (
+        0, {"f()": "differs", "g()": "same", "h()": "A only", "k()": "B only"})
+    # A build that takes f from B and g from either: every kernel is measured code.
+    tiny_cubin(tmp_path / "c.cubin", {"_Z1fv": [HMMA, LDL], "_Z1gv": [HMMA, HMMA]})
+    assert run(tmp_path / "a.cubin", tmp_path / "b.cubin", tmp_path / "c.cubin") == (0, {"f()": "B", "g()": "A and B"})
+    # A kernel with the code of neither build fails the check.
+    tiny_cubin(tmp_path / "d.cubin", {"_Z1fv": [LDL, LDL], "_Z1gv": [HMMA, HMMA]})
+    assert run(tmp_path / "a.cubin", tmp_path / "b.cubin", tmp_path / "d.cubin") == (1, {"f()": "neither",
+                                                                                         "g()": "A and B"})
