@@ -74,14 +74,14 @@ cudaError_t decode_fast_d128(const DecodeParams& p, bool launch, int* warps, con
 #undef KVQ_FAST_CASE
 
 // 0: no cluster merge, 1: a cluster merge, 2: one with early sends (the kernel's early_sends: clusters of two CTAs
-// without protection, FCfg::kEarly, FCfg::ep_ok at the device's lut_pad).
+// without protection, FCfg::takes_early at the device's lut_pad).
 template <class C>
 int fast_cluster_for(const DecodeParams& p, int ns) {
   const int smem = fast_smem<C>(p);
   if (!(smem > 0 && smem_limit_once<decode_fast_kernel<C>>(smem) == cudaSuccess &&
         fast_cluster_applies<C>(p, ns, grid_rows(p), smem)))
     return 0;
-  return ns == 2 && !p.protect.enabled() && C::kEarly && C::ep_ok(fast_pad<C>()) ? 2 : 1;
+  return ns == 2 && !p.protect.enabled() && C::takes_early(fast_pad<C>()) ? 2 : 1;
 }
 #define KVQ_FAST_CLUSTER_CASE(KC, KB, VC, VB, KB1, VB1)                              \
   if (format_is(p.fmt, KC, KB, KB1, VC, VB, VB1)) {                                  \

@@ -225,6 +225,9 @@ struct FCfg {
     const int q0 = lut_pad + LUT_BYTES, q1 = q0 + EP_BYTES, r0 = red_off(lut_pad);
     return (q1 <= r0 || r0 + RED_BYTES <= q0) && (q1 <= CL_OFF || CL_OFF + CL_BYTES <= q0);
   }
+  // Whether a cluster of two CTAs without protection takes the early sends at this lut_pad: the one rule for the
+  // kernel (early_sends) and the launcher (fast_cluster_for).
+  static constexpr bool takes_early(int lut_pad) { return kEarly && ep_ok(lut_pad); }
   static constexpr int smem(int lut_pad) {
     const int need = lut_pad + LUT_BYTES + Q_BYTES + WARPS * SCR_WARP + (WARPS - nlo(lut_pad)) * NST * STAGE_BYTES;
     return need > CL_END ? need : CL_END;
@@ -393,7 +396,7 @@ __device__ __forceinline__ bool early_sends(const DecodeParams& p, const SplitAr
   // that lost them there fails here instead of only in test_cuda_decode's count of early-send cases on a GPU host.
   static_assert(!C::kEarly || C::ep_ok(C::kPad1k),
                 "fast decode: the early sends' buffer overlaps the merge rows or the partial");
-  return C::kEarly && a.cluster != 0 && a.nsplit == 2 && !p.protect.enabled() && C::ep_ok(lut_pad_of<C>(sbase));
+  return a.cluster != 0 && a.nsplit == 2 && !p.protect.enabled() && C::takes_early(lut_pad_of<C>(sbase));
 }
 template <class C>
 __device__ __forceinline__ std::uint32_t ep_base(std::uint32_t sbase) {
