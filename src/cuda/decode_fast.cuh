@@ -133,7 +133,12 @@ struct FCfg {
   // per-warp scratch of the P transpose: [segment][4 parts][4 heads][8 words]; sixteen heads: [segment][2 k-blocks]
   // [16 heads][8 words] (p16_word)
   static constexpr int SCR_WARP = (kHG16 ? 1024 : 512) * NSEG;
-  static constexpr int WMAX = kHG16 ? 8 : kHG8 ? 12 : 16;
+  // Warps per CTA at most. Four heads: 16 (128 registers), except tq-4bit-nc with 12 (up to 168 registers): in a
+  // same-call A/B (decode-gqa-ab-2026-12-04.md, section 11) 12 warps measured 1.045x for tq-4bit-nc at 8 x 16K and
+  // 1.027x at 8 x 64K, 0.96-0.99x for the other TurboQuant-key formats and 1.000-1.004x for tq-k8v4; 8 warps (up to
+  // 255 registers) 0.80-0.95x except tq-k8v4.
+  static constexpr bool kW12 = HG_ == 4 && KC_ == KeyCode::kTq && KB_ == 4 && VC_ == ValueCode::kUniform && VB_ == 4 && KB1_ == 0;
+  static constexpr int WMAX = kHG16 ? 8 : kHG8 || kW12 ? 12 : 16;
   // cp.async ring depth per warp: 3 stages (two chunks in flight while one is used) where 16 warps' rings fit beside
   // the table, query and scratch, 2 otherwise. The eight-head kernels (12 warps) ask for the same room: with three
   // stages where only their 12 rings fit, tq-3bit-nc and tq-k3v4-nc measured 0.99-1.00x (decode-gqa-ab-2026-12-02.md,
