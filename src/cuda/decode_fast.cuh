@@ -137,7 +137,9 @@ struct FCfg {
   // same-call A/B (decode-gqa-ab-2026-12-04.md, section 11) 12 warps measured 1.045x for tq-4bit-nc at 8 x 16K and
   // 1.027x at 8 x 64K, 0.96-0.99x for the other TurboQuant-key formats and 1.000-1.004x for tq-k8v4; 8 warps (up to
   // 255 registers) 0.80-0.99x except tq-k8v4; 10 warps 0.92-0.95x for tq-4bit-nc against 12; 14 warps 0.90-0.94x for
-  // tq-4bit and tq-k3v4-nc (section 12). The split count's cost model (decode_splits) divides by the warps.
+  // tq-4bit and tq-k3v4-nc (section 12); 12 warps with three stages (which fit at 12 warps for tq-k3v4-nc, tq-3bit-nc,
+  // tq-4bit and tq-3bit) lost what 12 with two did (section 13). The split count's cost model (decode_splits) divides
+  // by the warps.
   static constexpr bool kW12 = HG == 4 && NSEG == 1 && KC == KeyCode::kTq && KB == 4 && VC == ValueCode::kUniform && VB == 4;
   static constexpr int WMAX = kHG16 ? 8 : kHG8 || kW12 ? 12 : 16;
   // cp.async ring depth per warp: 3 stages (two chunks in flight while one is used) where 16 warps' rings fit beside
