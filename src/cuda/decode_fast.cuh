@@ -727,10 +727,41 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     }
     __syncwarp();
   }
+  // kUniIssue: the bulk copies' operands (page, stage address, pool pointers: the same values in every lane) broadcast
+  // from lane 0, after which ptxas holds part of them in uniform registers: the issue path of the main loop has 14-15
+  // fewer instructions per chunk (the waterfall loops around the copies remain). Same-call A/Bs
+  // (bench/results/decode-gqa-ab-2026-12-04.md, section 15): 1.01-1.03x for tq-k3v4-nc and tq-3bit-nc at batch 32,
+  // tq-k3v4-nc and tq-4bit 1.02-1.03x at 128 / 8 heads, within +-1% at batch 8 x 32 / 8. Not for tq-k8v4 (0.983-0.989x
+  // at 128 / 8) or the outlier splits (0.94-1.04x, not resolved on a noisy host), which keep the code before.
+  constexpr bool kUniIssue = kBulk && C::KC == KeyCode::kTq && NSEG == 1;
+  auto bcast_ptr = [](const std::uint8_t* q) {
+    const std::uint64_t v = reinterpret_cast<std::uint64_t>(q);
+    const std::uint32_t lo = __shfl_sync(0xffffffffu, static_cast<std::uint32_t>(v), 0);
+    const std::uint32_t hi = __shfl_sync(0xffffffffu, static_cast<std::uint32_t>(v >> 32), 0);
+    return reinterpret_cast<const std::uint8_t*>((static_cast<std::uint64_t>(hi) << 32) | lo);
+  };
+  const std::uint8_t* const bk_u = kUniIssue ? bcast_ptr(pool_k) : pool_k;
+  const std::uint8_t* const bv_u = kUniIssue ? bcast_ptr(pool_v) : pool_v;
+  const std::uint8_t* const bm_u = kUniIssue ? bcast_ptr(pool_m) : pool_m;
   auto issue = [&](int slot_i, int page) {
     const std::uint64_t pgo = static_cast<std::uint64_t>(static_cast<std::uint32_t>(page)) * page_bytes32;
     std::uint8_t* dst = my_stages + slot_i * C::STAGE_BYTES;
-    if constexpr (kBulk) {
+    if constexpr (kUniIssue) {
+      const std::uint32_t pg_u = __shfl_sync(0xffffffffu, static_cast<std::uint32_t>(page), 0);
+      const std::uint32_t d = __shfl_sync(0xffffffffu, stages_s + static_cast<std::uint32_t>(slot_i * C::STAGE_BYTES), 0);
+      const std::uint64_t pgo_u = static_cast<std::uint64_t>(pg_u) * page_bytes32;
+      if (lane == 0) {
+        const std::uint32_t mb = d + static_cast<std::uint32_t>(C::STAGE_BYTES - 16);
+        // The warp's generic reads of this stage (ordered by the __syncwarp before the issue) before the async writes.
+        async_proxy_fence();
+        mbar_arrive_expect_tx(mb, 16 * (kSplitGroups ? nk + nm : nk + nv + nm));
+        bulk_copy(d, bk_u + pgo_u, 16 * nk, mb);
+        bulk_copy(d + 16 * (nk + nv), bm_u + pgo_u, 16 * nm, mb);
+        if constexpr (kSplitGroups)
+          mbar_arrive_expect_tx(mb + 8, 16 * nv);
+        bulk_copy(d + 16 * nk, bv_u + pgo_u, 16 * nv, kSplitGroups ? mb + 8 : mb);
+      }
+    } else if constexpr (kBulk) {
       if (lane == 0) {
         const std::uint32_t d = stages_s + static_cast<std::uint32_t>(slot_i * C::STAGE_BYTES), mb = mbar_of(slot_i);
         // The warp's generic reads of this stage (ordered by the __syncwarp before the issue) before the async writes.
