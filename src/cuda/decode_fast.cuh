@@ -728,11 +728,12 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     __syncwarp();
   }
   // kUniIssue: the bulk copies' operands (page, stage address, pool pointers: the same values in every lane) broadcast
-  // from lane 0, after which ptxas holds part of them in uniform registers: the issue path of the main loop has 14-15
-  // fewer instructions per chunk (the waterfall loops around the copies remain). Same-call A/Bs
-  // (bench/results/decode-gqa-ab-2026-12-04.md, section 15): 1.01-1.03x for tq-k3v4-nc and tq-3bit-nc at batch 32,
-  // tq-k3v4-nc and tq-4bit 1.02-1.03x at 128 / 8 heads, within +-1% at batch 8 x 32 / 8. Not for tq-k8v4 (0.983-0.989x
-  // at 128 / 8) or the outlier splits (0.94-1.04x, not resolved on a noisy host), which keep the code before.
+  // from lane 0, after which ptxas adds the source offsets in uniform registers: the main loop's issue path has 14-15
+  // fewer instructions per chunk (the waterfall loops around the copies remain). Three same-call A/Bs
+  // (bench/results/decode-gqa-ab-2026-12-04.md, section 15), ratios of the minima: tq-3bit-nc 1.010-1.035x,
+  // tq-k3v4-nc 1.012-1.019x at batch 32 and 0.990-1.013x at 8 x 16K, tq-k3v4-nc and tq-4bit 1.014-1.029x at 128 / 8
+  // heads, tq-4bit-nc 0.997-1.011x. Not for tq-k8v4 (0.983x at 128 / 8) or the outlier splits (0.984-1.033x, noisy),
+  // which keep the code before.
   constexpr bool kUniIssue = kBulk && C::KC == KeyCode::kTq && NSEG == 1;
   auto bcast_ptr = [](const std::uint8_t* q) {
     const std::uint64_t v = reinterpret_cast<std::uint64_t>(q);
