@@ -732,7 +732,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   // fewer instructions per chunk (the waterfall loops around the copies remain). Three same-call A/Bs
   // (bench/results/decode-gqa-ab-2026-12-04.md, section 15), ratios of the minima: tq-3bit-nc 1.010-1.035x,
   // tq-k3v4-nc 1.012-1.019x at batch 32 and 0.990-1.013x at 8 x 16K, tq-k3v4-nc and tq-4bit 1.014-1.029x at 128 / 8
-  // heads, tq-4bit-nc 0.997-1.011x. Not for tq-k8v4 (0.983x at 128 / 8) or the outlier splits (0.984-1.033x, noisy),
+  // heads, tq-4bit-nc 0.997-1.009x. Not for tq-k8v4 (0.983x at 128 / 8) or the outlier splits (0.984-1.033x, noisy),
   // which keep the code before. The two issue blocks below are written out separately: sharing them through one
   // lambda changed tq-3.5bit's four-head kernel (sass_loops.py --same), which was not measured that way.
   constexpr bool kUniIssue = kBulk && C::KC == KeyCode::kTq && NSEG == 1;
