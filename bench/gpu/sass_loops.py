@@ -17,6 +17,18 @@ are all in the main loop, that is a spill inside or between the loop's MMAs. The
 instruction's first 64-bit word (sm_90: HMMA 0x23c, LDL 0x983, STL 0x387), read off cuobjdump listings of the same
 kernels; a heuristic for a local check, not a disassembler.
 
+  bench/gpu/sass_loops.py --local [--hist] A.cubin [B.cubin]
+Without cuobjdump: the same table from sm_90 cubins, each instruction named by its low 12 bits through
+sm90_opcodes.json (beside this file; KVQ_SM90_OPCODES names another). Branch targets are decoded from the instruction's offset field: bits 16-23 and
+34-63 of the first 64-bit word and bits 0-17 of the second, a signed count of 4-byte units from the next
+instruction. Both were read off a cuobjdump listing of the fast decode kernels (nvcc 13.0); on every kernel of that
+listing the table equals cuobjdump's. An opcode the map lacks prints as ?XXX. --hist adds each loop's full opcode
+counts (also with cuobjdump listings).
+
+  bench/gpu/sass_loops.py --opmap LISTING.txt[.gz] K.cubin
+Writes sm90_opcodes.json from a cuobjdump listing and the cubin it was made from, for another compiler version; an
+opcode that names two mnemonics is an error.
+
   bench/gpu/sass_loops.py --same A.cubin B.cubin [C.cubin]
 Also without cuobjdump: which kernels a change touched, by their code bytes (.text). With two cubins, each kernel is
 "same" or "differs" (or in one file only). With three, each kernel of C is named after the build whose code it has:
@@ -24,6 +36,8 @@ Also without cuobjdump: which kernels a change touched, by their code bytes (.te
 picks, kernel by kernel, between two measured variants is checked to contain only measured code.
 """
 import gzip
+import json
+import os
 import re
 import struct
 import subprocess
@@ -66,7 +80,8 @@ def opcode(text):
     return t[0].split(".")[0] if t else ""
 
 
-def main_loop(insns):
+def main_loop_body(insns):
+    """The main loop's instructions (see main_loop), or None."""
     addr = [a for a, _ in insns]
     best = None
     for i, (a, text) in enumerate(insns):
@@ -84,6 +99,11 @@ def main_loop(insns):
             continue
         if best is None or len(body) < len(best):
             best = body
+    return best
+
+
+def main_loop(insns):
+    best = main_loop_body(insns)
     if best is None:
         return None
     return {"loop": len(best), "HMMA": best.count("HMMA"), "LDS": best.count("LDS"), "PRMT": best.count("PRMT"),
@@ -99,6 +119,73 @@ def demangle(names):
 
 
 SM90_OPS = {0x23C: "HMMA", 0x983: "LDL", 0x387: "STL"}
+
+
+OPMAP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sm90_opcodes.json")
+
+
+def opmap_path():
+    return os.environ.get("KVQ_SM90_OPCODES", OPMAP)
+BRA_OP = 0x947  # sm_90 BRA, every form (immediate target, .U.ANY, .DIV)
+
+
+def branch_offset(lo, hi):
+    """Byte offset of a branch's target from the next instruction (sm_90 BRA encoding)."""
+    v = ((lo >> 16) & 0xFF) | (((lo >> 34) & ((1 << 30) - 1)) << 8) | ((hi & 0x3FFFF) << 38)
+    if v >= 1 << 55:
+        v -= 1 << 56
+    return 4 * v
+
+
+def parse_local(path):
+    """{kernel: [(address, text)]} like parse(), from a cubin without cuobjdump: the text is the mnemonic, and
+    'BRA 0x...' with the decoded target for branches."""
+    with open(opmap_path()) as f:
+        names = {int(k, 16): v for k, v in json.load(f)["opcodes"].items()}
+    out = {}
+    for n, text in cubin_kernels(path).items():
+        insns = []
+        for a in range(0, len(text) - 15, 16):
+            lo, hi = struct.unpack_from("<QQ", text, a)
+            op = lo & 0xFFF
+            if op == BRA_OP:
+                insns.append((a, f"BRA 0x{a + 16 + branch_offset(lo, hi):x}"))
+            else:
+                insns.append((a, names.get(op, f"?{op:03X}")))
+        out[n] = insns
+    return out
+
+
+def main_opmap(argv):
+    if len(argv) != 2:
+        print(__doc__, file=sys.stderr)
+        return 2
+    listing, kernels = parse(argv[0]), cubin_kernels(argv[1])
+    seen, errors = {}, 0
+    for n, insns in listing.items():
+        text = kernels.get(n)
+        if text is None:
+            print(f"error: {n} is not in {argv[1]}", file=sys.stderr)
+            return 1
+        for a, t in insns:
+            lo, hi = struct.unpack_from("<QQ", text, a)
+            op, name = lo & 0xFFF, opcode(t)
+            if seen.setdefault(op, name) != name:
+                print(f"error: opcode 0x{op:03x} is both {seen[op]} and {name}", file=sys.stderr)
+                errors += 1
+            if op == BRA_OP:
+                m = re.search(r"(0x[0-9a-f]+)\s*$", t)
+                if m and a + 16 + branch_offset(lo, hi) != int(m.group(1), 16):
+                    print(f"error: branch at 0x{a:x} of {n}: decoded target differs from {t}", file=sys.stderr)
+                    errors += 1
+    if errors:
+        return 1
+    with open(opmap_path(), "w") as f:
+        json.dump({"source": "cuobjdump -sass of sm_90a cubins (nvcc 13.0), low 12 bits of the first 64-bit word",
+                   "opcodes": {f"0x{k:03x}": v for k, v in sorted(seen.items())}}, f, indent=0, sort_keys=False)
+        f.write("\n")
+    print(f"{len(seen)} opcodes written to {opmap_path()}")
+    return 0
 
 
 def cubin_kernels(path):
@@ -186,12 +273,17 @@ def main(argv):
         return main_spills(argv[1:])
     if argv[:1] == ["--same"]:
         return main_same(argv[1:])
+    if argv[:1] == ["--opmap"]:
+        return main_opmap(argv[1:])
+    local = "--local" in argv
+    hist = "--hist" in argv
+    argv = [x for x in argv if x not in ("--local", "--hist")]
     if not 1 <= len(argv) <= 2:
         print(__doc__, file=sys.stderr)
         return 2
     try:
-        files = [parse(p) for p in argv]
-    except (OSError, subprocess.CalledProcessError) as e:
+        files = [parse_local(p) if local else parse(p) for p in argv]
+    except (OSError, ValueError, struct.error, subprocess.CalledProcessError) as e:
         print(f"error: {e} (cuobjdump is on GPU hosts; here, --spills reads a cubin)", file=sys.stderr)
         return 1
     names = sorted(set(files[0]).intersection(*files[1:]))
@@ -209,6 +301,11 @@ def main(argv):
         if len(cols) == 2 and cols[0][1] and cols[1][1]:
             txt += f" | loop {cols[1][1]['loop'] - cols[0][1]['loop']:+d}, total {cols[1][0] - cols[0][0]:+d}"
         print(f"{readable.get(n, n)}\n    {txt}")
+        if hist:
+            for f in files:
+                body = main_loop_body(f[n]) or []
+                counts = sorted(((body.count(o), o) for o in set(body)), key=lambda x: (-x[0], x[1]))
+                print("    loop: " + ", ".join(f"{o} {c}" for c, o in counts))
     return 0
 
 

@@ -1,6 +1,7 @@
 """Tests of bench/gpu/sass_loops.py: the main-loop size of each kernel in a cuobjdump -sass listing."""
 
 import importlib.util
+import json
 import os
 import struct
 import subprocess
@@ -79,7 +80,9 @@ def tiny_cubin(path, kernels):
     body, secs = b"", []
     off = 64 + len(names)
     for n, ops in kernels.items():
-        text = b"".join(struct.pack("<QQ", op | 0x1000, 0) for op in ops)
+        # an int: an instruction with that opcode; a (lo, hi) pair: the instruction's two 64-bit words
+        text = b"".join(struct.pack("<QQ", *op) if isinstance(op, tuple) else struct.pack("<QQ", op | 0x1000, 0)
+                        for op in ops)
         secs.append((names.index(b".text." + n.encode()), off + len(body), len(text)))
         body += text
     shoff = off + len(body)
@@ -130,3 +133,59 @@ def test_same_names_the_build_each_kernel_comes_from(tmp_path):
     tiny_cubin(tmp_path / "d.cubin", {"_Z1fv": [LDL, LDL], "_Z1gv": [HMMA, HMMA]})
     assert run(tmp_path / "a.cubin", tmp_path / "b.cubin", tmp_path / "d.cubin") == (1, {"f()": "neither",
                                                                                          "g()": "A and B"})
+
+
+def bra(offset):
+    """An sm_90 BRA whose target is `offset` bytes from the next instruction (sass_loops.branch_offset's fields)."""
+    v = (offset // 4) & ((1 << 56) - 1)
+    return (0x947 | ((v & 0xFF) << 16) | (((v >> 8) & ((1 << 30) - 1)) << 34), (v >> 38) & 0x3FFFF)
+
+
+def test_branch_offsets_round_trip_through_the_fields():
+    for off in (0, 16, 208, 138080, -16, -4096, -(1 << 40), (1 << 40) + 48):
+        lo, hi = bra(off)
+        assert lo & 0xFFF == 0x947 and sass_loops.branch_offset(lo, hi) == off
+
+
+def test_local_mode_finds_the_main_loop_without_cuobjdump(tmp_path, monkeypatch):
+    # opcodes of this test's own map (not sm_90's), so the map read is the one KVQ_SM90_OPCODES names
+    HMMA, LDS, LOP3, NOP = 0x7A1, 0x7A2, 0x7A3, 0x7A4
+    opmap = tmp_path / "ops.json"
+    opmap.write_text('{"opcodes": {"0x7a1": "HMMA", "0x7a2": "LDS", "0x7a3": "LOP3", "0x7a4": "NOP"}}')
+    monkeypatch.setenv("KVQ_SM90_OPCODES", str(opmap))
+    # instruction 0: NOP; 1-4: LDS; 5-20: HMMA; 21: LOP3; 22: BRA back to 1 (a loop of 22); 23: BRA forward to 25;
+    # 24: an unknown opcode; 25: BRA back to 0 (a larger region: not the main loop)
+    ops = [NOP] + [LDS] * 4 + [HMMA] * 16 + [LOP3, bra(16 * 1 - 16 * 23), bra(16 * 25 - 16 * 24), 0x7AB,
+                                             bra(16 * 0 - 16 * 26)]
+    tiny_cubin(tmp_path / "k.cubin", {"_Z1fv": ops})
+    env = dict(os.environ, KVQ_SM90_OPCODES=str(opmap))
+    parsed = sass_loops.parse_local(str(tmp_path / "k.cubin"))["_Z1fv"]
+    assert parsed[22] == (16 * 22, "BRA 0x10") and parsed[23] == (16 * 23, "BRA 0x190") and parsed[24][1] == "?7AB"
+    assert sass_loops.main_loop(parsed) == {"loop": 22, "HMMA": 16, "LDS": 4, "PRMT": 0, "LOP3": 1}
+    out = subprocess.run([sys.executable, _path, "--local", "--hist", str(tmp_path / "k.cubin")], capture_output=True,
+                         text=True, check=True, env=env).stdout
+    assert "loop    22 (HMMA 16, LDS 4, PRMT 0, LOP3 1)" in out
+    assert "loop: HMMA 16, LDS 4, BRA 1, LOP3 1" in out
+
+
+def test_opmap_is_written_from_a_listing_and_refuses_two_names_for_one_opcode(tmp_path):
+    HMMA, LDS = 0x23C, 0x984
+    tiny_cubin(tmp_path / "k.cubin", {"_Z1fv": [LDS, HMMA, bra(-48)]})
+    rows = ["LDS R4, [R5]", "HMMA.16816.F32 R8, R12, R16, R8", "@P0 BRA 0x0"]
+    text = "\t\tFunction : _Z1fv\n" + "".join(f"        /*{16 * i:04x}*/   {r} ;\n" for i, r in enumerate(rows))
+    (tmp_path / "k.txt").write_text(text)
+    env = dict(os.environ, KVQ_SM90_OPCODES=str(tmp_path / "ops.json"))
+    r = subprocess.run([sys.executable, _path, "--opmap", str(tmp_path / "k.txt"), str(tmp_path / "k.cubin")],
+                       capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "ops.json").read_text())["opcodes"] == {"0x23c": "HMMA", "0x947": "BRA",
+                                                                         "0x984": "LDS"}
+    # one opcode listed as two instructions, and a branch whose decoded target is not the listing's
+    tiny_cubin(tmp_path / "bad.cubin", {"_Z1fv": [LDS, LDS, bra(-48)]})
+    bad = subprocess.run([sys.executable, _path, "--opmap", str(tmp_path / "k.txt"), str(tmp_path / "bad.cubin")],
+                         capture_output=True, text=True, env=env)
+    assert bad.returncode == 1 and "is both" in bad.stderr
+    (tmp_path / "bad2.txt").write_text(text.replace("BRA 0x0", "BRA 0x10"))
+    bad2 = subprocess.run([sys.executable, _path, "--opmap", str(tmp_path / "bad2.txt"), str(tmp_path / "k.cubin")],
+                          capture_output=True, text=True, env=env)
+    assert bad2.returncode == 1 and "decoded target differs" in bad2.stderr
