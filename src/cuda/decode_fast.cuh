@@ -733,8 +733,8 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   // (bench/results/decode-gqa-ab-2026-12-04.md, section 15), ratios of the minima: tq-3bit-nc 1.010-1.035x,
   // tq-k3v4-nc 1.012-1.019x at batch 32 and 0.990-1.013x at 8 x 16K, tq-k3v4-nc and tq-4bit 1.014-1.029x at 128 / 8
   // heads, tq-4bit-nc 0.997-1.009x. Not for tq-k8v4 (0.983x at 128 / 8) or the outlier splits (0.984-1.033x, noisy),
-  // which keep the code before. The two issue blocks below are written out separately: sharing them through one
-  // lambda changed tq-3.5bit's four-head kernel (sass_loops.py --same), which was not measured that way.
+  // which keep the code before (their copies' operands are computed by lane 0 inside its branch, as before: computed
+  // outside it and passed in, they changed tq-3.5bit's four-head kernel, which was not measured that way).
   constexpr bool kUniIssue = kBulk && C::KC == KeyCode::kTq && NSEG == 1;
   auto bcast_ptr = [](const std::uint8_t* q) {
     const std::uint64_t v = reinterpret_cast<std::uint64_t>(q);
@@ -748,32 +748,26 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   auto issue = [&](int slot_i, int page) {
     const std::uint64_t pgo = static_cast<std::uint64_t>(static_cast<std::uint32_t>(page)) * page_bytes32;
     std::uint8_t* dst = my_stages + slot_i * C::STAGE_BYTES;
-    if constexpr (kUniIssue) {
-      const std::uint32_t pg_u = __shfl_sync(0xffffffffu, static_cast<std::uint32_t>(page), 0);
-      const std::uint32_t d = __shfl_sync(0xffffffffu, stages_s + static_cast<std::uint32_t>(slot_i * C::STAGE_BYTES), 0);
-      const std::uint64_t pgo_u = static_cast<std::uint64_t>(pg_u) * page_bytes32;
-      if (lane == 0) {
-        const std::uint32_t mb = d + static_cast<std::uint32_t>(C::STAGE_BYTES - 16);
-        // The warp's generic reads of this stage (ordered by the __syncwarp before the issue) before the async writes.
-        async_proxy_fence();
-        mbar_arrive_expect_tx(mb, 16 * (kSplitGroups ? nk + nm : nk + nv + nm));
-        bulk_copy(d, bk_u + pgo_u, 16 * nk, mb);
-        bulk_copy(d + 16 * (nk + nv), bm_u + pgo_u, 16 * nm, mb);
-        if constexpr (kSplitGroups)
-          mbar_arrive_expect_tx(mb + 8, 16 * nv);
-        bulk_copy(d + 16 * nk, bv_u + pgo_u, 16 * nv, kSplitGroups ? mb + 8 : mb);
+    if constexpr (kBulk) {
+      std::uint32_t d_u = 0;  // kUniIssue: the stage's shared address and the page's offset, broadcast from lane 0
+      std::uint64_t pgo_u = 0;
+      if constexpr (kUniIssue) {
+        const std::uint32_t pg_u = __shfl_sync(0xffffffffu, static_cast<std::uint32_t>(page), 0);
+        d_u = __shfl_sync(0xffffffffu, stages_s + static_cast<std::uint32_t>(slot_i * C::STAGE_BYTES), 0);
+        pgo_u = static_cast<std::uint64_t>(pg_u) * page_bytes32;
       }
-    } else if constexpr (kBulk) {
       if (lane == 0) {
-        const std::uint32_t d = stages_s + static_cast<std::uint32_t>(slot_i * C::STAGE_BYTES), mb = mbar_of(slot_i);
+        const std::uint32_t d = kUniIssue ? d_u : stages_s + static_cast<std::uint32_t>(slot_i * C::STAGE_BYTES);
+        const std::uint32_t mb = kUniIssue ? d_u + static_cast<std::uint32_t>(C::STAGE_BYTES - 16) : mbar_of(slot_i);
+        const std::uint64_t po = kUniIssue ? pgo_u : pgo;
         // The warp's generic reads of this stage (ordered by the __syncwarp before the issue) before the async writes.
         async_proxy_fence();
         mbar_arrive_expect_tx(mb, 16 * (kSplitGroups ? nk + nm : nk + nv + nm));
-        bulk_copy(d, pool_k + pgo, 16 * nk, mb);
-        bulk_copy(d + 16 * (nk + nv), pool_m + pgo, 16 * nm, mb);
+        bulk_copy(d, bk_u + po, 16 * nk, mb);
+        bulk_copy(d + 16 * (nk + nv), bm_u + po, 16 * nm, mb);
         if constexpr (kSplitGroups)
           mbar_arrive_expect_tx(mb + 8, 16 * nv);
-        bulk_copy(d + 16 * nk, pool_v + pgo, 16 * nv, kSplitGroups ? mb + 8 : mb);
+        bulk_copy(d + 16 * nk, bv_u + po, 16 * nv, kSplitGroups ? mb + 8 : mb);
       }
     } else if constexpr (nk % 32 == 0 && nv % 32 == 0) {
       static_assert(nm <= 32, "chunk regions");
