@@ -19,9 +19,9 @@ kernels; a heuristic for a local check, not a disassembler.
 
   bench/gpu/sass_loops.py --local [--hist] A.cubin [B.cubin]
 Without cuobjdump: the same table from sm_90 cubins, each instruction named by its low 12 bits through
-sm90_opcodes.json (beside this file; KVQ_SM90_OPCODES names another). Branch targets are decoded from the instruction's offset field: bits 16-23 and
-34-63 of the first 64-bit word and bits 0-17 of the second, a signed count of 4-byte units from the next
-instruction. Both were read off a cuobjdump listing of the fast decode kernels (nvcc 13.0); on every kernel of that
+sm90_opcodes.json (beside this file; KVQ_SM90_OPCODES names another). Branch targets are decoded from the
+instruction's offset field: bits 16-23 and 34-63 of the first 64-bit word and bits 0-17 of the second, a signed count
+of 4-byte units from the next instruction. Both were read off a cuobjdump listing of the fast decode kernels (nvcc 13.0); on every kernel of that
 listing the table equals cuobjdump's. An opcode the map lacks prints as ?XXX. --hist adds each loop's full opcode
 counts (also with cuobjdump listings).
 
@@ -119,14 +119,12 @@ def demangle(names):
 
 
 SM90_OPS = {0x23C: "HMMA", 0x983: "LDL", 0x387: "STL"}
-
-
 OPMAP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sm90_opcodes.json")
+BRA_OP = 0x947  # sm_90 BRA, every form (immediate target, .U.ANY, .DIV)
 
 
 def opmap_path():
     return os.environ.get("KVQ_SM90_OPCODES", OPMAP)
-BRA_OP = 0x947  # sm_90 BRA, every form (immediate target, .U.ANY, .DIV)
 
 
 def branch_offset(lo, hi):
