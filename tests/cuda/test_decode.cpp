@@ -1092,6 +1092,10 @@ int main(int argc, char** argv) {
       test_store_edges(fm, 64, 3, 301, 22);
       test_store_edges(fm, 256, 2, 150, 23);
       test_store_edges(fm, 128, 40, 37, 24);  // 40 heads: sign masks and channel order from global memory
+      // More items than the grid has warps (the fast kernels' later rounds; 2,112 warps on an H200), a last block
+      // partly empty.
+      test_store_edges(fm, 128, 8, 20001, 31);
+      test_store_edges(fm, 64, 8, 40003, 32);
       if (format_uses_centering(find_format(fm))) {
         test_store_edges(fm, 128, 8, 301, 27, true, true);  // centered (fast kernel)
         test_store_edges(fm, 64, 3, 150, 28, false, true);
