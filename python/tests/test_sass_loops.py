@@ -158,12 +158,11 @@ def test_local_mode_finds_the_main_loop_without_cuobjdump(tmp_path, monkeypatch)
     ops = [NOP] + [LDS] * 4 + [HMMA] * 16 + [LOP3, bra(16 * 1 - 16 * 23), bra(16 * 25 - 16 * 24), 0x7AB,
                                              bra(16 * 0 - 16 * 26)]
     tiny_cubin(tmp_path / "k.cubin", {"_Z1fv": ops})
-    env = dict(os.environ, KVQ_SM90_OPCODES=str(opmap))
     parsed = sass_loops.parse_local(str(tmp_path / "k.cubin"))["_Z1fv"]
     assert parsed[22] == (16 * 22, "BRA 0x10") and parsed[23] == (16 * 23, "BRA 0x190") and parsed[24][1] == "?7AB"
     assert sass_loops.main_loop(parsed) == {"loop": 22, "HMMA": 16, "LDS": 4, "PRMT": 0, "LOP3": 1}
     out = subprocess.run([sys.executable, _path, "--local", "--hist", str(tmp_path / "k.cubin")], capture_output=True,
-                         text=True, check=True, env=env).stdout
+                         text=True, check=True).stdout  # the child inherits KVQ_SM90_OPCODES
     assert "loop    22 (HMMA 16, LDS 4, PRMT 0, LOP3 1)" in out
     assert "loop: HMMA 16, LDS 4, BRA 1, LOP3 1" in out
 
