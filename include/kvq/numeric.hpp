@@ -10,7 +10,7 @@
 // The decoders are exact. tests/core/test_numeric.cpp checks every code of every format and
 // every rounding boundary against independent tables.
 // Also here: kvq::sum_squares, the one summation order of TurboQuant's norms (host code; the
-// GPU kernels add in the same order with their lanes).
+// GPU kernels add in the same order with their lanes), and the exact norm-correction sum.
 #pragma once
 
 #include <cmath>
@@ -163,6 +163,40 @@ inline float sum_squares(const float* x, int n) {
     b[j] = (s[0] + s[1]) + (s[2] + s[3]);
   }
   return sum_blocks_pairwise(b, nb);
+}
+
+// ---- norm-correction sum (TurboQuant with norm correction) --------------------------------
+// c2 = sum_i fl(c[idx_i]^2): each centroid's square rounded to float (`centroid_squares`), the n squares added
+// exactly, the exact sum rounded once to float (to nearest, ties to even). Being exact, it does not depend on the
+// order or grouping of the additions, so every encoder adds as suits it: the CPU in double, the GPU store by
+// double table lookups or from counts of each code value in its packed words (docs/formats.md).
+// Double adds them exactly when the nonzero squares' binary exponents span at most S and n <= 2^(29 - S): every
+// partial sum is an integer multiple of 2^(e_min - 23) (the smallest square's ulp) and below n 2^(e_max + 1), so
+// it needs at most log2(n) + S + 24 <= 53 bits. Codebooks of 1-4 bits span at most 9 (sphere and Gaussian
+// Lloyd-Max, any d); a table and length outside the bound are refused where a quantizer is made.
+inline std::vector<float> centroid_squares(const std::vector<float>& c) {
+  std::vector<float> sq(c.size());
+  for (std::size_t i = 0; i < c.size(); ++i) sq[i] = c[i] * c[i];
+  return sq;
+}
+// Whether double adds n squares from table sq (k entries) exactly: all finite, exponent span S, n <= 2^(29 - S).
+inline bool square_sum_exact(const float* sq, int k, int n) {
+  int lo = 1000, hi = -1000;
+  for (int i = 0; i < k; ++i) {
+    if (!std::isfinite(sq[i]) || sq[i] < 0) return false;
+    if (sq[i] == 0) continue;
+    const int e = std::ilogb(sq[i]);
+    lo = e < lo ? e : lo;
+    hi = e > hi ? e : hi;
+  }
+  const int span = hi >= lo ? hi - lo : 0;
+  return n >= 0 && span <= 29 && static_cast<long long>(n) <= (1LL << (29 - span));
+}
+// The exact sum of sq[idx[0 .. n-1]] rounded to float (square_sum_exact(sq, k, n) must hold).
+inline float exact_square_sum(const float* sq, const std::uint8_t* idx, int n) {
+  double acc = 0;
+  for (int i = 0; i < n; ++i) acc += static_cast<double>(sq[idx[i]]);
+  return static_cast<float>(acc);
 }
 
 }  // namespace kvq

@@ -53,6 +53,8 @@ class TurboQuantMse final : public VectorQuantizer {
   int bits() const { return bits_; }
   bool norm_correction() const { return nc_; }
   const Codebook& codebook() const { return *cb_; }
+  // fl(c^2) per centroid: the terms of the norm-correction sum (kvq::exact_square_sum).
+  const std::vector<float>& centroid_squares() const { return sq_; }
   const Rotation& rotation() const { return *rot_; }
   const std::vector<float>& offset() const { return offset_; }
   // Scalar reference of encode (the fast path is checked against it).
@@ -69,6 +71,7 @@ class TurboQuantMse final : public VectorQuantizer {
   std::shared_ptr<const Rotation> rot_;
   const Codebook* cb_;
   std::vector<float> offset_;
+  std::vector<float> sq_;
 };
 
 class TurboQuantProd final : public VectorQuantizer {

@@ -25,9 +25,13 @@ constexpr std::uint32_t kMagicBits = 0x4B400000u;
 struct StoreTables {
   std::uint8_t base[4][kMaxBins];  // [key seg 0, key seg 1, value seg 0, value seg 1]: midpoints in lower bins
   float edges[4][16];              // midpoints, +inf after the last
-  float cent[4][16];               // centroids (norm correction); 16 words in 16 banks: lanes never conflict
+  float cent[4][16];               // centroids; 16 words in 16 banks: lanes never conflict
+  // fl(c^2) as doubles: the norm-correction sum's terms (kvq::exact_square_sum), 16 entries in 32 banks, so the
+  // 16 lanes of a 64-bit load phase never conflict.
+  double sq[4][16];
   float ba[4], bb[4], bn[4];       // bin(y) = floor(sat(y * ba + bb) * bn)
   int ok[4];
+  int sym[4];  // sq[i] == sq[2^bits - 1 - i] for every i (code and mirror code share the square): counts by magnitude
   // The GQA store's (midpoint, base) pair tables: shared address - stride kMagicBits, and the byte
   // stride of a bin's row (8, or 8 kPairCopies) (build_bin_pairs sets them, bin_pair_lookup takes
   // them). Read from shared memory, the compiler cannot split the constant back out of the address
@@ -131,6 +135,22 @@ __device__ __forceinline__ float lanes_sum_squares(const float (&x)[N]) {
   return lane_chains_tree<PS, N / 32>(s);
 }
 
+// The norm-correction sum kvq::exact_square_sum: each lane's double sum of its squares (exact: LayerTables checked
+// kvq::square_sum_exact), added over groups of L xor-adjacent lanes (exact again, so in any order), rounded once.
+template <int L>
+__device__ __forceinline__ float exact_sum_lanes(double t) {
+#pragma unroll
+  for (int o = 1; o < L; o <<= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
+  return __double2float_rn(t);
+}
+// The same over a warp whose lanes take elements lane, lane + 32, ... of n, square(i) giving fl(c^2) of element i.
+template <class F>
+__device__ __forceinline__ float warp_exact_square_sum(int n, int lane, F&& square) {
+  double t = 0.0;
+  for (int i = lane; i < n; i += 32) t += static_cast<double>(square(i));
+  return exact_sum_lanes<32>(t);
+}
+
 // TurboQuantMse's stored norm with norm correction: norm / sqrt(sum c^2), each step correctly
 // rounded as on the CPU (a zero norm stays 0: the zero vector).
 __device__ __forceinline__ float corrected_norm(float norm, float c2) {
@@ -144,8 +164,14 @@ __device__ inline void build_store_table(StoreTables& T, int t, const float* __r
   for (int i = lane; i < 16; i += 32) {
     T.edges[t][i] = i < ne ? edges_g[i] + 0.0f : INFINITY;  // -0 as +0 (equal in every comparison; plus_below needs it)
     T.cent[t][i] = i < nc ? cent_g[i] : 0.0f;
+    T.sq[t][i] = i < nc ? static_cast<double>(__fmul_rn(cent_g[i], cent_g[i])) : 0.0;
   }
   __syncwarp();
+  {
+    const bool mirror = lane >= nc || T.sq[t][lane] == T.sq[t][nc - 1 - lane];
+    const bool sym = __all_sync(0xffffffffu, mirror);
+    if (lane == 0) T.sym[t] = sym ? 1 : 0;
+  }
   float gap = INFINITY, emax = 0.0f;
   for (int i = lane; i < ne; i += 32) {
     emax = fmaxf(emax, fabsf(T.edges[t][i]));

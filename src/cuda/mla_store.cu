@@ -459,17 +459,9 @@ __global__ void __launch_bounds__(256) mla_store_tq_kernel(const __grid_constant
     rem -= bs;
   }
   __syncwarp();
-  // sum c^2 in the same order (d_c is a multiple of 64: whole blocks). Two lanes per block: a block's
-  // codes are 8 words, byte j of each the next code of chain j, lane 2 b + h taking bytes 2 h and 2 h + 1;
-  // beyond 16 blocks warp_sum_squares reads the codes byte by byte.
-  const float c2 = latent_sum_squares(
-      dc, lane,
-      [&](int b, int h, int m, float& x0, float& x1) {
-        const std::uint32_t word = reinterpret_cast<const std::uint32_t*>(cs)[9 * b + m] >> (16 * h);  // both lanes: broadcast
-        x0 = T.cent[0][word & 0xffu];
-        x1 = T.cent[0][(word >> 8) & 0xffu];
-      },
-      [&](int b, int k) { return T.cent[0][cs[cs_pad(32 * b + k)]]; });
+  // The norm-correction sum kvq::exact_square_sum: the codes' squares added exactly in double (lane i takes codes
+  // i, i + 32, ...), so the order is free.
+  const float c2 = detail::warp_exact_square_sum(dc, lane, [&](int i) { return static_cast<float>(T.sq[0][cs[cs_pad(i)]]); });
   const float stored = detail::corrected_norm(norm, c2);
   // The CPU refuses a norm beyond fp16 (and non-finite rows): write nothing.
   if (reject_token(p, bad || !(fabsf(stored) <= 65504.0f), lane)) return;

@@ -147,7 +147,10 @@ __device__ void encode_tq(const FormatDesc& f, bool is_key, int head, const std:
     }
 #undef KVQ_REG_PATH
     __syncwarp();
-    stored[s] = corrected_norm(norm, warp_sum_squares(n, lane, [&](int b, int k) { return __ldg(cent + codes[off + 32 * b + k]); }));
+    stored[s] = corrected_norm(norm, warp_exact_square_sum(n, lane, [&](int i) {
+                                 const float c = __ldg(cent + codes[off + i]);
+                                 return __fmul_rn(c, c);
+                               }));
     __syncwarp();
     off += n;
   }
@@ -575,10 +578,11 @@ __device__ __forceinline__ void tq_encode32(const StoreTables& T, int t, int sg,
 #pragma unroll
     for (int k = 0; k < kLaneElems; ++k) c[k] = static_cast<std::uint32_t>(count_below<false>(T.edges[t], ne, v[k]));
   }
-  float cv[kLaneElems];
+  // The norm-correction sum: the squares' exact double sum (four chains for the latency; exact, so any order).
+  double c2d[4] = {0.0, 0.0, 0.0, 0.0};
 #pragma unroll
-  for (int k = 0; k < kLaneElems; ++k) cv[k] = T.cent[t][c[k]];
-  const float c2 = lanes_sum_squares<PS>(cv);
+  for (int k = 0; k < kLaneElems; ++k) c2d[k & 3] += T.sq[t][c[k]];
+  const float c2 = exact_sum_lanes<PS>((c2d[0] + c2d[1]) + (c2d[2] + c2d[3]));
   if (B0 == B1 || sg == 0) pack_fields<kLaneElems, B0>(c, 0u, pw);
   else pack_fields<kLaneElems, B1>(c, 0u, pw);
   norm_out = norm;
@@ -1153,11 +1157,43 @@ __device__ __forceinline__ void center64(const uint4* __restrict__ sm, const flo
   }
 }
 
+// The norm-correction sum of 3-bit codes from counts (kvq::exact_square_sum's value): the lane's 64 codes are the
+// 192-bit stream of pw (code k at bits 3k, pack_fields' order), and its PS xor-adjacent lanes hold the vector. With
+// T.sym (code j and 7 - j share the square fl(c^2)), a code's square depends on its magnitude m = (m1 m0),
+// m_i = NOT(b_i XOR b2), which names the centroid 4 + m: code 7 and 0 have m = 3, codes 4 and 3 m = 0. In word i of
+// the stream the codes start at the bits of M[i mod 3]; funnel shifts by 1 and 2 bring each code's b1 and b2 onto its
+// b0 (across the word boundary for the codes that straddle one), so three masked population counts per word count
+// the codes with m0, with m1 and with both. sum_m n_m fl(c_{4+m}^2) in double is exact (n_m <= 256 times a 24-bit
+// square, four terms within the checked exponent span), so it equals the sum over the codes in any order.
+template <int PS>
+__device__ __forceinline__ float magnitude_c2(const StoreTables& T, int t, const std::uint32_t (&pw)[6]) {
+  constexpr std::uint32_t M[3] = {0x49249249u, 0x92492492u, 0x24924924u};  // bits t with (32 i + t) mod 3 == 0
+  std::uint32_t n0 = 0, n1 = 0, n01 = 0;
+#pragma unroll
+  for (int i = 0; i < 6; ++i) {
+    const std::uint32_t w = pw[i], nx = i % 3 < 2 ? pw[i + 1] : 0u;  // every 96 bits end with a whole code
+    const std::uint32_t b1 = __funnelshift_r(w, nx, 1), b2 = __funnelshift_r(w, nx, 2);
+    const std::uint32_t m0 = ~(w ^ b2) & M[i % 3], m1 = ~(b1 ^ b2) & M[i % 3];
+    n0 += __popc(m0);
+    n1 += __popc(m1);
+    n01 += __popc(m0 & m1);
+  }
+  std::uint32_t pk = n0 | n1 << 10 | n01 << 20;  // <= 64 PS <= 256 each
+#pragma unroll
+  for (int o = 1; o < PS; o <<= 1) pk += __shfl_xor_sync(0xffffffffu, pk, o);
+  const int c0 = static_cast<int>(pk & 1023u), c1 = static_cast<int>((pk >> 10) & 1023u), c01 = static_cast<int>(pk >> 20);
+  const int n = kPairElems * PS;
+  double acc = static_cast<double>(n - c0 - c1 + c01) * T.sq[t][4];
+  acc += static_cast<double>(c0 - c01) * T.sq[t][5];
+  acc += static_cast<double>(c1 - c01) * T.sq[t][6];
+  acc += static_cast<double>(c01) * T.sq[t][7];
+  return __double2float_rn(acc);
+}
+
 // TurboQuant of 64 elements per lane (tq_encode32's steps): vectors of 64 PS elements held by PS lanes
 // (lane ls of them), the sign diagonal applied. Packs the lane's B-bit codes into pw and returns the norm
-// and the norm-correction sum of its vector (the same in its PS lanes). The bucket, centroid, square and
-// packing of each element are one step (64 codes held at once spilled registers); the eight chains of
-// the sum run in lanes_sum_squares's order.
+// and the norm-correction sum of its vector (the same in its PS lanes). The bucket, square (where the codes are
+// not counted) and packing of each element are one step (64 codes held at once spilled registers).
 template <int PS, int B>
 __device__ __forceinline__ void tq_encode64(const StoreTables& T, int t, float (&v)[kPairElems], std::uint32_t (&pw)[2 * B],
                                             int ls, float& norm_out, float& c2_out) {
@@ -1165,27 +1201,45 @@ __device__ __forceinline__ void tq_encode64(const StoreTables& T, int t, float (
   const float norm = tq_rotate<PS, kPairElems, kHalves>(v, ls);
 #pragma unroll
   for (int i = 0; i < 2 * B; ++i) pw[i] = 0u;
-  float s[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-  auto step = [&](int k, std::uint32_t c) {  // centroid, square and packing of code c of element k
-    const float cv = T.cent[t][c];
-    s[4 * (k >> 5) + (k & 3)] = __fmaf_rn(cv, cv, s[4 * (k >> 5) + (k & 3)]);
+  // The norm-correction sum (kvq::exact_square_sum): 3-bit codes of a codebook whose mirror codes share their
+  // squares (T.sym: every preset's) are counted by magnitude from the packed words afterwards (magnitude_c2);
+  // otherwise each code adds its square in double, four chains (exact: any order gives the same sum).
+  const bool by_counts = B == 3 && T.sym[t];
+  constexpr int NCH = PS == 1 ? 1 : 4;  // chains (head_dim 64: one; with two or four ptxas spilled 8-80 bytes)
+  double c2d[4] = {0.0, 0.0, 0.0, 0.0};
+  auto step = [&](int k, std::uint32_t c, auto with_sq) {  // packing (and square) of code c of element k
+    if constexpr (decltype(with_sq)::value) c2d[k % NCH] += T.sq[t][c];
     const int pos = B * k, i = pos >> 5, o = pos & 31;  // pack_fields' order
     pw[i] += c << o;
     if (o + B > 32) pw[i + 1] += c >> (32 - o);
   };
   // Buckets against the prescaled thresholds (tq_encode32): from the pairs, or by the binary search
   // where the table does not work.
-  if (T.ok[t]) {
-    const float ba = T.ba[t], bb = T.bb[t], bn = T.bn[t];
-    const std::uint32_t pbase = pair_lane_base(T, t, static_cast<int>(threadIdx.x & 31)), pstride = T.pair_stride[t];
+  auto codes = [&](auto with_sq) {
+    if (T.ok[t]) {
+      const float ba = T.ba[t], bb = T.bb[t], bn = T.bn[t];
+      const std::uint32_t pbase = pair_lane_base(T, t, static_cast<int>(threadIdx.x & 31)), pstride = T.pair_stride[t];
 #pragma unroll
-    for (int k = 0; k < kPairElems; ++k) step(k, static_cast<std::uint32_t>(bin_pair_lookup(pbase, pstride, ba, bb, bn, v[k])));
+      for (int k = 0; k < kPairElems; ++k)
+        step(k, static_cast<std::uint32_t>(bin_pair_lookup(pbase, pstride, ba, bb, bn, v[k])), with_sq);
+    } else {
+#pragma unroll
+      for (int k = 0; k < kPairElems; ++k)
+        step(k, static_cast<std::uint32_t>(count_below<false>(T.edges[t], (1 << B) - 1, v[k])), with_sq);
+    }
+  };
+  if constexpr (B == 3) {
+    if (by_counts) codes(std::false_type{});
+    else codes(std::true_type{});
   } else {
-#pragma unroll
-    for (int k = 0; k < kPairElems; ++k) step(k, static_cast<std::uint32_t>(count_below<false>(T.edges[t], (1 << B) - 1, v[k])));
+    codes(std::true_type{});
   }
-  if constexpr (kHalves) c2_out = lane_halves_tree<PS>(s);
-  else c2_out = lane_chains_tree<PS, 2>(s);
+  if constexpr (B == 3) {
+    if (by_counts) c2_out = magnitude_c2<PS>(T, t, pw);
+    else c2_out = exact_sum_lanes<PS>((c2d[0] + c2d[1]) + (c2d[2] + c2d[3]));
+  } else {
+    c2_out = exact_sum_lanes<PS>((c2d[0] + c2d[1]) + (c2d[2] + c2d[3]));
+  }
   norm_out = norm;
 }
 

@@ -252,9 +252,9 @@ KVQ_AVX2 bool tq_encode_batch(const TurboQuantMse& q, const HadamardRotation& r,
   const auto& cb = q.codebook();
   const int ne = static_cast<int>(cb.edges_f.size());
   const std::size_t rb = q.bytes(), cbytes = q.code_bytes();
-  std::vector<float> y(static_cast<std::size_t>(d)), cw(static_cast<std::size_t>(d));
+  std::vector<float> y(static_cast<std::size_t>(d));
   const float* signs = r.signs().data();
-  const CentroidTable table = make_table(cb.centroids_f);
+  const CentroidTable table = make_table(q.centroid_squares());  // the norm-correction sum's terms
   __m256 ev[255];
   for (int e = 0; e < ne; ++e) ev[e] = _mm256_set1_ps(cb.edges_f[static_cast<std::size_t>(e)]);
   for (std::size_t v = 0; v < n; ++v) {
@@ -279,15 +279,26 @@ KVQ_AVX2 bool tq_encode_batch(const TurboQuantMse& q, const HadamardRotation& r,
     }
     const int b = q.bits();
     if (b > 4) std::memset(out, 0, cbytes);
+    // The norm-correction sum is exact in double (the constructor checked kvq::square_sum_exact), so the two
+    // accumulators and the final horizontal adds give kvq::exact_square_sum's value in any order.
+    __m256d c2a = _mm256_setzero_pd(), c2b = _mm256_setzero_pd();
     for (int i = 0; i < d; i += 8) {
       const __m256 yv = _mm256_loadu_ps(&y[static_cast<std::size_t>(i)]);
       __m256i cnt = _mm256_setzero_si256();
       for (int e = 0; e < ne; ++e) cnt = _mm256_sub_epi32(cnt, _mm256_castps_si256(_mm256_cmp_ps(ev[e], yv, _CMP_LT_OQ)));
       store_codes(cnt, b, out, i / 8);
-      if (q.norm_correction()) _mm256_storeu_ps(&cw[static_cast<std::size_t>(i)], lookup(table, cnt));  // the centroids
+      if (q.norm_correction()) {
+        const __m256 sq = lookup(table, cnt);
+        c2a = _mm256_add_pd(c2a, _mm256_cvtps_pd(_mm256_castps256_ps128(sq)));
+        c2b = _mm256_add_pd(c2b, _mm256_cvtps_pd(_mm256_extractf128_ps(sq, 1)));
+      }
     }
     float stored = norm;
-    if (q.norm_correction() && norm > 0) stored = norm / std::sqrt(sum_squares_avx2(cw.data(), d));
+    if (q.norm_correction() && norm > 0) {
+      alignas(32) double h[4];
+      _mm256_store_pd(h, _mm256_add_pd(c2a, c2b));
+      stored = norm / std::sqrt(static_cast<float>((h[0] + h[1]) + (h[2] + h[3])));
+    }
     if (!(std::fabs(stored) <= 65504.0f)) {
       q.encode_centered_reference(xv, out, out + cbytes);  // throws with the message
       continue;

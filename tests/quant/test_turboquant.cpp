@@ -13,6 +13,7 @@
 
 #include "kvq/codebook.hpp"
 #include "kvq/common.hpp"
+#include "kvq/numeric.hpp"
 #include "kvq/quantizers.hpp"
 #include "kvq/rng.hpp"
 #include "test_util.hpp"
@@ -77,6 +78,87 @@ TEST(TurboQuant, NormCorrectionPutsCodewordOnSphere) {
     ny += static_cast<double>(y[static_cast<std::size_t>(i)]) * y[static_cast<std::size_t>(i)];
   }
   EXPECT_NEAR(std::sqrt(ny), std::sqrt(nx), 2e-3 * std::sqrt(nx));  // fp16 norm rounding only
+}
+
+// The norm-correction sum is exact: kvq::exact_square_sum equals an independent exact sum (squares as integer
+// multiples of the smallest square's ulp in 128-bit integers, rounded once through long double, whose 64-bit
+// significand holds the <= 53-bit total) for every codebook the formats use, and does not depend on the order.
+namespace {
+float int128_square_sum(const std::vector<float>& sq, const std::vector<std::uint8_t>& idx) {
+  int emin = 1000;
+  for (float v : sq)
+    if (v > 0) emin = std::min(emin, std::ilogb(v) - 23);
+  __int128 acc = 0;
+  for (std::uint8_t i : idx) {
+    const float v = sq[i];
+    if (v == 0) continue;
+    const int e = std::ilogb(v) - 23;                                              // v = m 2^e, m < 2^24
+    const auto m = static_cast<std::int64_t>(std::ldexp(static_cast<double>(v), -e));  // exact
+    acc += static_cast<__int128>(m) << (e - emin);
+  }
+  return static_cast<float>(std::ldexp(static_cast<long double>(acc), emin));
+}
+}  // namespace
+
+TEST(TurboQuant, NormCorrectionSumIsExact) {
+  std::mt19937 rng(5);
+  int max_span = 0;
+  for (int bits = 1; bits <= 4; ++bits)
+    for (int d : {64, 96, 128, 256, 576, 1024}) {
+      for (const Codebook* cb : {&sphere_codebook(d, bits), &gaussian_codebook(d, bits)}) {
+        const std::vector<float> sq = centroid_squares(cb->centroids_f);
+        int lo = 1000, hi = -1000;
+        for (float v : sq) lo = std::min(lo, std::ilogb(v)), hi = std::max(hi, std::ilogb(v));
+        max_span = std::max(max_span, hi - lo);
+        ASSERT_TRUE(square_sum_exact(sq.data(), static_cast<int>(sq.size()), d)) << bits << " bits, d " << d;
+        std::vector<std::uint8_t> idx(static_cast<std::size_t>(d));
+        for (int rep = 0; rep < 50; ++rep) {
+          // Uniform codes, and codes skewed to the extremes (the widest spread of terms).
+          for (auto& i : idx) i = static_cast<std::uint8_t>(rep % 2 ? rng() % sq.size() : (rng() % 2 ? 0 : sq.size() - 1 - rng() % 2));
+          const float want = int128_square_sum(sq, idx);
+          ASSERT_EQ(f32_bits(exact_square_sum(sq.data(), idx.data(), d)), f32_bits(want)) << bits << " bits, d " << d;
+          std::vector<std::uint8_t> other = idx;
+          std::reverse(other.begin(), other.end());
+          EXPECT_EQ(f32_bits(exact_square_sum(sq.data(), other.data(), d)), f32_bits(want));
+          std::shuffle(other.begin(), other.end(), rng);
+          EXPECT_EQ(f32_bits(exact_square_sum(sq.data(), other.data(), d)), f32_bits(want));
+        }
+      }
+    }
+  EXPECT_LE(max_span, 9);  // docs/formats.md's bound for the 1-4-bit codebooks
+  // The float chains of kvq::sum_squares (the rule before 2026-12-04) round: on some rows their sum differs from
+  // the exact one, so the two rules are told apart by the encoders' bit-for-bit checks.
+  const std::vector<float>& cent = sphere_codebook(128, 4).centroids_f;
+  const std::vector<float> sq = centroid_squares(cent);
+  int differ = 0;
+  std::vector<std::uint8_t> idx(128);
+  std::vector<float> terms(128);
+  for (int rep = 0; rep < 2000; ++rep) {
+    for (int k = 0; k < 128; ++k) idx[static_cast<std::size_t>(k)] = static_cast<std::uint8_t>(rng() % 16);
+    for (int k = 0; k < 128; ++k) terms[static_cast<std::size_t>(k)] = cent[idx[static_cast<std::size_t>(k)]];
+    differ += f32_bits(sum_squares(terms.data(), 128)) != f32_bits(exact_square_sum(sq.data(), idx.data(), 128));
+  }
+  EXPECT_GT(differ, 0);
+}
+
+TEST(TurboQuant, NormCorrectionRefusesInexactCodebooks) {
+  // Squares 2^40 apart: no double sum is exact for them.
+  const std::vector<float> wide = {1.0f, 0x1p-40f};
+  EXPECT_FALSE(square_sum_exact(wide.data(), 2, 2));
+  const std::vector<float> ok = {1.0f, 0x1p-9f};
+  EXPECT_TRUE(square_sum_exact(ok.data(), 2, 1 << 20));
+  EXPECT_FALSE(square_sum_exact(ok.data(), 2, (1 << 20) + 1));
+  const std::vector<float> bad = {1.0f, std::numeric_limits<float>::infinity()};
+  EXPECT_FALSE(square_sum_exact(bad.data(), 2, 2));
+  Codebook cb;
+  cb.dim = 64;
+  cb.bits = 1;
+  cb.centroids = {-1e-12, 1.0};
+  cb.edges = {0.5};
+  cb.centroids_f = {-1e-12f, 1.0f};
+  cb.edges_f = {0.5f};
+  EXPECT_THROW(TurboQuantMse(64, 1, rht(64), true, &cb), Error);
+  EXPECT_NO_THROW(TurboQuantMse(64, 1, rht(64), false, &cb));
 }
 
 // Rotated-domain scoring and value accumulation equal dequantize-then-compute (fp32, 1e-6
