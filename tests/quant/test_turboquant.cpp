@@ -81,20 +81,21 @@ TEST(TurboQuant, NormCorrectionPutsCodewordOnSphere) {
 }
 
 // The norm-correction sum is exact: kvq::exact_square_sum equals an independent exact sum (squares as integer
-// multiples of the smallest square's ulp in 128-bit integers, rounded once through long double, whose 64-bit
-// significand holds the <= 53-bit total) for every codebook the formats use, and does not depend on the order.
+// multiples of the smallest square's ulp in 64-bit integers, below 2^62 here, rounded once through long double,
+// whose 64-bit significand holds the total) for every codebook the formats use, and does not depend on the order.
 namespace {
 float int128_square_sum(const std::vector<float>& sq, const std::vector<std::uint8_t>& idx) {
   int emin = 1000;
   for (float v : sq)
     if (v > 0) emin = std::min(emin, std::ilogb(v) - 23);
-  __int128 acc = 0;
+  std::int64_t acc = 0;
   for (std::uint8_t i : idx) {
     const float v = sq[i];
     if (v == 0) continue;
     const int e = std::ilogb(v) - 23;                                              // v = m 2^e, m < 2^24
     const auto m = static_cast<std::int64_t>(std::ldexp(static_cast<double>(v), -e));  // exact
-    acc += static_cast<__int128>(m) << (e - emin);
+    EXPECT_LT(e - emin, 28);  // m << (e - emin) < 2^52, and d <= 1024 of them stay below 2^62
+    acc += m << (e - emin);
   }
   return static_cast<float>(std::ldexp(static_cast<long double>(acc), emin));
 }
