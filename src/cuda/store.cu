@@ -21,6 +21,7 @@
 #include <cuda.h>
 
 #include "bins.cuh"
+#include "code_counts.hpp"
 #include "device.cuh"
 #include "stage.cuh"
 #include "kvq/numeric.hpp"
@@ -1157,28 +1158,14 @@ __device__ __forceinline__ void center64(const uint4* __restrict__ sm, const flo
   }
 }
 
-// The norm-correction sum of 3-bit codes from counts (kvq::exact_square_sum's value): the lane's 64 codes are the
-// 192-bit stream of pw (code k at bits 3k, pack_fields' order), and its PS xor-adjacent lanes hold the vector. With
-// T.sym (code j and 7 - j share the square fl(c^2)), a code's square depends on its magnitude m = (m1 m0),
-// m_i = NOT(b_i XOR b2), which names the centroid 4 + m: code 7 and 0 have m = 3, codes 4 and 3 m = 0. In word i of
-// the stream the codes start at the bits of M[i mod 3]; funnel shifts by 1 and 2 bring each code's b1 and b2 onto its
-// b0 (across the word boundary for the codes that straddle one), so three masked population counts per word count
-// the codes with m0, with m1 and with both. sum_m n_m fl(c_{4+m}^2) in double is exact (n_m <= 256 times a 24-bit
-// square, four terms within the checked exponent span), so it equals the sum over the codes in any order.
+// The norm-correction sum of 3-bit codes from counts (kvq::exact_square_sum's value): the lane's codes counted by
+// magnitude (code_counts.hpp), the counts packed and added over the vector's PS xor-adjacent lanes by one shuffle
+// each, then sum_m n_m fl(c_{4+m}^2) in double, which is exact (n_m <= 256 times a 24-bit square, four terms within
+// the checked exponent span), so it equals the sum over the codes in any order. Needs T.sym.
 template <int PS>
 __device__ __forceinline__ float magnitude_c2(const StoreTables& T, int t, const std::uint32_t (&pw)[6]) {
-  constexpr std::uint32_t M[3] = {0x49249249u, 0x92492492u, 0x24924924u};  // bits t with (32 i + t) mod 3 == 0
-  std::uint32_t n0 = 0, n1 = 0, n01 = 0;
-#pragma unroll
-  for (int i = 0; i < 6; ++i) {
-    const std::uint32_t w = pw[i], nx = i % 3 < 2 ? pw[i + 1] : 0u;  // every 96 bits end with a whole code
-    const std::uint32_t b1 = __funnelshift_r(w, nx, 1), b2 = __funnelshift_r(w, nx, 2);
-    const std::uint32_t m0 = ~(w ^ b2) & M[i % 3], m1 = ~(b1 ^ b2) & M[i % 3];
-    n0 += __popc(m0);
-    n1 += __popc(m1);
-    n01 += __popc(m0 & m1);
-  }
-  std::uint32_t pk = n0 | n1 << 10 | n01 << 20;  // <= 64 PS <= 256 each
+  const MagnitudeCounts mc = magnitude_counts(pw);
+  std::uint32_t pk = mc.m0 | mc.m1 << 10 | mc.both << 20;  // <= 64 PS <= 256 each
 #pragma unroll
   for (int o = 1; o < PS; o <<= 1) pk += __shfl_xor_sync(0xffffffffu, pk, o);
   const int c0 = static_cast<int>(pk & 1023u), c1 = static_cast<int>((pk >> 10) & 1023u), c01 = static_cast<int>(pk >> 20);
