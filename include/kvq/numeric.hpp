@@ -169,7 +169,8 @@ inline float sum_squares(const float* x, int n) {
 // c2 = sum_i fl(c[idx_i]^2): each centroid's square rounded to float (`centroid_squares`), the n squares added
 // exactly, the exact sum rounded once to float (to nearest, ties to even). Being exact, it does not depend on the
 // order or grouping of the additions, so every encoder adds as suits it: the CPU in double, the GPU store by
-// double table lookups or from counts of each code value in its packed words (docs/formats.md).
+// double table lookups or, for 3-bit codes, from counts of the codes by magnitude in its packed words
+// (docs/formats.md).
 // Double adds them exactly when the nonzero squares' binary exponents span at most S and n <= 2^(29 - S): every
 // partial sum is an integer multiple of 2^(e_min - 23) (the smallest square's ulp) and below n 2^(e_max + 1), so
 // it needs at most log2(n) + S + 24 <= 53 bits. Codebooks of 1-4 bits span at most 9 (sphere and Gaussian

@@ -135,8 +135,9 @@ __device__ __forceinline__ float lanes_sum_squares(const float (&x)[N]) {
   return lane_chains_tree<PS, N / 32>(s);
 }
 
-// The norm-correction sum kvq::exact_square_sum: each lane's double sum of its squares (exact: LayerTables checked
-// kvq::square_sum_exact), added over groups of L xor-adjacent lanes (exact again, so in any order), rounded once.
+// The norm-correction sum kvq::exact_square_sum: each lane's double sum of its squares (exact: the TurboQuantMse
+// quantizers the tables come from checked kvq::square_sum_exact), added over groups of L xor-adjacent lanes (exact
+// again, so in any order), rounded once.
 template <int L>
 __device__ __forceinline__ float exact_sum_lanes(double t) {
 #pragma unroll
