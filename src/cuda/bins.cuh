@@ -109,20 +109,9 @@ __device__ __forceinline__ float lane_chains_tree(const float (&s)[4 * NB]) {
   if constexpr (NB == 2) t = __fadd_rn(t, chains_sum(s + 4));
   return xor_tree<PS>(t);
 }
-// The same sum where lanes hold their vector's blocks as the GQA store's half exchange leaves them
-// (tq_rotate's kHalves): lane ls of PS >= 2 holds blocks q1 = 4 (ls >> 1) + (ls & 1) and q1 + 2, from
-// their chains s[0 .. 3] and s[4 .. 7]. The lane pair swaps both block sums and adds
-// (b_q + b_q+1) + (b_q+2 + b_q+3), q = 4 (ls >> 1) (a + b = b + a bit for bit: both lanes agree), the node of
-// the blocks' pairwise tree over four blocks; the butterfly over the pairs adds the rest.
+// Lane ls of the GQA store's half exchange (tq_rotate's kHalves, PS >= 2) holds blocks q1 = 4 (ls >> 1) + (ls & 1)
+// and q1 + 2 of its vector; its codes go out in those two places.
 __host__ __device__ constexpr int halves_first_block(int ls) { return 4 * (ls >> 1) + (ls & 1); }  // q1 above
-template <int PS>
-__device__ __forceinline__ float lane_halves_tree(const float (&s)[8]) {
-  static_assert(PS >= 2, "a lane pair");
-  const float t0 = chains_sum(s), t1 = chains_sum(s + 4);
-  const float p0 = __fadd_rn(t0, __shfl_xor_sync(0xffffffffu, t0, 1));
-  const float p1 = __fadd_rn(t1, __shfl_xor_sync(0xffffffffu, t1, 1));
-  return xor_tree<PS, 2>(__fadd_rn(p0, p1));
-}
 // kvq::sum_squares of a vector held by PS lanes with N = 32 or 64 elements each, lane ls holding
 // elements N ls .. N ls + N - 1 (blocks N ls / 32 ..): four FMA chains per block (element k of the
 // lane in chain k mod 4 of block k / 32), then lane_chains_tree.
@@ -144,7 +133,8 @@ __device__ __forceinline__ float exact_sum_lanes(double t) {
   for (int o = 1; o < L; o <<= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
   return __double2float_rn(t);
 }
-// The same over a warp whose lanes take elements lane, lane + 32, ... of n, square(i) giving fl(c^2) of element i.
+// The same over a warp whose lanes take elements lane, lane + 32, ... of n, square(i) giving fl(c^2) of element i
+// (a float, or a double holding one).
 template <class F>
 __device__ __forceinline__ float warp_exact_square_sum(int n, int lane, F&& square) {
   double t = 0.0;

@@ -461,7 +461,7 @@ __global__ void __launch_bounds__(256) mla_store_tq_kernel(const __grid_constant
   __syncwarp();
   // The norm-correction sum kvq::exact_square_sum: the codes' squares added exactly in double (lane i takes codes
   // i, i + 32, ...), so the order is free.
-  const float c2 = detail::warp_exact_square_sum(dc, lane, [&](int i) { return static_cast<float>(T.sq[0][cs[cs_pad(i)]]); });
+  const float c2 = detail::warp_exact_square_sum(dc, lane, [&](int i) { return T.sq[0][cs[cs_pad(i)]]; });
   const float stored = detail::corrected_norm(norm, c2);
   // The CPU refuses a norm beyond fp16 (and non-finite rows): write nothing.
   if (reject_token(p, bad || !(fabsf(stored) <= 65504.0f), lane)) return;

@@ -512,8 +512,8 @@ struct FastFmt {
 // and A_lo - B_lo, the odd one A_hi + B_hi = A_hi - (-B_hi) and A_hi - B_hi. Every value is the same
 // rounded sum or difference as in the full exchange, up to an exact sign (only the sign of a zero can
 // differ, which no bucket tells apart: plus_below), and the lane then holds positions 32 q + i (i < 32)
-// of its vector for q = q1 = 4 (ls >> 1) + (ls & 1) in v[0 .. 31] and q1 + 2 in v[32 .. 63] (N = 64;
-// lane_halves_tree sums them in kvq::sum_squares's order), with half the shuffles. (The exchange runs from
+// of its vector for q = q1 = 4 (ls >> 1) + (ls & 1) in v[0 .. 31] and q1 + 2 in v[32 .. 63] (N = 64; the
+// codes go out as two pieces, halves_first_block), with half the shuffles. (The exchange runs from
 // the last element down: in the other order ptxas spilled 16 bytes in the head_dim-128 4-bit kernel.)
 template <int PS, int N, bool kHalves = false>
 __device__ __forceinline__ float tq_rotate(float (&v)[N], int ls) {
@@ -1191,7 +1191,6 @@ __device__ __forceinline__ void tq_encode64(const StoreTables& T, int t, float (
   // The norm-correction sum (kvq::exact_square_sum): 3-bit codes of a codebook whose mirror codes share their
   // squares (T.sym: every preset's) are counted by magnitude from the packed words afterwards (magnitude_c2);
   // otherwise each code adds its square in double, four chains (exact: any order gives the same sum).
-  const bool by_counts = B == 3 && T.sym[t];
   constexpr int NCH = PS == 1 ? 1 : 4;  // chains (head_dim 64: one; with two or four ptxas spilled 8-80 bytes)
   double c2d[4] = {0.0, 0.0, 0.0, 0.0};
   auto step = [&](int k, std::uint32_t c, auto with_sq) {  // packing (and square) of code c of element k
@@ -1215,6 +1214,9 @@ __device__ __forceinline__ void tq_encode64(const StoreTables& T, int t, float (
         step(k, static_cast<std::uint32_t>(count_below<false>(T.edges[t], (1 << B) - 1, v[k])), with_sq);
     }
   };
+  // One form for both the counts and the lookups, as compiled and checked: the early-return form made ptxas spill
+  // 8 bytes in the head_dim-64 3-bit kernel with tensor copies.
+  const bool by_counts = B == 3 && T.sym[t];
   if constexpr (B == 3) {
     if (by_counts) codes(std::false_type{});
     else codes(std::true_type{});

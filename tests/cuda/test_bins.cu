@@ -8,8 +8,8 @@
 // the tables to hold no -0).
 // Also the norm sums of bins.cuh against kvq::sum_squares (include/kvq/numeric.hpp), bit for bit:
 // warp_sum_squares at lengths 1..1024 (partial blocks and chains, block counts that are not powers
-// of two), lanes_sum_squares over 1, 2, 4 and 8 lanes and on 64 elements over 1, 2 and 4, lane_halves_tree
-// (the paired store's blocks after its half exchange) over 2 and 4, on rows whose elements span 2^-80 .. 2^60
+// of two), lanes_sum_squares over 1, 2, 4 and 8 lanes and on 64 elements over 1, 2 and 4, on rows whose elements
+// span 2^-80 .. 2^60
 // (subnormal and overflowing squares included) and zero rows, and corrected_norm against the CPU's
 // norm / sqrt(c2). A sequential float sum differs from kvq::sum_squares on many of these rows, so a
 // kernel that added in another order would fail.
@@ -78,24 +78,6 @@ __global__ void lanes_sumsq_kernel(const float* x, const float* c2, float* out, 
 #pragma unroll
   for (int k = 0; k < E; ++k) v[k] = x[E * lane + k];
   const float ss = kc::lanes_sum_squares<PS>(v);
-  out[lane] = ss;
-  cn[lane] = kc::corrected_norm(__fsqrt_rn(ss), c2[lane]);
-}
-
-// The paired store's layout after its half exchange (tq_rotate's kHalves): lane l (ls = l % PS) holds blocks
-// q1 = 4 (ls >> 1) + (ls & 1) and q1 + 2 of vector l / PS (64 PS floats), four FMA chains each; out[lane] =
-// lane_halves_tree<PS>, cn[lane] as in lanes_sumsq_kernel.
-template <int PS>
-__global__ void halves_sumsq_kernel(const float* x, const float* c2, float* out, float* cn) {
-  const int lane = threadIdx.x, ls = lane % PS, q1 = kc::halves_first_block(ls);
-  const float* v = x + 64 * PS * (lane / PS);
-  float s[8] = {};
-  for (int h = 0; h < 2; ++h)
-    for (int k = 0; k < 32; ++k) {
-      const float a = v[32 * (q1 + 2 * h) + k];
-      s[4 * h + (k & 3)] = __fmaf_rn(a, a, s[4 * h + (k & 3)]);
-    }
-  const float ss = kc::lane_halves_tree<PS>(s);
   out[lane] = ss;
   cn[lane] = kc::corrected_norm(__fsqrt_rn(ss), c2[lane]);
 }
@@ -239,9 +221,8 @@ void sum_squares_cases(std::mt19937& rng) {
   check(order_matters > 100, "the rows tell the summation orders apart");
 }
 
-template <int PS, int E = 32, bool kHalves = false>
+template <int PS, int E = 32>
 void lanes_case(std::mt19937& rng) {
-  static_assert(!kHalves || (E == 64 && PS >= 2), "the half-exchange layout: 64 per lane, lane pairs");
   using kvq::cudatest::check;
   using kvq::cudatest::download;
   using kvq::cudatest::upload;
@@ -261,8 +242,7 @@ void lanes_case(std::mt19937& rng) {
     float* d_x = upload(x);
     float* d_c2 = upload(c2);
     float* d_out = upload(std::vector<float>(64, -1.0f));
-    if constexpr (kHalves) halves_sumsq_kernel<PS><<<1, 32>>>(d_x, d_c2, d_out, d_out + 32);
-    else lanes_sumsq_kernel<PS, E><<<1, 32>>>(d_x, d_c2, d_out, d_out + 32);
+    lanes_sumsq_kernel<PS, E><<<1, 32>>>(d_x, d_c2, d_out, d_out + 32);
     KVQ_CUDA_OK(cudaGetLastError());
     const std::vector<float> out = download(d_out, 64);
     cudaFree(d_x);
@@ -278,8 +258,7 @@ void lanes_case(std::mt19937& rng) {
       wrong_cn += kvq::f32_bits(out[static_cast<std::size_t>(32 + l)]) != kvq::f32_bits(want_cn);
     }
   }
-  const std::string name = kHalves ? "lane_halves_tree<" + std::to_string(PS) + ">"
-                                   : "lanes_sum_squares<" + std::to_string(PS) + ", " + std::to_string(E) + ">";
+  const std::string name = "lanes_sum_squares<" + std::to_string(PS) + ", " + std::to_string(E) + ">";
   std::printf("  %-44s %d lane results: %d differ, corrected_norm %d differ\n", name.c_str(), cases, wrong, wrong_cn);
   check(wrong == 0, name + " equals kvq::sum_squares bit for bit");
   check(wrong_cn == 0, name + ": corrected_norm equals norm / sqrt(c2) on the CPU");
@@ -392,7 +371,5 @@ int main() {
   lanes_case<1, 64>(rng);
   lanes_case<2, 64>(rng);
   lanes_case<4, 64>(rng);
-  lanes_case<2, 64, true>(rng);
-  lanes_case<4, 64, true>(rng);
   return kvq::cudatest::finish();
 }
