@@ -10,7 +10,7 @@
 // The decoders are exact. tests/core/test_numeric.cpp checks every code of every format and
 // every rounding boundary against independent tables.
 // Also here: kvq::sum_squares, the one summation order of TurboQuant's norms (host code; the
-// GPU kernels add in the same order with their lanes), and the exact norm-correction sum.
+// GPU kernels add in the same order with their lanes), and the norm-correction sum on its grid.
 #pragma once
 
 #include <cmath>
@@ -166,38 +166,57 @@ inline float sum_squares(const float* x, int n) {
 }
 
 // ---- norm-correction sum (TurboQuant with norm correction) --------------------------------
-// c2 = sum_i fl(c[idx_i]^2): each centroid's square rounded to float (`centroid_squares`), the n squares added
-// exactly, the exact sum rounded once to float (to nearest, ties to even). Being exact, it does not depend on the
-// order or grouping of the additions, so every encoder adds as suits it: the CPU in double, the GPU store by
-// double table lookups or, for 3-bit codes, from counts of the codes by magnitude in its packed words
-// (docs/formats.md).
-// Double adds them exactly when the nonzero squares' binary exponents span at most S and n <= 2^(29 - S): every
-// partial sum is an integer multiple of 2^(e_min - 23) (the smallest square's ulp) and below n 2^(e_max + 1), so
-// it needs at most log2(n) + S + 24 <= 53 bits. Codebooks of 1-4 bits span at most 9 (sphere and Gaussian
-// Lloyd-Max, any d); a table and length outside the bound are refused where a quantizer is made.
-inline std::vector<float> centroid_squares(const std::vector<float>& c) {
+// c2 = sum_i q(c[idx_i]) over the n chosen centroids, where q(c) is c^2 rounded to nearest (ties to even) on the
+// grid 2^e Z of the codebook and length: a grid on which n copies of the largest term fit in 2^24 steps,
+// e = ilogb(n cmax^2) - 23, or one more where they do not (cmax the codebook's largest |centroid|). Every term is
+// then an integer multiple of 2^e, and so is every partial sum, which stays within 2^(e + 24) (the one-more case:
+// n q(c) <= n cmax^2 + n 2^(e - 1) < 2^(e + 23) + 2^(e + 23) for n <= 2^24). Float holds every such multiple, so
+// float adds the terms exactly in any order or grouping and c2 is one value however an encoder adds: the CPU
+// reference in a loop, AVX2 in eight lanes, the GPU store in chains and shuffles or, for 3-bit codes, from counts
+// of the codes by magnitude. The price is the grid: n cmax^2 is about 7.5 for the 4-bit sphere codebooks at any n
+// (4.6 at 3 bits, 2.3 at 2), so e = -21 (-22 at 2 bits) and each term moves by at most 2^-22 while c2 is near 1
+// for a unit vector: c2 moves by at most n 2^-22 (3.1e-5 at n = 128, 1.2e-4 at 512), the stored norm by half that
+// (docs/formats.md). ilogb, rint and ldexp are exact, so host and device compute the same grid and terms.
+KVQ_HD int square_grid_exponent(float cmax, int n) {
+  const double s2 = static_cast<double>(cmax) * static_cast<double>(cmax);  // exact
+#if defined(__CUDA_ARCH__)
+  const int e = ::ilogb(static_cast<double>(n) * s2) - 23;
+  const double m = ::rint(::ldexp(s2, -e));  // the largest term in steps
+#else
+  const int e = std::ilogb(static_cast<double>(n) * s2) - 23;
+  const double m = std::rint(std::ldexp(s2, -e));
+#endif
+  return static_cast<double>(n) * m <= 16777216.0 ? e : e + 1;  // n m is exact (n <= 2^16, m < 2^25)
+}
+// q(c) on the grid 2^e Z.
+KVQ_HD float grid_square(float c, int e) {
+  const double s = static_cast<double>(c) * static_cast<double>(c);  // exact: 48 significant bits
+#if defined(__CUDA_ARCH__)
+  return static_cast<float>(::ldexp(::rint(::ldexp(s, -e)), e));
+#else
+  return static_cast<float>(std::ldexp(std::rint(std::ldexp(s, -e)), e));
+#endif
+}
+// The terms q(c) of a codebook's centroids for vectors of n elements. Refuses what has no grid: a non-finite or
+// all-zero codebook, n outside 1 .. 65536 (the bound above needs n <= 2^24; 2^16 keeps the step below 2^-6 cmax^2).
+inline std::vector<float> grid_squares(const std::vector<float>& c, int n) {
+  require(n >= 1 && n <= (1 << 16), "norm correction: vector length " + std::to_string(n) + " outside 1 .. 65536");
+  float cmax = 0.0f;
+  for (float v : c) {
+    require(std::isfinite(v), "norm correction: non-finite centroid");
+    cmax = std::fabs(v) > cmax ? std::fabs(v) : cmax;
+  }
+  require(cmax > 0.0f, "norm correction: every centroid is zero");
+  const int e = square_grid_exponent(cmax, n);
   std::vector<float> sq(c.size());
-  for (std::size_t i = 0; i < c.size(); ++i) sq[i] = c[i] * c[i];
+  for (std::size_t i = 0; i < c.size(); ++i) sq[i] = grid_square(c[i], e);
   return sq;
 }
-// Whether double adds n squares from table sq (k entries) exactly: all finite, exponent span S, n <= 2^(29 - S).
-inline bool square_sum_exact(const float* sq, int k, int n) {
-  int lo = 1000, hi = -1000;
-  for (int i = 0; i < k; ++i) {
-    if (!std::isfinite(sq[i]) || sq[i] < 0) return false;
-    if (sq[i] == 0) continue;
-    const int e = std::ilogb(sq[i]);
-    lo = e < lo ? e : lo;
-    hi = e > hi ? e : hi;
-  }
-  const int span = hi >= lo ? hi - lo : 0;
-  return n >= 0 && span <= 29 && static_cast<long long>(n) <= (1LL << (29 - span));
-}
-// The exact sum of sq[idx[0 .. n-1]] rounded to float (square_sum_exact(sq, k, n) must hold).
-inline float exact_square_sum(const float* sq, const std::uint8_t* idx, int n) {
-  double acc = 0;
-  for (int i = 0; i < n; ++i) acc += static_cast<double>(sq[idx[i]]);
-  return static_cast<float>(acc);
+// c2 of the codes idx[0 .. n-1] with the terms sq (grid_squares(c, n)): a plain float loop, exact.
+inline float grid_square_sum(const float* sq, const std::uint8_t* idx, int n) {
+  float acc = 0.0f;
+  for (int i = 0; i < n; ++i) acc += sq[idx[i]];
+  return acc;
 }
 
 }  // namespace kvq

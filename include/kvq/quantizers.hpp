@@ -53,7 +53,7 @@ class TurboQuantMse final : public VectorQuantizer {
   int bits() const { return bits_; }
   bool norm_correction() const { return nc_; }
   const Codebook& codebook() const { return *cb_; }
-  // fl(c^2) per centroid: the terms of the norm-correction sum (kvq::exact_square_sum).
+  // The norm-correction sum's term per centroid, its square on the codebook's grid (kvq::grid_squares).
   const std::vector<float>& centroid_squares() const { return sq_; }
   const Rotation& rotation() const { return *rot_; }
   const std::vector<float>& offset() const { return offset_; }

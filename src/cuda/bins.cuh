@@ -6,8 +6,8 @@
 // -- the count of midpoints strictly below y, exactly kvq::bucketize, because the bin is a monotone
 // function computed the same way for y and for the midpoints. A codebook for which no n <= 255
 // works (ok = 0) needs the binary search instead (bin_bucket does it).
-// Also the warp forms of kvq::sum_squares (TurboQuant's norm and norm-correction sums) and the
-// corrected norm, shared by both writers.
+// Also the warp forms of kvq::sum_squares (TurboQuant's norm) and of the norm-correction sum on its
+// grid (kvq::grid_square_sum), and the corrected norm, shared by both writers.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -15,6 +15,7 @@
 #include <cstdint>
 
 #include "device.cuh"
+#include "kvq/numeric.hpp"
 
 namespace kvq::cuda::detail {
 
@@ -25,10 +26,9 @@ constexpr std::uint32_t kMagicBits = 0x4B400000u;
 struct StoreTables {
   std::uint8_t base[4][kMaxBins];  // [key seg 0, key seg 1, value seg 0, value seg 1]: midpoints in lower bins
   float edges[4][16];              // midpoints, +inf after the last
-  float cent[4][16];               // centroids; 16 words in 16 banks: lanes never conflict
-  // fl(c^2) as doubles: the norm-correction sum's terms (kvq::exact_square_sum), 16 entries in 32 banks, so the
-  // 16 lanes of a 64-bit load phase never conflict.
-  double sq[4][16];
+  // The norm-correction sum's terms, the centroids' squares on their grid (kvq::grid_squares); 16 words in 16
+  // banks: lanes never conflict.
+  float sq[4][16];
   float ba[4], bb[4], bn[4];       // bin(y) = floor(sat(y * ba + bb) * bn)
   int ok[4];
   int sym[4];  // sq[i] == sq[2^bits - 1 - i] for every i (code and mirror code share the square): counts by magnitude
@@ -124,22 +124,20 @@ __device__ __forceinline__ float lanes_sum_squares(const float (&x)[N]) {
   return lane_chains_tree<PS, N / 32>(s);
 }
 
-// The norm-correction sum kvq::exact_square_sum: each lane's double sum of its squares (exact: the TurboQuantMse
-// quantizers the tables come from checked kvq::square_sum_exact), added over groups of L xor-adjacent lanes (exact
-// again, so in any order), rounded once.
+// The norm-correction sum kvq::grid_square_sum: each lane's float sum of its terms (exact: they lie on the grid of
+// kvq::grid_squares), added over groups of L xor-adjacent lanes (exact again, so in any order).
 template <int L>
-__device__ __forceinline__ float exact_sum_lanes(double t) {
+__device__ __forceinline__ float grid_sum_lanes(float t) {
 #pragma unroll
-  for (int o = 1; o < L; o <<= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
-  return __double2float_rn(t);
+  for (int o = 1; o < L; o <<= 1) t = __fadd_rn(t, __shfl_xor_sync(0xffffffffu, t, o));
+  return t;
 }
-// The same over a warp whose lanes take elements lane, lane + 32, ... of n, square(i) giving fl(c^2) of element i
-// (a float, or a double holding one).
+// The same over a warp whose lanes take elements lane, lane + 32, ... of n, term(i) giving element i's term.
 template <class F>
-__device__ __forceinline__ float warp_exact_square_sum(int n, int lane, F&& square) {
-  double t = 0.0;
-  for (int i = lane; i < n; i += 32) t += static_cast<double>(square(i));
-  return exact_sum_lanes<32>(t);
+__device__ __forceinline__ float warp_grid_square_sum(int n, int lane, F&& term) {
+  float t = 0.0f;
+  for (int i = lane; i < n; i += 32) t = __fadd_rn(t, term(i));
+  return grid_sum_lanes<32>(t);
 }
 
 // TurboQuantMse's stored norm with norm correction: norm / sqrt(sum c^2), each step correctly
@@ -148,14 +146,17 @@ __device__ __forceinline__ float corrected_norm(float norm, float c2) {
   return norm > 0 ? __fdiv_rn(norm, __fsqrt_rn(c2)) : norm;
 }
 
-// Warp-wide: table t from a codebook with `bits` (1..4) bits.
+// Warp-wide: table t from a codebook with `bits` (1..4) bits, for vectors (segments) of len elements.
 __device__ inline void build_store_table(StoreTables& T, int t, const float* __restrict__ edges_g,
-                                  const float* __restrict__ cent_g, int bits, int lane) {
+                                  const float* __restrict__ cent_g, int bits, int len, int lane) {
   const int ne = (1 << bits) - 1, nc = 1 << bits;
+  const float c = lane < nc ? cent_g[lane] : 0.0f;
+  float cmax = fabsf(c);
+  for (int o = 16; o > 0; o >>= 1) cmax = fmaxf(cmax, __shfl_xor_sync(0xffffffffu, cmax, o));
+  const int e = square_grid_exponent(cmax, len);  // the host refused codebooks without a grid
   for (int i = lane; i < 16; i += 32) {
     T.edges[t][i] = i < ne ? edges_g[i] + 0.0f : INFINITY;  // -0 as +0 (equal in every comparison; plus_below needs it)
-    T.cent[t][i] = i < nc ? cent_g[i] : 0.0f;
-    T.sq[t][i] = i < nc ? static_cast<double>(__fmul_rn(cent_g[i], cent_g[i])) : 0.0;
+    T.sq[t][i] = i < nc ? grid_square(c, e) : 0.0f;
   }
   __syncwarp();
   {

@@ -410,7 +410,7 @@ __global__ void __launch_bounds__(256) mla_store_tq_kernel(const __grid_constant
   __shared__ __align__(16) float xs_all[8][kXsWords];
   __shared__ __align__(16) std::uint8_t cs_all[8][kCsBytes];
   __shared__ detail::StoreTables T;  // table 0: the codebook's bins, midpoints and centroids
-  if (threadIdx.x < 32) detail::build_store_table(T, 0, p.fmt.tq_edges, p.fmt.tq_centroids, B, threadIdx.x);
+  if (threadIdx.x < 32) detail::build_store_table(T, 0, p.fmt.tq_edges, p.fmt.tq_centroids, B, p.fmt.d_latent, threadIdx.x);
   __syncthreads();
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
   const int t = blockIdx.x * 8 + w;
@@ -459,9 +459,9 @@ __global__ void __launch_bounds__(256) mla_store_tq_kernel(const __grid_constant
     rem -= bs;
   }
   __syncwarp();
-  // The norm-correction sum kvq::exact_square_sum: the codes' squares added exactly in double (lane i takes codes
+  // The norm-correction sum kvq::grid_square_sum: the codes' terms added exactly in float (lane i takes codes
   // i, i + 32, ...), so the order is free.
-  const float c2 = detail::warp_exact_square_sum(dc, lane, [&](int i) { return T.sq[0][cs[cs_pad(i)]]; });
+  const float c2 = detail::warp_grid_square_sum(dc, lane, [&](int i) { return T.sq[0][cs[cs_pad(i)]]; });
   const float stored = detail::corrected_norm(norm, c2);
   // The CPU refuses a norm beyond fp16 (and non-finite rows): write nothing.
   if (reject_token(p, bad || !(fabsf(stored) <= 65504.0f), lane)) return;

@@ -148,10 +148,11 @@ __device__ void encode_tq(const FormatDesc& f, bool is_key, int head, const std:
     }
 #undef KVQ_REG_PATH
     __syncwarp();
-    stored[s] = corrected_norm(norm, warp_exact_square_sum(n, lane, [&](int i) {
-                                 const float c = __ldg(cent + codes[off + i]);
-                                 return __fmul_rn(c, c);
-                               }));
+    float cmax = 0.0f;  // the grid of kvq::grid_squares
+    for (int i = lane; i < (1 << bits); i += 32) cmax = fmaxf(cmax, fabsf(__ldg(cent + i)));
+    for (int o = 16; o > 0; o >>= 1) cmax = fmaxf(cmax, __shfl_xor_sync(0xffffffffu, cmax, o));
+    const int ge = square_grid_exponent(cmax, n);
+    stored[s] = corrected_norm(norm, warp_grid_square_sum(n, lane, [&](int i) { return grid_square(__ldg(cent + codes[off + i]), ge); }));
     __syncwarp();
     off += n;
   }
@@ -579,11 +580,12 @@ __device__ __forceinline__ void tq_encode32(const StoreTables& T, int t, int sg,
 #pragma unroll
     for (int k = 0; k < kLaneElems; ++k) c[k] = static_cast<std::uint32_t>(count_below<false>(T.edges[t], ne, v[k]));
   }
-  // The norm-correction sum: the squares' exact double sum (four chains for the latency; exact, so any order).
-  double c2d[4] = {0.0, 0.0, 0.0, 0.0};
+  // The norm-correction sum: the terms on their grid (kvq::grid_square_sum) in four float chains for the latency;
+  // every add is exact, so any order gives the CPU's value.
+  float c2f[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-  for (int k = 0; k < kLaneElems; ++k) c2d[k & 3] += T.sq[t][c[k]];
-  const float c2 = exact_sum_lanes<PS>((c2d[0] + c2d[1]) + (c2d[2] + c2d[3]));
+  for (int k = 0; k < kLaneElems; ++k) c2f[k & 3] = __fadd_rn(c2f[k & 3], T.sq[t][c[k]]);
+  const float c2 = grid_sum_lanes<PS>(__fadd_rn(__fadd_rn(c2f[0], c2f[1]), __fadd_rn(c2f[2], c2f[3])));
   if (B0 == B1 || sg == 0) pack_fields<kLaneElems, B0>(c, 0u, pw);
   else pack_fields<kLaneElems, B1>(c, 0u, pw);
   norm_out = norm;
@@ -816,7 +818,7 @@ __device__ __forceinline__ void fast_setup(StoreTables& T, uint2* BP, uint4* dsm
       const int t = side ? VT + seg : seg;
       build_store_table(T, t, (side ? f.value_thresholds : f.key_thresholds) + seg * kMaxCodebook,
                         (side ? f.value_centroids : f.key_centroids) + seg * kMaxCodebook,
-                        side ? (seg ? F::VB1 : F::VB0) : (seg ? F::KB1 : F::KB0), lane);
+                        side ? (seg ? F::VB1 : F::VB0) : (seg ? F::KB1 : F::KB0), NSEG == 2 ? D / 2 : D, lane);
       if (search && lane == 0) T.ok[t] = 0;  // the binary search instead of the table (KVQ_STORE_SEARCH=1: tests)
       constexpr int c0 = NSEG == 2 ? 448 : 512, c1 = NSEG == 2 ? 320 : 0;  // entries of segment 0 / 1 tables
       build_bin_pairs(T, t, BP + side * (c0 + c1) + seg * c0, seg ? c1 : c0, lane);
@@ -1158,10 +1160,10 @@ __device__ __forceinline__ void center64(const uint4* __restrict__ sm, const flo
   }
 }
 
-// The norm-correction sum of 3-bit codes from counts (kvq::exact_square_sum's value): the lane's codes counted by
+// The norm-correction sum of 3-bit codes from counts (kvq::grid_square_sum's value): the lane's codes counted by
 // magnitude (code_counts.hpp), the counts packed and added over the vector's PS xor-adjacent lanes by one shuffle
-// each, then sum_m n_m fl(c_{4+m}^2) in double, which is exact (n_m <= 256 times a 24-bit square, four terms within
-// the checked exponent span), so it equals the sum over the codes in any order. Needs T.sym.
+// each, then sum_m n_m q(c_{4+m}) in float. Each product and partial sum is a multiple of the grid's step below the
+// vector's sum, so exact (kvq::grid_squares), and equals the sum over the codes in any order. Needs T.sym.
 template <int PS>
 __device__ __forceinline__ float magnitude_c2(const StoreTables& T, int t, const std::uint32_t (&pw)[6]) {
   const MagnitudeCounts mc = magnitude_counts(pw);
@@ -1170,11 +1172,10 @@ __device__ __forceinline__ float magnitude_c2(const StoreTables& T, int t, const
   for (int o = 1; o < PS; o <<= 1) pk += __shfl_xor_sync(0xffffffffu, pk, o);
   const int c0 = static_cast<int>(pk & 1023u), c1 = static_cast<int>((pk >> 10) & 1023u), c01 = static_cast<int>(pk >> 20);
   const int n = kPairElems * PS;
-  double acc = static_cast<double>(n - c0 - c1 + c01) * T.sq[t][4];
-  acc += static_cast<double>(c0 - c01) * T.sq[t][5];
-  acc += static_cast<double>(c1 - c01) * T.sq[t][6];
-  acc += static_cast<double>(c01) * T.sq[t][7];
-  return __double2float_rn(acc);
+  float acc = __fmul_rn(static_cast<float>(n - c0 - c1 + c01), T.sq[t][4]);
+  acc = __fadd_rn(acc, __fmul_rn(static_cast<float>(c0 - c01), T.sq[t][5]));
+  acc = __fadd_rn(acc, __fmul_rn(static_cast<float>(c1 - c01), T.sq[t][6]));
+  return __fadd_rn(acc, __fmul_rn(static_cast<float>(c01), T.sq[t][7]));
 }
 
 // TurboQuant of 64 elements per lane (tq_encode32's steps): vectors of 64 PS elements held by PS lanes
@@ -1188,13 +1189,12 @@ __device__ __forceinline__ void tq_encode64(const StoreTables& T, int t, float (
   const float norm = tq_rotate<PS, kPairElems, kHalves>(v, ls);
 #pragma unroll
   for (int i = 0; i < 2 * B; ++i) pw[i] = 0u;
-  // The norm-correction sum (kvq::exact_square_sum): 3-bit codes of a codebook whose mirror codes share their
-  // squares (T.sym: every preset's) are counted by magnitude from the packed words afterwards (magnitude_c2);
-  // otherwise each code adds its square in double, four chains (exact: any order gives the same sum).
-  constexpr int NCH = PS == 1 ? 1 : 4;  // chains (head_dim 64: one; with two or four ptxas spilled 8-80 bytes)
-  double c2d[4] = {0.0, 0.0, 0.0, 0.0};
-  auto step = [&](int k, std::uint32_t c, auto with_sq) {  // packing (and square) of code c of element k
-    if constexpr (decltype(with_sq)::value) c2d[k % NCH] += T.sq[t][c];
+  // The norm-correction sum (kvq::grid_square_sum): 3-bit codes of a codebook whose mirror codes share their
+  // terms (T.sym: every preset's) are counted by magnitude from the packed words afterwards (magnitude_c2);
+  // otherwise each code adds its term, eight float chains (exact: any order gives the same sum).
+  float c2f[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  auto step = [&](int k, std::uint32_t c, auto with_sq) {  // packing (and term) of code c of element k
+    if constexpr (decltype(with_sq)::value) c2f[4 * (k >> 5) + (k & 3)] = __fadd_rn(c2f[4 * (k >> 5) + (k & 3)], T.sq[t][c]);
     const int pos = B * k, i = pos >> 5, o = pos & 31;  // pack_fields' order
     pw[i] += c << o;
     if (o + B > 32) pw[i + 1] += c >> (32 - o);
@@ -1223,11 +1223,14 @@ __device__ __forceinline__ void tq_encode64(const StoreTables& T, int t, float (
   } else {
     codes(std::true_type{});
   }
+  float c2 = 0.0f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) c2 = __fadd_rn(c2, c2f[j]);
   if constexpr (B == 3) {
     if (by_counts) c2_out = magnitude_c2<PS>(T, t, pw);
-    else c2_out = exact_sum_lanes<PS>((c2d[0] + c2d[1]) + (c2d[2] + c2d[3]));
+    else c2_out = grid_sum_lanes<PS>(c2);
   } else {
-    c2_out = exact_sum_lanes<PS>((c2d[0] + c2d[1]) + (c2d[2] + c2d[3]));
+    c2_out = grid_sum_lanes<PS>(c2);
   }
   norm_out = norm;
 }

@@ -254,7 +254,7 @@ KVQ_AVX2 bool tq_encode_batch(const TurboQuantMse& q, const HadamardRotation& r,
   const std::size_t rb = q.bytes(), cbytes = q.code_bytes();
   std::vector<float> y(static_cast<std::size_t>(d));
   const float* signs = r.signs().data();
-  const CentroidTable table = make_table(q.centroid_squares());  // the norm-correction sum's terms
+  const CentroidTable table = make_table(q.centroid_squares());  // the norm-correction sum's terms (empty without)
   __m256 ev[255];
   for (int e = 0; e < ne; ++e) ev[e] = _mm256_set1_ps(cb.edges_f[static_cast<std::size_t>(e)]);
   for (std::size_t v = 0; v < n; ++v) {
@@ -279,25 +279,21 @@ KVQ_AVX2 bool tq_encode_batch(const TurboQuantMse& q, const HadamardRotation& r,
     }
     const int b = q.bits();
     if (b > 4) std::memset(out, 0, cbytes);
-    // The norm-correction sum is exact in double (the constructor checked kvq::square_sum_exact), so the two
-    // accumulators and the final horizontal adds give kvq::exact_square_sum's value in any order.
-    __m256d c2a = _mm256_setzero_pd(), c2b = _mm256_setzero_pd();
+    // The norm-correction sum on its grid (kvq::grid_squares): float adds the terms exactly, so eight lanes and the
+    // final horizontal adds give kvq::grid_square_sum's value.
+    __m256 c2v = _mm256_setzero_ps();
     for (int i = 0; i < d; i += 8) {
       const __m256 yv = _mm256_loadu_ps(&y[static_cast<std::size_t>(i)]);
       __m256i cnt = _mm256_setzero_si256();
       for (int e = 0; e < ne; ++e) cnt = _mm256_sub_epi32(cnt, _mm256_castps_si256(_mm256_cmp_ps(ev[e], yv, _CMP_LT_OQ)));
       store_codes(cnt, b, out, i / 8);
-      if (q.norm_correction()) {
-        const __m256 sq = lookup(table, cnt);
-        c2a = _mm256_add_pd(c2a, _mm256_cvtps_pd(_mm256_castps256_ps128(sq)));
-        c2b = _mm256_add_pd(c2b, _mm256_cvtps_pd(_mm256_extractf128_ps(sq, 1)));
-      }
+      if (q.norm_correction()) c2v = _mm256_add_ps(c2v, lookup(table, cnt));
     }
     float stored = norm;
     if (q.norm_correction() && norm > 0) {
-      alignas(32) double h[4];
-      _mm256_store_pd(h, _mm256_add_pd(c2a, c2b));
-      stored = norm / std::sqrt(static_cast<float>((h[0] + h[1]) + (h[2] + h[3])));
+      alignas(32) float h[8];
+      _mm256_store_ps(h, c2v);
+      stored = norm / std::sqrt(((h[0] + h[1]) + (h[2] + h[3])) + ((h[4] + h[5]) + (h[6] + h[7])));
     }
     if (!(std::fabs(stored) <= 65504.0f)) {
       q.encode_centered_reference(xv, out, out + cbytes);  // throws with the message

@@ -46,10 +46,7 @@ TurboQuantMse::TurboQuantMse(int dim, int bits, std::shared_ptr<const Rotation> 
   for (float v : offset_) require(std::isfinite(v), "TurboQuantMse: non-finite calibration offset");
   require(cb_->bits == bits && cb_->dim == dim, "TurboQuantMse: codebook does not match dimension and bits");
   require(rot_ && rot_->dim() == dim, "TurboQuantMse: rotation dimension must equal " + std::to_string(dim));
-  sq_ = kvq::centroid_squares(cb_->centroids_f);
-  require(!nc_ || square_sum_exact(sq_.data(), static_cast<int>(sq_.size()), dim),
-          "TurboQuantMse: norm correction needs the " + std::to_string(dim) + " squared centroids of this " +
-              std::to_string(bits) + "-bit codebook to add exactly in double (their exponents span too far)");
+  if (nc_) sq_ = kvq::grid_squares(cb_->centroids_f, dim);  // refuses a codebook without a grid
 }
 
 std::string TurboQuantMse::name() const {
@@ -82,7 +79,7 @@ void TurboQuantMse::encode_centered_reference(const float* x, std::uint8_t* code
   const int ne = static_cast<int>(cb_->edges_f.size());
   for (std::size_t i = 0; i < d; ++i) idx[i] = static_cast<std::uint8_t>(bucketize(cb_->edges_f.data(), ne, y[i]));
   float stored = norm;
-  if (nc_ && norm > 0) stored = norm / std::sqrt(exact_square_sum(sq_.data(), idx.data(), dim_));
+  if (nc_ && norm > 0) stored = norm / std::sqrt(grid_square_sum(sq_.data(), idx.data(), dim_));
   pack_bits(idx.data(), d, bits_, codes);
   store_fp16(meta, stored, "TurboQuantMse");
 }

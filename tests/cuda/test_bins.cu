@@ -45,7 +45,7 @@ __global__ void bucket_kernel(const float* edges, const float* cents, int bits, 
   __shared__ kc::StoreTables T;
   __shared__ uint2 pairs[2 * kc::kMaxBins];
   const int lane = threadIdx.x;
-  kc::build_store_table(T, 0, edges, cents, bits, lane);
+  kc::build_store_table(T, 0, edges, cents, bits, 128, lane);
   kc::build_bin_pairs(T, 0, pairs, cap, lane);
   __syncwarp();
   if (lane == 0) {
@@ -61,6 +61,24 @@ __global__ void bucket_kernel(const float* edges, const float* cents, int bits, 
     by_pairs[i] = kc::bin_pair_lookup(pbase, T.pair_stride[0], T.ba[0], T.bb[0], T.bn[0], ys[i]);
     by_bytes[i] = kc::bin_lookup(T.base[0], T.edges[0], T.ba[0], T.bb[0], T.bn[0], ys[i]);
   }
+}
+
+// One warp: table 0 of the codebook (cents, bits) for vectors of n elements; out[0 .. 15] = its norm-correction
+// terms T.sq, out[16] = T.sym. Then each lane adds the terms of codes[lane * n ..] (n codes) with
+// warp_grid_square_sum's per-lane loop in reverse order into out[17 + lane], and the whole warp adds row 0's codes
+// with warp_grid_square_sum into out[49].
+__global__ void grid_table_kernel(const float* edges, const float* cents, int bits, int n, const std::uint8_t* codes, float* out) {
+  __shared__ kc::StoreTables T;
+  const int lane = threadIdx.x;
+  kc::build_store_table(T, 0, edges, cents, bits, n, lane);
+  __syncwarp();
+  if (lane < 16) out[lane] = T.sq[0][lane];
+  if (lane == 0) out[16] = static_cast<float>(T.sym[0]);
+  float t = 0.0f;
+  for (int i = n - 1; i >= 0; --i) t = __fadd_rn(t, T.sq[0][codes[lane * n + i]]);
+  out[17 + lane] = t;
+  const float w = kc::warp_grid_square_sum(n, lane, [&](int i) { return T.sq[0][codes[i]]; });
+  if (lane == 0) out[49] = w;
 }
 
 // One warp per row: warp_sum_squares over rows[r] (n floats at rows + 1024 r) into out[32 r + lane].
@@ -174,6 +192,52 @@ float sequential_sum(const std::vector<float>& x, int n) {
   float s = 0.0f;
   for (int i = 0; i < n; ++i) s = std::fma(x[static_cast<std::size_t>(i)], x[static_cast<std::size_t>(i)], s);
   return s;
+}
+
+// The device's norm-correction terms (build_store_table) equal kvq::grid_squares bit for bit, for the sphere and
+// Gaussian codebooks of 1-4 bits at the lengths the stores use, and the device sums of random and extreme codes, in
+// two orders, equal kvq::grid_square_sum (the CPU's value).
+void grid_cases(std::mt19937& rng) {
+  using kvq::cudatest::check;
+  using kvq::cudatest::download;
+  using kvq::cudatest::upload;
+  for (int bits = 1; bits <= 4; ++bits)
+    for (int n : {32, 64, 128, 256, 512}) {
+      for (int g = 0; g < 2; ++g) {
+        const kvq::Codebook& cb = g ? kvq::gaussian_codebook(n, bits) : kvq::sphere_codebook(n, bits);
+        const std::vector<float> want = kvq::grid_squares(cb.centroids_f, n);
+        std::vector<std::uint8_t> codes(static_cast<std::size_t>(32 * n));
+        for (std::size_t i = 0; i < codes.size(); ++i)  // lanes 0..15 uniform codes, 16..31 the extremes
+          codes[i] = static_cast<std::uint8_t>(i < codes.size() / 2 ? rng() % want.size() : (rng() % 2 ? 0 : want.size() - 1));
+        float* d_e = upload(cb.edges_f);
+        float* d_c = upload(cb.centroids_f);
+        std::uint8_t* d_codes = upload(codes);
+        float* d_out = upload(std::vector<float>(50, -1.0f));
+        grid_table_kernel<<<1, 32>>>(d_e, d_c, bits, n, d_codes, d_out);
+        const std::vector<float> out = download(d_out, 50);
+        const std::string name = (g ? "gaussian" : "sphere") + std::string(" b") + std::to_string(bits) + " n" + std::to_string(n);
+        bool same = true, sym = true;
+        for (std::size_t i = 0; i < 16; ++i) {
+          const float w = i < want.size() ? want[i] : 0.0f;
+          same = same && kvq::f32_bits(out[i]) == kvq::f32_bits(w);
+          if (i < want.size()) sym = sym && want[i] == want[want.size() - 1 - i];
+        }
+        check(same, "grid terms equal kvq::grid_squares: " + name);
+        check(out[16] == (sym ? 1.0f : 0.0f), "sym flag: " + name);
+        bool sums = true;
+        for (int l = 0; l < 32; ++l) {
+          const float cpu = kvq::grid_square_sum(want.data(), codes.data() + static_cast<std::size_t>(l) * n, n);
+          sums = sums && std::isfinite(cpu) && kvq::f32_bits(out[17 + static_cast<std::size_t>(l)]) == kvq::f32_bits(cpu);
+        }
+        check(sums, "reverse-order lane sums equal kvq::grid_square_sum: " + name);
+        const float cpu0 = kvq::grid_square_sum(want.data(), codes.data(), n);
+        check(kvq::f32_bits(out[49]) == kvq::f32_bits(cpu0), "warp_grid_square_sum equals kvq::grid_square_sum: " + name);
+        cudaFree(d_e);
+        cudaFree(d_c);
+        cudaFree(d_codes);
+        cudaFree(d_out);
+      }
+    }
 }
 
 void sum_squares_cases(std::mt19937& rng) {
@@ -363,6 +427,7 @@ int main() {
   }
   run_case("synthetic, a -0 midpoint", {-0.5f, -0.0f, 0.25f}, 2, rng);
   run_case("synthetic, a +0 midpoint", {-0.25f, 0.0f, 0.125f}, 2, rng);
+  grid_cases(rng);
   sum_squares_cases(rng);
   lanes_case<1>(rng);
   lanes_case<2>(rng);

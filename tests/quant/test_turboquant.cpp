@@ -80,83 +80,94 @@ TEST(TurboQuant, NormCorrectionPutsCodewordOnSphere) {
   EXPECT_NEAR(std::sqrt(ny), std::sqrt(nx), 2e-3 * std::sqrt(nx));  // fp16 norm rounding only
 }
 
-// The norm-correction sum is exact: kvq::exact_square_sum equals an independent exact sum (squares as integer
-// multiples of the smallest square's ulp in 64-bit integers, below 2^62 here, rounded once through long double,
-// whose 64-bit significand holds the total) for every codebook the formats use, and does not depend on the order.
-namespace {
-float int128_square_sum(const std::vector<float>& sq, const std::vector<std::uint8_t>& idx) {
-  int emin = 1000;
-  for (float v : sq)
-    if (v > 0) emin = std::min(emin, std::ilogb(v) - 23);
-  std::int64_t acc = 0;
-  for (std::uint8_t i : idx) {
-    const float v = sq[i];
-    if (v == 0) continue;
-    const int e = std::ilogb(v) - 23;                                              // v = m 2^e, m < 2^24
-    const auto m = static_cast<std::int64_t>(std::ldexp(static_cast<double>(v), -e));  // exact
-    EXPECT_LT(e - emin, 28);  // m << (e - emin) < 2^52, and d <= 1024 of them stay below 2^62
-    acc += m << (e - emin);
-  }
-  return static_cast<float>(std::ldexp(static_cast<long double>(acc), emin));
-}
-}  // namespace
-
-TEST(TurboQuant, NormCorrectionSumIsExact) {
+// The norm-correction sum on its grid: every term of kvq::grid_squares is an integer multiple of the grid step
+// 2^e, so kvq::grid_square_sum equals an independent exact sum (the terms as 64-bit integer multiples of 2^e,
+// converted once) for every codebook the formats use, in any order; the step is at most 2^-21 for c2 near 1
+// (the 1-4-bit codebooks: n cmax^2 < 8), the grid moves each term by at most half a step, and for these codebooks
+// it is the finest: on the grid one step finer, n copies of the largest term would not fit in 2^24 steps.
+TEST(TurboQuant, NormCorrectionSumIsExactOnItsGrid) {
   std::mt19937 rng(5);
-  int max_span = 0;
   for (int bits = 1; bits <= 4; ++bits)
-    for (int d : {64, 96, 128, 256, 576, 1024}) {
+    for (int d : {32, 64, 96, 128, 256, 576, 1024}) {
       for (const Codebook* cb : {&sphere_codebook(d, bits), &gaussian_codebook(d, bits)}) {
-        const std::vector<float> sq = centroid_squares(cb->centroids_f);
-        int lo = 1000, hi = -1000;
-        for (float v : sq) lo = std::min(lo, std::ilogb(v)), hi = std::max(hi, std::ilogb(v));
-        max_span = std::max(max_span, hi - lo);
-        ASSERT_TRUE(square_sum_exact(sq.data(), static_cast<int>(sq.size()), d)) << bits << " bits, d " << d;
+        const std::vector<float>& c = cb->centroids_f;
+        const std::vector<float> sq = grid_squares(c, d);
+        float cmax = 0.0f;
+        for (float v : c) cmax = std::max(cmax, std::fabs(v));
+        const int e = square_grid_exponent(cmax, d);
+        EXPECT_LE(e, -21) << bits << " bits, d " << d;
+        {
+          const double m_finer = std::rint(std::ldexp(static_cast<double>(cmax) * cmax, -(e - 1)));
+          EXPECT_GT(static_cast<double>(d) * m_finer, 16777216.0) << "a finer grid fits: " << bits << " bits, d " << d;
+        }
+        std::vector<std::int64_t> units(sq.size());
+        for (std::size_t i = 0; i < sq.size(); ++i) {
+          const double u = std::ldexp(static_cast<double>(sq[i]), -e);
+          ASSERT_EQ(u, std::floor(u)) << "a term off the grid: " << bits << " bits, d " << d;
+          units[i] = static_cast<std::int64_t>(u);
+          const double exact = static_cast<double>(c[i]) * c[i];
+          EXPECT_LE(std::fabs(static_cast<double>(sq[i]) - exact), std::ldexp(0.5, e));
+          ASSERT_LE(static_cast<std::int64_t>(d) * units[i], std::int64_t{1} << 24) << bits << " bits, d " << d;
+        }
         std::vector<std::uint8_t> idx(static_cast<std::size_t>(d));
         for (int rep = 0; rep < 50; ++rep) {
-          // Uniform codes, and codes skewed to the extremes (the widest spread of terms).
+          // Uniform codes, and codes at the extremes (the largest sums).
           for (auto& i : idx) i = static_cast<std::uint8_t>(rep % 2 ? rng() % sq.size() : (rng() % 2 ? 0 : sq.size() - 1 - rng() % 2));
-          const float want = int128_square_sum(sq, idx);
-          ASSERT_EQ(f32_bits(exact_square_sum(sq.data(), idx.data(), d)), f32_bits(want)) << bits << " bits, d " << d;
+          std::int64_t acc = 0;
+          for (std::uint8_t i : idx) acc += units[i];
+          const float want = static_cast<float>(std::ldexp(static_cast<double>(acc), e));
+          ASSERT_EQ(std::ldexp(static_cast<double>(want), -e), static_cast<double>(acc)) << "the sum is a float";
+          ASSERT_EQ(f32_bits(grid_square_sum(sq.data(), idx.data(), d)), f32_bits(want)) << bits << " bits, d " << d;
           std::vector<std::uint8_t> other = idx;
           std::reverse(other.begin(), other.end());
-          EXPECT_EQ(f32_bits(exact_square_sum(sq.data(), other.data(), d)), f32_bits(want));
+          EXPECT_EQ(f32_bits(grid_square_sum(sq.data(), other.data(), d)), f32_bits(want));
           std::shuffle(other.begin(), other.end(), rng);
-          EXPECT_EQ(f32_bits(exact_square_sum(sq.data(), other.data(), d)), f32_bits(want));
+          EXPECT_EQ(f32_bits(grid_square_sum(sq.data(), other.data(), d)), f32_bits(want));
         }
       }
     }
-  EXPECT_LE(max_span, 9);  // docs/formats.md's bound for the 1-4-bit codebooks
-  // The float chains of kvq::sum_squares (the rule before 2026-12-04) round: on some rows their sum differs from
-  // the exact one, so the two rules are told apart by the encoders' bit-for-bit checks.
+  // The earlier rules round differently on some rows, so the encoders' bit-for-bit checks tell the grid from them:
+  // the float chains of kvq::sum_squares over the centroids (the rule until 2026-12-05) and the exact sum of the
+  // squares rounded to float.
   const std::vector<float>& cent = sphere_codebook(128, 4).centroids_f;
-  const std::vector<float> sq = centroid_squares(cent);
-  int differ = 0;
+  const std::vector<float> sq = grid_squares(cent, 128);
+  int differ_chains = 0, differ_exact = 0;
   std::vector<std::uint8_t> idx(128);
   std::vector<float> terms(128);
   for (int rep = 0; rep < 2000; ++rep) {
     for (int k = 0; k < 128; ++k) idx[static_cast<std::size_t>(k)] = static_cast<std::uint8_t>(rng() % 16);
-    for (int k = 0; k < 128; ++k) terms[static_cast<std::size_t>(k)] = cent[idx[static_cast<std::size_t>(k)]];
-    differ += f32_bits(sum_squares(terms.data(), 128)) != f32_bits(exact_square_sum(sq.data(), idx.data(), 128));
+    double exact = 0;
+    for (int k = 0; k < 128; ++k) {
+      const float ck = cent[idx[static_cast<std::size_t>(k)]];
+      terms[static_cast<std::size_t>(k)] = ck;
+      exact += static_cast<double>(ck * ck);  // fl(c^2), added exactly in double (spans under 2^29)
+    }
+    const float grid = grid_square_sum(sq.data(), idx.data(), 128);
+    differ_chains += f32_bits(sum_squares(terms.data(), 128)) != f32_bits(grid);
+    differ_exact += f32_bits(static_cast<float>(exact)) != f32_bits(grid);
+    EXPECT_LE(std::fabs(static_cast<double>(grid) - exact), 128 * std::ldexp(0.5, -21));
   }
-  EXPECT_GT(differ, 0);
+  EXPECT_GT(differ_chains, 0);
+  EXPECT_GT(differ_exact, 0);
 }
 
-TEST(TurboQuant, NormCorrectionRefusesInexactCodebooks) {
-  // Squares 2^40 apart: no double sum is exact for them.
-  const std::vector<float> wide = {1.0f, 0x1p-40f};
-  EXPECT_FALSE(square_sum_exact(wide.data(), 2, 2));
-  const std::vector<float> ok = {1.0f, 0x1p-9f};
-  EXPECT_TRUE(square_sum_exact(ok.data(), 2, 1 << 20));
-  EXPECT_FALSE(square_sum_exact(ok.data(), 2, (1 << 20) + 1));
-  const std::vector<float> bad = {1.0f, std::numeric_limits<float>::infinity()};
-  EXPECT_FALSE(square_sum_exact(bad.data(), 2, 2));
+TEST(TurboQuant, NormCorrectionRefusesCodebooksWithoutAGrid) {
+  EXPECT_THROW(grid_squares({0.0f, 0.0f}, 64), Error);
+  EXPECT_THROW(grid_squares({1.0f, std::numeric_limits<float>::infinity()}, 64), Error);
+  EXPECT_THROW(grid_squares({1.0f, std::numeric_limits<float>::quiet_NaN()}, 64), Error);
+  EXPECT_THROW(grid_squares({1.0f, -1.0f}, 0), Error);
+  EXPECT_THROW(grid_squares({1.0f, -1.0f}, (1 << 16) + 1), Error);
+  EXPECT_EQ(grid_squares({1.0f, -0.5f}, 1 << 16), (std::vector<float>{1.0f, 0.25f}));  // step 2^-8 there
+  // A codebook whose terms span 2^40 (the exact double sum refused it): the small term rounds to the grid.
+  const std::vector<float> wide = grid_squares({1.0f, 0x1p-20f}, 2);
+  EXPECT_EQ(wide[0], 1.0f);
+  EXPECT_EQ(wide[1], 0.0f);
   Codebook cb;
   cb.dim = 64;
   cb.bits = 1;
-  cb.centroids = {-1e-12, 1.0};
-  cb.edges = {0.5};
-  cb.centroids_f = {-1e-12f, 1.0f};
+  cb.centroids = {0.0, 0.0};
+  cb.edges = {0.0};
+  cb.centroids_f = {0.0f, 0.0f};
   cb.edges_f = {0.5f};
   EXPECT_THROW(TurboQuantMse(64, 1, rht(64), true, &cb), Error);
   EXPECT_NO_THROW(TurboQuantMse(64, 1, rht(64), false, &cb));
