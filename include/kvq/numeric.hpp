@@ -176,26 +176,18 @@ inline float sum_squares(const float* x, int n) {
 // of the codes by magnitude. The price is the grid: n cmax^2 is about 7.5 for the 4-bit sphere codebooks at any n
 // (4.6 at 3 bits, 2.3 at 2), so e = -21 (-22 at 2 bits) and each term moves by at most 2^-22 while c2 is near 1
 // for a unit vector: c2 moves by at most n 2^-22 (3.1e-5 at n = 128, 1.2e-4 at 512), the stored norm by half that
-// (docs/formats.md). ilogb, rint and ldexp are exact, so host and device compute the same grid and terms.
-KVQ_HD int square_grid_exponent(float cmax, int n) {
+// (docs/formats.md). The host computes the terms (TurboQuantMse::centroid_squares); the GPU writers read them from
+// their format tables (FormatDesc::key_terms, MlaFormat::tq_terms).
+inline int square_grid_exponent(float cmax, int n) {
   const double s2 = static_cast<double>(cmax) * static_cast<double>(cmax);  // exact
-#if defined(__CUDA_ARCH__)
-  const int e = ::ilogb(static_cast<double>(n) * s2) - 23;
-  const double m = ::rint(::ldexp(s2, -e));  // the largest term in steps
-#else
   const int e = std::ilogb(static_cast<double>(n) * s2) - 23;
-  const double m = std::rint(std::ldexp(s2, -e));
-#endif
-  return static_cast<double>(n) * m <= 16777216.0 ? e : e + 1;  // n m is exact (n <= 2^16, m < 2^25)
+  const double m = std::rint(std::ldexp(s2, -e));                           // the largest term in steps
+  return static_cast<double>(n) * m <= 16777216.0 ? e : e + 1;             // n m is exact (n <= 2^16, m < 2^25)
 }
 // q(c) on the grid 2^e Z.
-KVQ_HD float grid_square(float c, int e) {
+inline float grid_square(float c, int e) {
   const double s = static_cast<double>(c) * static_cast<double>(c);  // exact: 48 significant bits
-#if defined(__CUDA_ARCH__)
-  return static_cast<float>(::ldexp(::rint(::ldexp(s, -e)), e));
-#else
   return static_cast<float>(std::ldexp(std::rint(std::ldexp(s, -e)), e));
-#endif
 }
 // The terms q(c) of a codebook's centroids for vectors of n elements. Refuses what has no grid: a non-finite or
 // all-zero codebook, n outside 1 .. 65536 (the bound above needs n <= 2^24; 2^16 keeps the step below 2^-6 cmax^2).

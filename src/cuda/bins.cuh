@@ -15,7 +15,6 @@
 #include <cstdint>
 
 #include "device.cuh"
-#include "kvq/numeric.hpp"
 
 namespace kvq::cuda::detail {
 
@@ -26,8 +25,8 @@ constexpr std::uint32_t kMagicBits = 0x4B400000u;
 struct StoreTables {
   std::uint8_t base[4][kMaxBins];  // [key seg 0, key seg 1, value seg 0, value seg 1]: midpoints in lower bins
   float edges[4][16];              // midpoints, +inf after the last
-  // The norm-correction sum's terms, the centroids' squares on their grid (kvq::grid_squares); 16 words in 16
-  // banks: lanes never conflict.
+  // The norm-correction sum's terms, the centroids' squares on their grid (kvq::grid_squares, from the host);
+  // 16 words in 16 banks: lanes never conflict.
   float sq[4][16];
   float ba[4], bb[4], bn[4];       // bin(y) = floor(sat(y * ba + bb) * bn)
   int ok[4];
@@ -146,17 +145,14 @@ __device__ __forceinline__ float corrected_norm(float norm, float c2) {
   return norm > 0 ? __fdiv_rn(norm, __fsqrt_rn(c2)) : norm;
 }
 
-// Warp-wide: table t from a codebook with `bits` (1..4) bits, for vectors (segments) of len elements.
+// Warp-wide: table t from a codebook with `bits` (1..4) bits: its midpoints and its norm-correction terms (the
+// host's kvq::grid_squares: FormatDesc::key_terms, MlaFormat::tq_terms).
 __device__ inline void build_store_table(StoreTables& T, int t, const float* __restrict__ edges_g,
-                                  const float* __restrict__ cent_g, int bits, int len, int lane) {
+                                  const float* __restrict__ terms_g, int bits, int lane) {
   const int ne = (1 << bits) - 1, nc = 1 << bits;
-  const float c = lane < nc ? cent_g[lane] : 0.0f;
-  float cmax = fabsf(c);
-  for (int o = 16; o > 0; o >>= 1) cmax = fmaxf(cmax, __shfl_xor_sync(0xffffffffu, cmax, o));
-  const int e = square_grid_exponent(cmax, len);  // the host refused codebooks without a grid
   for (int i = lane; i < 16; i += 32) {
     T.edges[t][i] = i < ne ? edges_g[i] + 0.0f : INFINITY;  // -0 as +0 (equal in every comparison; plus_below needs it)
-    T.sq[t][i] = i < nc ? grid_square(c, e) : 0.0f;
+    T.sq[t][i] = i < nc ? terms_g[i] : 0.0f;
   }
   __syncwarp();
   {

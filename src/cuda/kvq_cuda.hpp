@@ -50,6 +50,10 @@ struct FormatDesc {
   const float* key_edges = nullptr;
   const float* value_centroids = nullptr;
   const float* value_edges = nullptr;
+  // [kMaxSegments][kMaxCodebook]: the norm-correction sum's term per centroid of each TurboQuant segment (the
+  // centroid's square on its grid, kvq::grid_squares: TurboQuantMse::centroid_squares), zeros elsewhere.
+  const float* key_terms = nullptr;
+  const float* value_terms = nullptr;
   // True when value_centroids holds exactly key_centroids (every segment): so in every TurboQuant-value
   // preset. The fast decode kernel of 3-bit TurboQuant keys and values (tq-3bit) then reads the value
   // pairs from the key pairs' table; a launch without it takes the generic kernel.

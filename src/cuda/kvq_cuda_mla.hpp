@@ -39,6 +39,7 @@ struct MlaFormat {
   std::uint32_t tq_signs[32] = {};
   float tq_centroids[16] = {};
   float tq_edges[15] = {};
+  float tq_terms[16] = {};  // the norm-correction sum's term per centroid (TurboQuantMse::centroid_squares)
 };
 // kvq::Error when the format is not an MLA format with a kernel (bf16, c*r* affine, mla-tq*).
 // `layer` selects the sign diagonal of mla-tq formats (ignored by the others).

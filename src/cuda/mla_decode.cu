@@ -88,6 +88,8 @@ MlaFormat mla_format(const FormatSpec& f, int d_latent, int d_rope, int layer) {
     if (c.size() != (std::size_t{1} << f.key_bits) || e.size() + 1 != c.size())
       fail("format '" + f.name + "': codebook of " + std::to_string(c.size()) + " centroids for " + std::to_string(f.key_bits) + " bits");
     for (std::size_t i = 0; i < e.size(); ++i) m.tq_edges[i] = e[i];
+    const std::vector<float>& terms = tq->centroid_squares();
+    for (std::size_t i = 0; i < terms.size() && i < 16; ++i) m.tq_terms[i] = terms[i];
   }
   return m;
 }

@@ -409,8 +409,8 @@ template <int B>
 __global__ void __launch_bounds__(256) mla_store_tq_kernel(const __grid_constant__ MlaStoreParams p, int tok_shift) {
   __shared__ __align__(16) float xs_all[8][kXsWords];
   __shared__ __align__(16) std::uint8_t cs_all[8][kCsBytes];
-  __shared__ detail::StoreTables T;  // table 0: the codebook's bins, midpoints and centroids
-  if (threadIdx.x < 32) detail::build_store_table(T, 0, p.fmt.tq_edges, p.fmt.tq_centroids, B, p.fmt.d_latent, threadIdx.x);
+  __shared__ detail::StoreTables T;  // table 0: the codebook's bins, midpoints and norm-correction terms
+  if (threadIdx.x < 32) detail::build_store_table(T, 0, p.fmt.tq_edges, p.fmt.tq_terms, B, threadIdx.x);
   __syncthreads();
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
   const int t = blockIdx.x * 8 + w;

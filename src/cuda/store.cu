@@ -125,7 +125,7 @@ __device__ void encode_tq(const FormatDesc& f, bool is_key, int head, const std:
   int off = 0;
   for (int s = 0; s < f.segments; ++s) {
     const int n = f.seg_dims[s], bits = is_key ? f.key_bits[s] : f.value_bits[s];
-    const float* cent = (is_key ? f.key_centroids : f.value_centroids) + s * kMaxCodebook;
+    const float* terms = (is_key ? f.key_terms : f.value_terms) + s * kMaxCodebook;  // the norm-correction terms
     const float* edges = (is_key ? f.key_edges : f.value_edges) + s * kMaxCodebook;
     const float norm = __fsqrt_rn(warp_sum_squares(n, lane, [&](int b, int k) { return x[off + 32 * b + k]; }));
     const float inv = norm > 0 ? __frcp_rn(norm) : 0.0f;
@@ -148,11 +148,7 @@ __device__ void encode_tq(const FormatDesc& f, bool is_key, int head, const std:
     }
 #undef KVQ_REG_PATH
     __syncwarp();
-    float cmax = 0.0f;  // the grid of kvq::grid_squares
-    for (int i = lane; i < (1 << bits); i += 32) cmax = fmaxf(cmax, fabsf(__ldg(cent + i)));
-    for (int o = 16; o > 0; o >>= 1) cmax = fmaxf(cmax, __shfl_xor_sync(0xffffffffu, cmax, o));
-    const int ge = square_grid_exponent(cmax, n);
-    stored[s] = corrected_norm(norm, warp_grid_square_sum(n, lane, [&](int i) { return grid_square(__ldg(cent + codes[off + i]), ge); }));
+    stored[s] = corrected_norm(norm, warp_grid_square_sum(n, lane, [&](int i) { return __ldg(terms + codes[off + i]); }));
     __syncwarp();
     off += n;
   }
@@ -817,8 +813,8 @@ __device__ __forceinline__ void fast_setup(StoreTables& T, uint2* BP, uint4* dsm
     if (tq && seg < NSEG) {
       const int t = side ? VT + seg : seg;
       build_store_table(T, t, (side ? f.value_thresholds : f.key_thresholds) + seg * kMaxCodebook,
-                        (side ? f.value_centroids : f.key_centroids) + seg * kMaxCodebook,
-                        side ? (seg ? F::VB1 : F::VB0) : (seg ? F::KB1 : F::KB0), NSEG == 2 ? D / 2 : D, lane);
+                        (side ? f.value_terms : f.key_terms) + seg * kMaxCodebook,
+                        side ? (seg ? F::VB1 : F::VB0) : (seg ? F::KB1 : F::KB0), lane);
       if (search && lane == 0) T.ok[t] = 0;  // the binary search instead of the table (KVQ_STORE_SEARCH=1: tests)
       constexpr int c0 = NSEG == 2 ? 448 : 512, c1 = NSEG == 2 ? 320 : 0;  // entries of segment 0 / 1 tables
       build_bin_pairs(T, t, BP + side * (c0 + c1) + seg * c0, seg ? c1 : c0, lane);
@@ -1606,8 +1602,8 @@ bool fast_tables_ok(const FormatDesc& f) {
   if ((f.key_mean && (Fm::KK != KC::kTq || !f.key_mean_seg || !a16(f.key_mean_seg))) ||
       (f.value_mean && (Fm::VK != VC::kTq || !f.value_mean_seg || !a16(f.value_mean_seg))))
     return false;
-  return !((Fm::KK == KC::kTq && (!f.key_signs || !f.key_thresholds || !f.key_centroids || (Fm::NSEG == 2 && !f.key_perm))) ||
-           (Fm::VK == VC::kTq && (!f.value_signs || !f.value_thresholds || !f.value_centroids || (Fm::NSEG == 2 && !f.value_perm))));
+  return !((Fm::KK == KC::kTq && (!f.key_signs || !f.key_thresholds || !f.key_terms || (Fm::NSEG == 2 && !f.key_perm))) ||
+           (Fm::VK == VC::kTq && (!f.value_signs || !f.value_thresholds || !f.value_terms || (Fm::NSEG == 2 && !f.value_perm))));
 }
 
 // Calls go(FastFmt tag, key metadata bytes, value metadata bytes) for the fast kernel that serves format f at head_dim
@@ -1691,6 +1687,10 @@ cudaError_t store(const StoreParams& p, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   if (p.n_tokens == 0) return cudaSuccess;
   if (!p.key || !p.value || !p.slot_mapping || !p.pool) return cudaErrorInvalidValue;
+  // TurboQuant sides need their tables, the norm-correction terms included (LayerTables fills them).
+  if ((f.key == KeyCode::kTq && (!f.key_signs || !f.key_edges || !f.key_terms)) ||
+      (f.value == ValueCode::kTq && (!f.value_signs || !f.value_edges || !f.value_terms)))
+    return cudaErrorInvalidValue;
   bool done = false;
   const cudaError_t e = detail::by_head_dim(f.head_dim, [&](auto d) { return detail::dispatch_fast<decltype(d)::value>(p, stream, done); });
   if (done || e != cudaSuccess) return e;

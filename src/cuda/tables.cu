@@ -97,7 +97,7 @@ LayerTables::LayerTables(const FormatSpec& f, const CacheGeometry& g, int layer,
   std::vector<float> ks(hd, 1.0f), vs(hd, 1.0f);
   std::vector<std::int32_t> kp(hd), vp(hd);
   std::vector<float> kc(2 * kMaxCodebook, 0.0f), ke(2 * kMaxCodebook, 0.0f), vc(2 * kMaxCodebook, 0.0f),
-      ve(2 * kMaxCodebook, 0.0f);
+      ve(2 * kMaxCodebook, 0.0f), kq(2 * kMaxCodebook, 0.0f), vq(2 * kMaxCodebook, 0.0f);
   const std::vector<int> seg_dims = split ? std::vector<int>{n_hi, d - n_hi} : std::vector<int>{d};
   std::vector<float> km(hd, 0.0f), vm(hd, 0.0f);  // centering means, channel order
   bool centered = false;
@@ -109,6 +109,11 @@ LayerTables::LayerTables(const FormatSpec& f, const CacheGeometry& g, int layer,
       float* signs = (which == 0 ? ks.data() : vs.data()) + static_cast<std::size_t>(head) * d;
       float* cent = which == 0 ? kc.data() : vc.data();
       float* edges = which == 0 ? ke.data() : ve.data();
+      float* terms = which == 0 ? kq.data() : vq.data();  // the norm-correction terms
+      auto put_terms = [](const TurboQuantMse& t, float* dst) {
+        const std::vector<float>& q = t.centroid_squares();
+        for (std::size_t i = 0; i < q.size() && i < static_cast<std::size_t>(kMaxCodebook); ++i) dst[i] = q[i];
+      };
       std::vector<int> order(static_cast<std::size_t>(d));
       for (int i = 0; i < d; ++i) order[static_cast<std::size_t>(i)] = i;
       float* mean = (which == 0 ? km.data() : vm.data()) + static_cast<std::size_t>(head) * d;
@@ -132,6 +137,9 @@ LayerTables::LayerTables(const FormatSpec& f, const CacheGeometry& g, int layer,
         const int bits_lo = which == 0 ? fd.key_bits[1] : fd.value_bits[1];
         put_codebook(sphere_codebook(n_hi, bits_hi), cent, edges);
         put_codebook(sphere_codebook(d - n_hi, bits_lo), cent + kMaxCodebook, edges + kMaxCodebook);
+        require(os->hi().norm_correction() && os->lo().norm_correction(), "LayerTables: outlier split without norm correction has no kernel");
+        put_terms(os->hi(), terms);
+        put_terms(os->lo(), terms + kMaxCodebook);
       } else if (const auto* tq = dynamic_cast<const TurboQuantMse*>(&q)) {
         require(tq->norm_correction(), "LayerTables: TurboQuant without norm correction has no kernel");
         if (!tq->offset().empty()) {
@@ -140,6 +148,7 @@ LayerTables::LayerTables(const FormatSpec& f, const CacheGeometry& g, int layer,
         }
         extract_signs(q, order, seg_dims, {0}, signs);
         put_codebook(tq->codebook(), cent, edges);
+        put_terms(*tq, terms);
       } else if (const auto* ua = dynamic_cast<const UniformAffine*>(&q)) {
         require(ua->group() == d, "LayerTables: only per-vector uniform values have a kernel");
         for (int i = 0; i < (1 << ua->bits()); ++i) cent[i] = static_cast<float>(i);
@@ -169,10 +178,10 @@ LayerTables::LayerTables(const FormatSpec& f, const CacheGeometry& g, int layer,
     kms[i] = km[hb + static_cast<std::size_t>(kp[i])] * ks[i];
     vms[i] = vm[hb + static_cast<std::size_t>(vp[i])] * vs[i];
   }
-  // One allocation: key signs, value signs, 4 codebook tables, 2 threshold tables, key perm,
+  // One allocation: key signs, value signs, 4 codebook tables, 2 threshold tables, 2 term tables, key perm,
   // value perm, key and value means (channel order), the same in segment order and signed. Every
   // array is a multiple of 16 bytes long, so each starts 16-byte aligned.
-  const std::size_t nf = 6 * hd, ni = 2 * hd, nc = 12 * static_cast<std::size_t>(kMaxCodebook);
+  const std::size_t nf = 6 * hd, ni = 2 * hd, nc = 16 * static_cast<std::size_t>(kMaxCodebook);
   const std::size_t bytes = (nf + nc) * sizeof(float) + ni * sizeof(std::int32_t);
   if (cudaMalloc(&dev_, bytes) != cudaSuccess) fail("LayerTables: cudaMalloc of " + std::to_string(bytes) + " bytes failed");
   std::vector<std::uint8_t> host(bytes);
@@ -189,6 +198,8 @@ LayerTables::LayerTables(const FormatSpec& f, const CacheGeometry& g, int layer,
   put(ve.data(), kMaxCodebook * 8);
   put(kt.data(), kMaxCodebook * 8);
   put(vt.data(), kMaxCodebook * 8);
+  put(kq.data(), kMaxCodebook * 8);
+  put(vq.data(), kMaxCodebook * 8);
   put(kp.data(), hd * 4);
   put(vp.data(), hd * 4);
   put(km.data(), hd * 4);
@@ -208,7 +219,9 @@ LayerTables::LayerTables(const FormatSpec& f, const CacheGeometry& g, int layer,
   fd.value_edges = fd.value_centroids + 2 * kMaxCodebook;
   fd.key_thresholds = fd.value_edges + 2 * kMaxCodebook;
   fd.value_thresholds = fd.key_thresholds + 2 * kMaxCodebook;
-  fd.key_perm = reinterpret_cast<const std::int32_t*>(fd.value_thresholds + 2 * kMaxCodebook);
+  fd.key_terms = fd.value_thresholds + 2 * kMaxCodebook;
+  fd.value_terms = fd.key_terms + 2 * kMaxCodebook;
+  fd.key_perm = reinterpret_cast<const std::int32_t*>(fd.value_terms + 2 * kMaxCodebook);
   fd.value_perm = fd.key_perm + hd;
   if (centered) {
     fd.key_mean = reinterpret_cast<const float*>(fd.value_perm + hd);

@@ -45,7 +45,7 @@ __global__ void bucket_kernel(const float* edges, const float* cents, int bits, 
   __shared__ kc::StoreTables T;
   __shared__ uint2 pairs[2 * kc::kMaxBins];
   const int lane = threadIdx.x;
-  kc::build_store_table(T, 0, edges, cents, bits, 128, lane);
+  kc::build_store_table(T, 0, edges, cents, bits, lane);
   kc::build_bin_pairs(T, 0, pairs, cap, lane);
   __syncwarp();
   if (lane == 0) {
@@ -63,14 +63,13 @@ __global__ void bucket_kernel(const float* edges, const float* cents, int bits, 
   }
 }
 
-// One warp: table 0 of the codebook (cents, bits) for vectors of n elements; out[0 .. 15] = its norm-correction
-// terms T.sq, out[16] = T.sym. Then each lane adds the terms of codes[lane * n ..] (n codes) with
-// warp_grid_square_sum's per-lane loop in reverse order into out[17 + lane], and the whole warp adds row 0's codes
-// with warp_grid_square_sum into out[49].
-__global__ void grid_table_kernel(const float* edges, const float* cents, int bits, int n, const std::uint8_t* codes, float* out) {
+// One warp: table 0 of the codebook (edges, terms, bits); out[0 .. 15] = its terms T.sq, out[16] = T.sym. Then each
+// lane adds the terms of codes[lane * n ..] (n codes) one by one in reverse order into out[17 + lane], and the
+// whole warp adds row 0's codes with warp_grid_square_sum into out[49].
+__global__ void grid_table_kernel(const float* edges, const float* terms, int bits, int n, const std::uint8_t* codes, float* out) {
   __shared__ kc::StoreTables T;
   const int lane = threadIdx.x;
-  kc::build_store_table(T, 0, edges, cents, bits, n, lane);
+  kc::build_store_table(T, 0, edges, terms, bits, lane);
   __syncwarp();
   if (lane < 16) out[lane] = T.sq[0][lane];
   if (lane == 0) out[16] = static_cast<float>(T.sym[0]);
@@ -194,9 +193,9 @@ float sequential_sum(const std::vector<float>& x, int n) {
   return s;
 }
 
-// The device's norm-correction terms (build_store_table) equal kvq::grid_squares bit for bit, for the sphere and
-// Gaussian codebooks of 1-4 bits at the lengths the stores use, and the device sums of random and extreme codes, in
-// two orders, equal kvq::grid_square_sum (the CPU's value).
+// The store tables' norm-correction terms (build_store_table, from the host's kvq::grid_squares) and mirror flag, for
+// the sphere and Gaussian codebooks of 1-4 bits at the lengths the stores use, and the device sums of random and
+// extreme codes, in two orders and by warp_grid_square_sum, equal kvq::grid_square_sum (the CPU's value).
 void grid_cases(std::mt19937& rng) {
   using kvq::cudatest::check;
   using kvq::cudatest::download;
@@ -210,7 +209,7 @@ void grid_cases(std::mt19937& rng) {
         for (std::size_t i = 0; i < codes.size(); ++i)  // lanes 0..15 uniform codes, 16..31 the extremes
           codes[i] = static_cast<std::uint8_t>(i < codes.size() / 2 ? rng() % want.size() : (rng() % 2 ? 0 : want.size() - 1));
         float* d_e = upload(cb.edges_f);
-        float* d_c = upload(cb.centroids_f);
+        float* d_c = upload(want);
         std::uint8_t* d_codes = upload(codes);
         float* d_out = upload(std::vector<float>(50, -1.0f));
         grid_table_kernel<<<1, 32>>>(d_e, d_c, bits, n, d_codes, d_out);
@@ -222,7 +221,7 @@ void grid_cases(std::mt19937& rng) {
           same = same && kvq::f32_bits(out[i]) == kvq::f32_bits(w);
           if (i < want.size()) sym = sym && want[i] == want[want.size() - 1 - i];
         }
-        check(same, "grid terms equal kvq::grid_squares: " + name);
+        check(same, "table terms equal kvq::grid_squares: " + name);
         check(out[16] == (sym ? 1.0f : 0.0f), "sym flag: " + name);
         bool sums = true;
         for (int l = 0; l < 32; ++l) {
