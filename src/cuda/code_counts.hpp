@@ -4,9 +4,9 @@
 //
 // A lane's 64 codes are the 192-bit stream of six words pw[0..5], code k at bits 3 k (pack_fields' order, the
 // cache's: kvq::pack_bits), so codes 10, 21, 42 and 53 straddle a word boundary and every 96 bits end with a whole
-// code. With a codebook whose mirror codes j and 7 - j share the square fl(c^2) (kvq's symmetric Lloyd-Max
-// codebooks), a code's square depends only on its magnitude m = (m1 m0), m_i = NOT(b_i XOR b2): codes 7 and 0 have
-// m = 3, codes 4 and 3 m = 0, and centroid 4 + m has that square. In word i the codes start at the bits of
+// code. With a codebook whose mirror codes j and 7 - j share their norm-correction term (kvq::grid_squares; kvq's
+// symmetric Lloyd-Max codebooks), a code's term depends only on its magnitude m = (m1 m0), m_i = NOT(b_i XOR b2):
+// codes 7 and 0 have m = 3, codes 4 and 3 m = 0, and centroid 4 + m has that term. In word i the codes start at the bits of
 // code_starts(i mod 3) (bit t with (32 i + t) mod 3 == 0); funnel shifts by 1 and 2 bring each code's b1 and b2
 // onto its b0, across the word boundary for the codes that straddle one, and three masked population counts per
 // word count the codes with m0 set, with m1 set and with both.

@@ -350,10 +350,11 @@ __global__ void __launch_bounds__(256) mla_store_gen_kernel(MlaStoreParams p, in
 //   each power-of-two block (largest first) in registers (reg_fwht: the stage order and the sums of
 //   kvq::fwht, 1 / sqrt(block) last), the code = number of codebook midpoints below y (the bin
 //   tables of bins.cuh);
-//   stored = norm / sqrt(sum c^2) over the chosen centroids (the same order), fp16.
+//   stored = norm / sqrt(c2), c2 the chosen centroids' terms on their grid (kvq::grid_square_sum: exact
+//   in float, so in any order), fp16.
 // The RoPE key is copied as bf16. The latent is staged in shared memory as floats (the sums read it
 // by block, lane b from 32 b; the FWHT by lane + 32 i), and the codes go through shared memory too
-// (the c^2 sums read them by block, the packing by runs of 32).
+// (the c2 sum reads them by lane + 32 i, the packing by runs of 32).
 
 // The staged latent keeps one word of padding after every 32 floats (element i at xs_pad(i)) and the
 // codes four bytes after every 32 (cs_pad), so that the sums, where lane b reads block b, and the

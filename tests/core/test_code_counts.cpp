@@ -1,7 +1,7 @@
 // The paired GQA store's count of 3-bit codes by magnitude (src/cuda/code_counts.hpp, used by store.cu's
 // magnitude_c2): on streams of 64 codes packed as the cache stores them, the three counts equal the counts taken
 // code by code, whatever the codes (those that straddle a word boundary included), and a code's magnitude names
-// the centroid 4 + m whose square it shares. scripts/gpu-test checks the kernel's records against the CPU's.
+// the centroid 4 + m whose norm-correction term it shares. scripts/gpu-test checks the kernel's records against the CPU's.
 #include <gtest/gtest.h>
 
 #include <array>
