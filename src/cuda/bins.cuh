@@ -50,12 +50,12 @@ __device__ __forceinline__ int bin_of(float y, float a, float b, float n) {
 // The xor-butterfly over groups of L lanes (L a power of two): with lane j of a group holding the sum of
 // block j, every lane of the group gets the pairwise tree of the L block sums, ((b0 + b1) + (b2 + b3)) + ...,
 // the last step of kvq::sum_squares (include/kvq/numeric.hpp); a + b = b + a bit for bit, so every lane
-// returns the same sum, and lanes past the last block hold +0 (the tree's zero padding).
-// O0 > 1: the butterfly's steps from lane distance O0 on (the groups of O0 lanes already agree).
-template <int L, int O0 = 1>
+// returns the same sum, and lanes past the last block hold +0 (the tree's zero padding). The norm-correction sum
+// on its grid adds its lanes with it too: exact there, so the tree's order does not matter.
+template <int L>
 __device__ __forceinline__ float xor_tree(float t) {
 #pragma unroll
-  for (int o = O0; o < L; o <<= 1) t = __fadd_rn(t, __shfl_xor_sync(0xffffffffu, t, o));
+  for (int o = 1; o < L; o <<= 1) t = __fadd_rn(t, __shfl_xor_sync(0xffffffffu, t, o));
   return t;
 }
 
@@ -123,20 +123,14 @@ __device__ __forceinline__ float lanes_sum_squares(const float (&x)[N]) {
   return lane_chains_tree<PS, N / 32>(s);
 }
 
-// The norm-correction sum kvq::grid_square_sum: each lane's float sum of its terms (exact: they lie on the grid of
-// kvq::grid_squares), added over groups of L xor-adjacent lanes (exact again, so in any order).
-template <int L>
-__device__ __forceinline__ float grid_sum_lanes(float t) {
-#pragma unroll
-  for (int o = 1; o < L; o <<= 1) t = __fadd_rn(t, __shfl_xor_sync(0xffffffffu, t, o));
-  return t;
-}
-// The same over a warp whose lanes take elements lane, lane + 32, ... of n, term(i) giving element i's term.
+// The norm-correction sum kvq::grid_square_sum over a warp whose lanes take elements lane, lane + 32, ... of n,
+// term(i) giving element i's term: each lane's float sum, then xor_tree over the warp. Every add is exact (the
+// terms lie on the grid of kvq::grid_squares), so neither order matters.
 template <class F>
 __device__ __forceinline__ float warp_grid_square_sum(int n, int lane, F&& term) {
   float t = 0.0f;
   for (int i = lane; i < n; i += 32) t = __fadd_rn(t, term(i));
-  return grid_sum_lanes<32>(t);
+  return xor_tree<32>(t);
 }
 
 // TurboQuantMse's stored norm with norm correction: norm / sqrt(sum c^2), each step correctly

@@ -581,7 +581,7 @@ __device__ __forceinline__ void tq_encode32(const StoreTables& T, int t, int sg,
   float c2f[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
   for (int k = 0; k < kLaneElems; ++k) c2f[k & 3] = __fadd_rn(c2f[k & 3], T.sq[t][c[k]]);
-  const float c2 = grid_sum_lanes<PS>(__fadd_rn(__fadd_rn(c2f[0], c2f[1]), __fadd_rn(c2f[2], c2f[3])));
+  const float c2 = xor_tree<PS>(__fadd_rn(__fadd_rn(c2f[0], c2f[1]), __fadd_rn(c2f[2], c2f[3])));
   if (B0 == B1 || sg == 0) pack_fields<kLaneElems, B0>(c, 0u, pw);
   else pack_fields<kLaneElems, B1>(c, 0u, pw);
   norm_out = norm;
@@ -1224,9 +1224,9 @@ __device__ __forceinline__ void tq_encode64(const StoreTables& T, int t, float (
   for (int j = 0; j < 8; ++j) c2 = __fadd_rn(c2, c2f[j]);
   if constexpr (B == 3) {
     if (by_counts) c2_out = magnitude_c2<PS>(T, t, pw);
-    else c2_out = grid_sum_lanes<PS>(c2);
+    else c2_out = xor_tree<PS>(c2);
   } else {
-    c2_out = grid_sum_lanes<PS>(c2);
+    c2_out = xor_tree<PS>(c2);
   }
   norm_out = norm;
 }

@@ -49,6 +49,12 @@ void put_codebook(const Codebook& cb, float* cent, float* edges) {
   for (std::size_t i = 0; i < cb.edges_f.size(); ++i) edges[i] = cb.edges_f[i];
 }
 
+// The norm-correction sum's terms of a TurboQuant instance (kvq::grid_squares, as its CPU encoder adds them).
+void put_terms(const TurboQuantMse& q, float* terms) {
+  const std::vector<float>& t = q.centroid_squares();
+  for (std::size_t i = 0; i < t.size(); ++i) terms[i] = t[i];
+}
+
 }  // namespace
 
 LayerTables::LayerTables(const FormatSpec& f, const CacheGeometry& g, int layer, const OutlierChannels* outliers) {
@@ -110,10 +116,6 @@ LayerTables::LayerTables(const FormatSpec& f, const CacheGeometry& g, int layer,
       float* cent = which == 0 ? kc.data() : vc.data();
       float* edges = which == 0 ? ke.data() : ve.data();
       float* terms = which == 0 ? kq.data() : vq.data();  // the norm-correction terms
-      auto put_terms = [](const TurboQuantMse& t, float* dst) {
-        const std::vector<float>& q = t.centroid_squares();
-        for (std::size_t i = 0; i < q.size() && i < static_cast<std::size_t>(kMaxCodebook); ++i) dst[i] = q[i];
-      };
       std::vector<int> order(static_cast<std::size_t>(d));
       for (int i = 0; i < d; ++i) order[static_cast<std::size_t>(i)] = i;
       float* mean = (which == 0 ? km.data() : vm.data()) + static_cast<std::size_t>(head) * d;
