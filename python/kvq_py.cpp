@@ -784,8 +784,9 @@ void bind_runtime(py::module_& m) {
                             const std::string& method, const std::string& cache, const std::string& paths, int steps,
                             int train_seqs, int heldout_seqs, int seq_len, int rope_seq_len, int batch, int eval_every,
                             int check_seqs, std::uint64_t seed, double lr_rotation, double lr_scale, double lr_angle,
-                            const std::string& dtype, const py::object& log) {
+                            const std::string& dtype, const py::object& log, bool overwrite) {
     kvq::CalibOptions o;
+    o.overwrite = overwrite;
     o.model_dir = model_dir;
     o.text_file = text;
     o.out_dir = out_dir;
@@ -849,10 +850,11 @@ void bind_runtime(py::module_& m) {
      py::arg("paths") = "both", py::arg("steps") = 300, py::arg("train_seqs") = 128, py::arg("heldout_seqs") = 32,
      py::arg("seq_len") = 256, py::arg("rope_seq_len") = 0, py::arg("batch") = 4, py::arg("eval_every") = 25,
      py::arg("check_seqs") = 4, py::arg("seed") = 0ull, py::arg("lr_rotation") = 2e-3, py::arg("lr_scale") = 1e-2,
-     py::arg("lr_angle") = 1e-2, py::arg("dtype") = "source", py::arg("log") = py::none(),
+     py::arg("lr_angle") = 1e-2, py::arg("dtype") = "source", py::arg("log") = py::none(), py::arg("overwrite") = false,
      "kvq calibrate: QuantMLA ('quantmla') or a baseline ('smoothquant', 'quarot') calibration of an MLA model's cXrY "
      "cache on `text` (calibration text, never the evaluation text), fused into a new Hugging Face model directory "
-     "`out` (written to out.tmp, then renamed). Returns the per-layer held-out objectives (RTN, initial, best), the "
+     "`out`, which must be absent or empty, or with overwrite=True an earlier output of calibrate_mla (written beside "
+     "it, then renamed). Returns the per-layer held-out objectives (RTN, initial, best), the "
      "fusion check (quantization off) and the kvq_calibration.json written; log(line) receives progress lines.");
 
   // kvq analyze as a library call (kvq/analysis.hpp); the result is the JSON report, parsed.

@@ -185,8 +185,16 @@ struct CalibOptions {
   double lr_rotation = 2e-3, lr_scale = 1e-2, lr_angle = 1e-2;
   FuseDtype dtype = FuseDtype::kSource;
   int check_seqs = 4;    // held-out sequences of the quantization-disabled fusion check
+  // out_dir must be absent or an empty directory; with overwrite it may also be an earlier output of
+  // kvq calibrate (a directory with kvq_calibration.json), which the finished model replaces. Never the
+  // model directory, a directory that holds it, or the working directory (check_calib_output).
+  bool overwrite = false;
   std::function<void(const std::string&)> log;  // progress lines (may be empty)
 };
+
+// Refuses (kvq::Error, nothing written or removed) an output directory that calibrate must not
+// replace; see CalibOptions::overwrite. Returns its absolute, normalized path.
+std::string check_calib_output(const std::string& out_dir, const std::string& model_dir, bool overwrite);
 
 struct PathResult {
   double rtn = 0;      // held-out objective of the plain cache (RTN)

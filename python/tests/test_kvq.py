@@ -479,6 +479,16 @@ def test_calibrate_mla_writes_a_fused_model(tmp_path):
         kvq.calibrate_mla(models_dir("tiny-mla"), str(tmp_path / "y"), text, method="magic")
     with pytest.raises(ValueError):
         kvq.calibrate_mla(models_dir("tiny-mla"), str(tmp_path / "z"), text, paths="neither")
+    # The output is never another directory: out exists (its own earlier output) -> refused unless overwrite,
+    # which replaces it; the model directory itself is refused either way.
+    small = dict(steps=0, train_seqs=2, heldout_seqs=1, seq_len=32, batch=1, eval_every=1, check_seqs=1)
+    with pytest.raises(kvq.Error, match="not empty"):
+        kvq.calibrate_mla(models_dir("tiny-mla"), out, text, **small)
+    assert os.path.isfile(os.path.join(out, "kvq_calibration.json"))
+    kvq.calibrate_mla(models_dir("tiny-mla"), out, text, overwrite=True, **small)
+    assert json.load(open(os.path.join(out, "kvq_calibration.json")))["steps"] == 0
+    with pytest.raises(kvq.Error, match="model directory"):
+        kvq.calibrate_mla(models_dir("tiny-mla"), models_dir("tiny-mla"), text, overwrite=True, **small)
 
 
 def test_analyze_response_and_jacobian():

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <sstream>
+#include <unistd.h>
 
 #include "kvq/calibrate.hpp"
 #include "kvq/common.hpp"
@@ -297,6 +298,41 @@ std::vector<std::vector<MlaSample<float>>> capture_mla_samples(Model& model, con
   return out;
 }
 
+std::string check_calib_output(const std::string& out_dir, const std::string& model_dir, bool overwrite) {
+  if (out_dir.empty()) fail("kvq calibrate: --out is required");
+  std::error_code ec;
+  fs::path raw = fs::absolute(out_dir, ec).lexically_normal();
+  if (!raw.has_filename()) raw = raw.parent_path();  // "dir/" -> "dir"
+  const fs::path out = ec ? fs::path() : fs::weakly_canonical(raw, ec);
+  if (ec || out.empty() || !out.has_filename() || out == out.root_path())
+    fail(out_dir + ": not a usable output directory" + (ec ? " (" + ec.message() + ")" : std::string()));
+  // `inner` lies in `outer` (or is it).
+  auto within = [](const fs::path& inner, const fs::path& outer) {
+    auto i = inner.begin();
+    for (auto p = outer.begin(); p != outer.end(); ++p, ++i)
+      if (i == inner.end() || *i != *p) return false;
+    return true;
+  };
+  const fs::path model = fs::weakly_canonical(fs::absolute(model_dir, ec), ec);
+  if (!ec && within(model, out))
+    fail(out_dir + ": the output directory would replace the model directory " + model_dir + " (or a directory holding it)");
+  const fs::path cwd = fs::current_path(ec);
+  if (!ec && within(fs::weakly_canonical(cwd, ec), out))
+    fail(out_dir + ": the output directory is the working directory or holds it; name a new directory");
+  if (!fs::exists(out, ec)) return out.string();
+  if (!fs::is_directory(out, ec)) fail(out_dir + ": exists and is not a directory; nothing written");
+  if (fs::directory_iterator(out, ec) == fs::directory_iterator()) {
+    if (ec) fail(out_dir + ": cannot read the directory (" + ec.message() + ")");
+    return out.string();  // empty
+  }
+  if (!overwrite)
+    fail(out_dir + ": exists and is not empty; nothing written (--overwrite replaces an earlier output of kvq calibrate)");
+  if (!fs::is_regular_file(out / "kvq_calibration.json", ec))
+    fail(out_dir + ": --overwrite replaces only an earlier output of kvq calibrate (a directory with "
+         "kvq_calibration.json), and this directory has none; nothing written");
+  return out.string();
+}
+
 CalibResult calibrate(const CalibOptions& o) {
   const auto t0 = Clock::now();
   CalibResult res;
@@ -311,31 +347,38 @@ CalibResult calibrate(const CalibOptions& o) {
   require(o.steps >= 0 && o.train_seqs > 0 && o.heldout_seqs > 0 && o.seq_len >= 8 && o.batch > 0 && o.eval_every > 0,
           "kvq calibrate: steps >= 0, train/held-out sequences > 0, seq-len >= 8, batch > 0 and eval-every > 0 required");
   require(o.rope_seq_len == 0 || o.rope_seq_len >= 8, "kvq calibrate: rope-seq-len must be 0 (= seq-len) or >= 8");
-  if (o.out_dir.empty()) fail("kvq calibrate: --out is required");
   if (!o.content_path && !o.rope_path) fail("kvq calibrate: --paths selects no path (content, rope or both)");
-  const fs::path out(o.out_dir);
-  const fs::path tmp = out.string() + ".tmp";
-  const fs::path tmp32 = out.string() + ".f32check.tmp";
+  const fs::path out(check_calib_output(o.out_dir, o.model_dir, o.overwrite));
+  // Work directories beside the output, named for this process and created new: no existing path is
+  // removed but the output itself, and only once the finished model is in its work directory.
+  const std::string tag = ".kvq-tmp-" + std::to_string(static_cast<long long>(::getpid()));
+  const fs::path tmp = out.string() + tag;
+  const fs::path tmp32 = out.string() + ".f32check" + tag;
+  auto make_work_dir = [&](const fs::path& d) {
+    std::error_code ec;
+    if (fs::exists(d, ec)) fail(d.string() + ": exists; remove it (a work directory of an interrupted run?) and retry");
+    fs::create_directories(d.parent_path(), ec);
+    if (ec || !fs::create_directory(d, ec) || ec)
+      fail(o.out_dir + ": cannot create the work directory " + d.string() + " next to it (" +
+           (ec ? ec.message() : "not created") + ")");
+  };
+  make_work_dir(tmp);
+  struct TmpGuard {
+    fs::path a, b;
+    bool keep = false, made_b = false;
+    ~TmpGuard() {
+      std::error_code ec;
+      if (!keep) fs::remove_all(a, ec);
+      if (made_b) fs::remove_all(b, ec);
+    }
+  } guard{tmp, tmp32};
   {
     std::error_code ec;
-    fs::remove_all(tmp, ec);
-    fs::create_directories(tmp, ec);
-    if (ec || !fs::is_directory(tmp))
-      fail(o.out_dir + ": cannot create the output directory next to it (" + (ec ? ec.message() : "not a directory") + ")");
     std::ofstream probe(tmp / "probe", std::ios::binary);
     if (!(probe << "x")) fail(o.out_dir + ": output directory is not writable");
     probe.close();
     fs::remove(tmp / "probe", ec);
   }
-  struct TmpGuard {
-    fs::path a, b;
-    bool keep = false;
-    ~TmpGuard() {
-      std::error_code ec;
-      if (!keep) fs::remove_all(a, ec);
-      fs::remove_all(b, ec);
-    }
-  } guard{tmp, tmp32};
 
   auto model = Model::load(o.model_dir);
   const CacheGeometry g = model->cache_geometry();
@@ -596,11 +639,8 @@ CalibResult calibrate(const CalibOptions& o) {
 
   // Quantization-disabled equivalence: fp32 fused model against the original.
   say(o, "fusion check (fp32, quantization off)");
-  {
-    std::error_code ec;
-    fs::remove_all(tmp32, ec);
-    fs::create_directories(tmp32);
-  }
+  make_work_dir(tmp32);
+  guard.made_b = true;
   nlohmann::json j32 = {{"online_rope_hadamard", hadamard_rope}};
   fuse_into(o.model_dir, transforms, tmp32.string(), FuseDtype::kF32, j32.dump(2));
   auto run_nll = [&](Model& m, std::vector<std::vector<float>>* outs) {
@@ -670,9 +710,14 @@ CalibResult calibrate(const CalibOptions& o) {
     if (!jf) fail(o.out_dir + ": cannot write kvq_calibration.json");
   }
   std::error_code ec;
+  check_calib_output(o.out_dir, o.model_dir, o.overwrite);  // again: the run took minutes
   if (fs::exists(out)) fs::remove_all(out, ec);
+  if (ec) fail(o.out_dir + ": cannot remove the earlier output (" + ec.message() + "); the new model is in " + tmp.string());
   fs::rename(tmp, out, ec);
-  if (ec) fail(o.out_dir + ": cannot move the finished model into place (" + ec.message() + ")");
+  if (ec) {
+    guard.keep = true;
+    fail(o.out_dir + ": cannot move the finished model into place (" + ec.message() + "); it is in " + tmp.string());
+  }
   guard.keep = true;
   return res;
 }

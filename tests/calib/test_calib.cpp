@@ -512,6 +512,13 @@ TEST(Fusion, OnlineRopeHadamardKeepsTheFunctionAndChangesTheCache) {
 // ---- Driver -------------------------------------------------------------------------------------
 
 namespace {
+// Work directories of calibrate left in `dir` (named OUT.kvq-tmp-PID and OUT.f32check.kvq-tmp-PID).
+int work_dirs_left(const fs::path& dir) {
+  int n = 0;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) n += e.path().filename().string().find(".kvq-tmp-") != std::string::npos;
+  return n;
+}
 CalibOptions small_options(const fs::path& out, CalibMethod m) {
   CalibOptions o;
   o.model_dir = src("models/tiny-mla");
@@ -535,7 +542,7 @@ TEST(Calibrate, WritesALoadableFusedModelWithItsRecord) {
     const fs::path out = base / calib_method_name(m);
     const CalibResult r = calibrate(small_options(out, m));
     ASSERT_TRUE(fs::exists(out / "model.safetensors"));
-    EXPECT_FALSE(fs::exists(out.string() + ".tmp"));
+    EXPECT_EQ(work_dirs_left(base), 0);
     std::ifstream jf(out / "kvq_calibration.json");
     std::stringstream ss;
     ss << jf.rdbuf();
@@ -619,6 +626,90 @@ TEST(Calibrate, SeededRunsAreReproducible) {
   fs::remove_all(base);
 }
 
+TEST(Calibrate, OutputDirectoryIsNeverAnotherDirectory) {
+  // check_calib_output writes nothing: the model, a directory holding it and the working directory are
+  // refused whatever the flag; names are normalized first ("dir/", "dir/../dir").
+  const fs::path base = temp_dir("outcheck");
+  const fs::path model = base / "models" / "m";
+  fs::create_directories(model);
+  std::ofstream(model / "config.json") << "{}";
+  auto refused = [&](const std::string& out, bool overwrite, const std::string& needle) {
+    try {
+      check_calib_output(out, model.string(), overwrite);
+      ADD_FAILURE() << out << ": accepted; expected an error mentioning '" << needle << "'";
+    } catch (const kvq::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  for (bool ow : {false, true}) {
+    refused(model.string(), ow, "model directory");
+    refused(model.string() + "/", ow, "model directory");
+    refused((model / ".." / "m").string(), ow, "model directory");
+    refused((base / "models").string(), ow, "model directory");
+    refused(base.string(), ow, "model directory");
+    refused("/", ow, "output directory");
+  }
+  const fs::path cwd = fs::current_path();
+  fs::create_directories(base / "work" / "sub");
+  fs::current_path(base / "work" / "sub");
+  refused(".", true, "working directory");
+  refused("..", true, "working directory");
+  fs::current_path(cwd);
+  std::ofstream(base / "file") << "x";
+  refused((base / "file").string(), true, "not a directory");
+  EXPECT_EQ(check_calib_output((base / "new").string(), model.string(), false), (base / "new").string());
+  EXPECT_EQ(check_calib_output((base / "new" / "").string(), model.string(), false), (base / "new").string());
+  fs::create_directories(base / "empty");
+  EXPECT_EQ(check_calib_output((base / "empty").string(), model.string(), false), (base / "empty").string());
+  EXPECT_TRUE(fs::exists(model / "config.json"));
+  fs::remove_all(base);
+}
+
+TEST(Calibrate, KeepsWhatIsInTheOutputDirectoryUnlessItReplacesItsOwnOutput) {
+  const fs::path base = temp_dir("outdir");
+  fs::create_directories(base);
+  auto expect_refused = [&](const CalibOptions& o, const std::string& needle) {
+    try {
+      calibrate(o);
+      ADD_FAILURE() << o.out_dir << ": written; expected an error mentioning '" << needle << "'";
+    } catch (const kvq::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(work_dirs_left(base), 0);
+  };
+  auto read = [](const fs::path& f) {
+    std::ifstream in(f);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    return ss.str();
+  };
+  // A user's directory: refused with and without --overwrite, its file intact.
+  const fs::path user = base / "user";
+  fs::create_directories(user);
+  std::ofstream(user / "notes.txt") << "mine";
+  CalibOptions o = small_options(user, CalibMethod::kQuaRot);
+  expect_refused(o, "not empty");
+  o.overwrite = true;
+  expect_refused(o, "kvq_calibration.json");
+  EXPECT_EQ(read(user / "notes.txt"), "mine");
+  // An existing empty directory is filled.
+  const fs::path out = base / "out";
+  fs::create_directories(out);
+  o = small_options(out, CalibMethod::kQuaRot);
+  calibrate(o);
+  ASSERT_TRUE(fs::is_regular_file(out / "kvq_calibration.json"));
+  // Its own earlier output: refused without --overwrite, replaced whole with it.
+  std::ofstream(out / "stale.txt") << "old";
+  expect_refused(o, "not empty");
+  EXPECT_TRUE(fs::exists(out / "stale.txt"));
+  o.overwrite = true;
+  calibrate(o);
+  EXPECT_FALSE(fs::exists(out / "stale.txt"));
+  EXPECT_TRUE(fs::is_regular_file(out / "model.safetensors"));
+  EXPECT_EQ(work_dirs_left(base), 0);
+  fs::remove_all(base);
+}
+
 TEST(Calibrate, BadInputIsAClearErrorAndLeavesNoDirectory) {
   const fs::path base = temp_dir("bad");
   auto expect_error = [&](CalibOptions o, const std::string& needle) {
@@ -629,7 +720,7 @@ TEST(Calibrate, BadInputIsAClearErrorAndLeavesNoDirectory) {
       EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
     }
     EXPECT_FALSE(fs::exists(o.out_dir)) << o.out_dir;
-    EXPECT_FALSE(fs::exists(o.out_dir + ".tmp")) << o.out_dir;
+    EXPECT_EQ(work_dirs_left(base), 0) << o.out_dir;
   };
   CalibOptions o = small_options(base / "gqa", CalibMethod::kQuantMla);
   o.model_dir = src("models/tiny-gqa");

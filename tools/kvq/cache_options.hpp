@@ -30,13 +30,13 @@ struct CacheCli {
     cmd->add_option("--cache", cache, cache_help);
     cmd->add_option("--protect", protect, "protection preset: none (S = W = N = 0) or paper (S = 4, W = 128)")
         ->check(CLI::IsMember({"none", "paper"}));
-    cmd->add_option("--sinks", sinks, "sink tokens read from bf16 rows (overrides --protect)")->check(CLI::NonNegativeNumber);
-    cmd->add_option("--window", window, "recent tokens read from bf16 rows (overrides --protect)")->check(CLI::NonNegativeNumber);
+    cmd->add_option("--sinks", sinks, "sink tokens read from bf16 rows (overrides --protect)")->check(at_least(0));
+    cmd->add_option("--window", window, "recent tokens read from bf16 rows (overrides --protect)")->check(at_least(0));
     cmd->add_option("--boundary-layers", boundary, "first and last N layers kept bf16 (overrides --protect)")
-        ->check(CLI::NonNegativeNumber);
+        ->check(at_least(0));
     cmd->add_option("--calib-text", calib_text, "calibration text of kvq's TurboQuant formats (never the evaluation text)");
     cmd->add_option("--pool-mib", pool_mib, "page pool budget in MiB for all layers (0: grow as needed)")
-        ->check(CLI::NonNegativeNumber);
+        ->check(at_least(0));
     cmd->add_flag("--preempt", preempt, "on an exhausted pool evict another sequence instead of failing");
   }
 

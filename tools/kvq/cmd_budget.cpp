@@ -136,7 +136,7 @@ void register_cmd(CLI::App& app) {
   cmd->add_option("--protect", *protect, "with --context: none or paper (S = 4, W = 128)")->check(CLI::IsMember({"none", "paper"}));
   cmd->add_option("--model", *models, "model dir (config.json) or a named shape: Llama-3.1-8B, Llama-3.1-70B, DeepSeek-V2-Lite");
   cmd->add_option("--cache", *caches, "comma-separated formats (default: every format that fits)");
-  cmd->add_option("--budget-gib", *gib, "memory budget for the cache, GiB")->check(CLI::PositiveNumber);
+  cmd->add_option("--budget-gib", *gib, "memory budget for the cache, GiB")->check(kvq::cli::greater_than(0));
   cmd->add_flag("--json", *json, "print one JSON object");
   cmd->callback([=] { run(*models, *caches, *gib, *json, *ctx, *protect); });
 }

@@ -16,7 +16,7 @@ struct Args {
   int steps = 300, train = 128, held = 32, seq_len = 256, rope_seq_len = 0, batch = 4, eval_every = 25, check_seqs = 4;
   std::uint64_t seed = 0;
   double lr_rot = 2e-3, lr_scale = 1e-2, lr_angle = 1e-2;
-  bool json = false, quiet = false;
+  bool json = false, quiet = false, overwrite = false;
 };
 
 void run(const Args& a) {
@@ -24,6 +24,7 @@ void run(const Args& a) {
   o.model_dir = kvq::cli::resolve_path(a.model);
   o.text_file = kvq::cli::resolve_path(a.text);
   o.out_dir = a.out;
+  o.overwrite = a.overwrite;
   o.method = kvq::parse_calib_method(a.method);
   o.cache = a.cache;
   if (a.paths != "both" && a.paths != "content" && a.paths != "rope") kvq::fail("--paths must be both, content or rope");
@@ -66,7 +67,8 @@ void register_cmd(CLI::App& app) {
   auto* cmd = app.add_subcommand("calibrate", "QuantMLA / SmoothQuant-dagger / QuaRot-dagger calibration of an MLA cache, fused into a new model dir");
   auto a = std::make_shared<Args>();
   cmd->add_option("--model", a->model, "MLA (DeepSeek-V2/V3) Hugging Face model directory")->required();
-  cmd->add_option("--out", a->out, "output model directory (written to OUT.tmp, then renamed)")->required();
+  cmd->add_option("--out", a->out, "output model directory, absent or empty (written beside it, then renamed)")->required();
+  cmd->add_flag("--overwrite", a->overwrite, "replace --out when it is an earlier output of kvq calibrate (has kvq_calibration.json)");
   cmd->add_option("--method", a->method, "quantmla | smoothquant | quarot (default quantmla)");
   cmd->add_option("--cache", a->cache, "cXrY cache format calibrated for (default c4r4)");
   cmd->add_option("--text", a->text, "calibration text (default data/validation-tech.txt; never the evaluation text)");
@@ -77,7 +79,7 @@ void register_cmd(CLI::App& app) {
   cmd->add_option("--seq-len", a->seq_len, "tokens per sequence including <|bos|> (default 256)");
   cmd->add_option("--rope-seq-len", a->rope_seq_len,
                   "tokens per sequence of the RoPE path's samples (default: --seq-len); the learned RoPE angles fit the positions they see")
-      ->check(CLI::NonNegativeNumber);
+      ->check(kvq::cli::at_least(0));
   cmd->add_option("--batch", a->batch, "sequences per Adam step (default 4)");
   cmd->add_option("--eval-every", a->eval_every, "held-out evaluation cadence in steps (default 25)");
   cmd->add_option("--check-seqs", a->check_seqs, "held-out sequences of the fusion check (default 4)");

@@ -194,8 +194,8 @@ void register_cmd(CLI::App& app) {
   cc->add(cmd, std::string("comma-separated cache configurations FORMAT[@paper|@sS,wW,nN]; default sweep: GQA ") + kGqaSweep +
                    "; MLA " + kMlaSweep);
   cmd->add_option("--ctx", *ctx, "perplexity window")->check(CLI::Range(2, 1 << 20));
-  cmd->add_option("--windows", *windows, "windows (0: all)")->check(CLI::NonNegativeNumber);
-  cmd->add_option("--needle-samples", *needle, "needle samples per length (256, 512, 1024, 2000); 0: skip")->check(CLI::NonNegativeNumber);
+  cmd->add_option("--windows", *windows, "windows (0: all)")->check(kvq::cli::at_least(0));
+  cmd->add_option("--needle-samples", *needle, "needle samples per length (256, 512, 1024, 2000); 0: skip")->check(kvq::cli::at_least(0));
   cmd->add_flag("--no-diagnostics", *nodiag, "skip the per-layer attention diagnostics");
   cmd->add_option("--seed", *seed, "seed of the needle samples");
   cmd->add_flag("--json", *json, "print one JSON object");

@@ -1,5 +1,6 @@
 #include "command.hpp"
 
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <sstream>
@@ -28,6 +29,26 @@ std::string resolve_path(const std::string& path) {
   }
   return path;  // let the caller report the missing file with its own context
 }
+
+namespace {
+CLI::Validator bound_check(double lo, bool strict) {
+  std::ostringstream os;
+  os << lo;  // 0, 0.5, 1e+06
+  const std::string rule = std::string(strict ? "> " : ">= ") + os.str();
+  return CLI::Validator(
+      [lo, strict, rule](std::string& in) -> std::string {
+        char* end = nullptr;
+        const double v = std::strtod(in.c_str(), &end);
+        if (in.empty() || end != in.c_str() + in.size() || !std::isfinite(v)) return "must be a finite number " + rule + ", got '" + in + "'";
+        if (strict ? !(v > lo) : !(v >= lo)) return "must be " + rule + ", got " + in;
+        return {};
+      },
+      "number " + rule, strict ? "GREATER_THAN" : "AT_LEAST");
+}
+}  // namespace
+
+CLI::Validator at_least(double lo) { return bound_check(lo, false); }
+CLI::Validator greater_than(double lo) { return bound_check(lo, true); }
 
 std::vector<std::string> split_list(const std::string& s) {
   std::vector<std::string> out;

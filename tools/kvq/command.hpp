@@ -32,6 +32,11 @@ struct RegisterCommand {
 // against KVQ_SOURCE_DIR, then against the directory holding the executable's source tree.
 std::string resolve_path(const std::string& path);
 
+// Option checks with short messages ("must be >= 0, got -3"); CLI11's NonNegativeNumber /
+// PositiveNumber print the whole range up to the largest double.
+CLI::Validator at_least(double lo);     // value >= lo
+CLI::Validator greater_than(double lo); // value > lo
+
 // Parses a comma-separated list ("1,2,3" or "bf16,tq-3bit").
 std::vector<std::string> split_list(const std::string& s);
 std::vector<int> parse_int_list(const std::string& s);
