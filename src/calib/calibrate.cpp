@@ -712,7 +712,10 @@ CalibResult calibrate(const CalibOptions& o) {
   std::error_code ec;
   check_calib_output(o.out_dir, o.model_dir, o.overwrite);  // again: the run took minutes
   if (fs::exists(out)) fs::remove_all(out, ec);
-  if (ec) fail(o.out_dir + ": cannot remove the earlier output (" + ec.message() + "); the new model is in " + tmp.string());
+  if (ec) {
+    guard.keep = true;
+    fail(o.out_dir + ": cannot remove the earlier output (" + ec.message() + "); the new model is in " + tmp.string());
+  }
   fs::rename(tmp, out, ec);
   if (ec) {
     guard.keep = true;

@@ -26,7 +26,9 @@ struct CacheCli {
   double pool_mib = 0;  // page pool budget (0: grow as needed)
   bool preempt = false;
 
-  void add(CLI::App* cmd, const std::string& cache_help) {
+  // with_pool: the page-pool options (--pool-mib, --preempt), for the commands that run one paged cache
+  // through factory(); `kvq eval` makes its own caches per window and has none.
+  void add(CLI::App* cmd, const std::string& cache_help, bool with_pool = true) {
     cmd->add_option("--cache", cache, cache_help);
     cmd->add_option("--protect", protect, "protection preset: none (S = W = N = 0) or paper (S = 4, W = 128)")
         ->check(CLI::IsMember({"none", "paper"}));
@@ -35,6 +37,7 @@ struct CacheCli {
     cmd->add_option("--boundary-layers", boundary, "first and last N layers kept bf16 (overrides --protect)")
         ->check(at_least(0));
     cmd->add_option("--calib-text", calib_text, "calibration text of kvq's TurboQuant formats (never the evaluation text)");
+    if (!with_pool) return;
     cmd->add_option("--pool-mib", pool_mib, "page pool budget in MiB for all layers (0: grow as needed)")
         ->check(at_least(0));
     cmd->add_flag("--preempt", preempt, "on an exhausted pool evict another sequence instead of failing");

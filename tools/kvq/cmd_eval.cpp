@@ -100,12 +100,28 @@ void print_tables(const std::vector<kvq::ModelEvalResult>& all, std::FILE* out, 
   }
 }
 
+// The report directory, made (and its files' writability checked) before the evaluation runs, so that a bad
+// --report fails at once instead of after the run.
+void prepare_report_dir(const std::string& dir) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec || !fs::is_directory(dir))
+    kvq::fail(dir + ": cannot create the report directory" + (ec ? " (" + ec.message() + ")" : std::string()));
+  const std::string probe = dir + "/report.json";
+  const bool existed = fs::exists(probe);
+  {
+    std::ofstream f(probe, std::ios::app);
+    if (!f) kvq::fail(probe + ": cannot write");
+  }
+  if (!existed) fs::remove(probe, ec);
+}
+
 void write_report(const std::string& dir, const std::vector<kvq::ModelEvalResult>& all, const nlohmann::json& j,
                   const std::string& command) {
-  fs::create_directories(dir);
   {
-    std::ofstream f(dir + "/report.json");
+    std::ofstream f(dir + "/report.json", std::ios::trunc);
     f << j.dump(1) << "\n";
+    if (!f) kvq::fail(dir + "/report.json: cannot write");
   }
   const std::string md = dir + "/report.md";
   std::FILE* f = std::fopen(md.c_str(), "w");
@@ -143,6 +159,7 @@ void run(const std::vector<std::string>& models, const std::string& text, const 
   const std::string text_path = kvq::cli::resolve_path(text);
   kvq::require(fs::absolute(opt.calib_text) != fs::absolute(text_path) || !fs::exists(text_path),
                "the calibration text must differ from the evaluation text");
+  if (!report.empty()) prepare_report_dir(report);
   std::vector<kvq::ModelEvalResult> all;
   for (const auto& m : models) {
     const std::string dir = kvq::cli::resolve_path(m);
@@ -192,7 +209,8 @@ void register_cmd(CLI::App& app) {
                   "bf16 reference model for delta-ppl, KL, top-1 and needle pairing (e.g. the original of a calibrated model)");
   cmd->add_option("--text", *text, "evaluation text (documents separated by blank lines)");
   cc->add(cmd, std::string("comma-separated cache configurations FORMAT[@paper|@sS,wW,nN]; default sweep: GQA ") + kGqaSweep +
-                   "; MLA " + kMlaSweep);
+                   "; MLA " + kMlaSweep,
+          false);
   cmd->add_option("--ctx", *ctx, "perplexity window")->check(CLI::Range(2, 1 << 20));
   cmd->add_option("--windows", *windows, "windows (0: all)")->check(kvq::cli::at_least(0));
   cmd->add_option("--needle-samples", *needle, "needle samples per length (256, 512, 1024, 2000); 0: skip")->check(kvq::cli::at_least(0));
