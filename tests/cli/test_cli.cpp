@@ -220,10 +220,11 @@ TEST_F(Cli, OutputsNeverReplaceOtherFiles) {
   expect_refused(kvq({"calibrate", "--model", mla, "--out", mla, "--steps", "0", "--overwrite"}), "model directory");
   EXPECT_EQ(read(user / "notes.txt"), "keep");
   EXPECT_TRUE(fs::exists(fs::path(mla) / "config.json"));
-  // eval --report on a path that cannot be a directory: refused before the evaluation.
-  expect_refused(kvq({"eval", "--model", src("models/tiny-gqa"), "--text", (base / "text.txt").string(), "--report",
-                      (user / "notes.txt" / "sub").string()}),
+  // eval and analyze --report on a path that cannot be a directory: refused before the run.
+  const std::string bad_report = (user / "notes.txt" / "sub").string();
+  expect_refused(kvq({"eval", "--model", src("models/tiny-gqa"), "--text", (base / "text.txt").string(), "--report", bad_report}),
                  "cannot create the report directory");
+  expect_refused(kvq({"analyze", "response", "--model", mla, "--report", bad_report}), "cannot create the report directory");
   EXPECT_EQ(read(user / "notes.txt"), "keep");
 }
 

@@ -62,12 +62,6 @@ void write_file(const std::string& path, const std::string& text) {
   if (!f) kvq::fail(path + ": cannot write");
 }
 
-void make_dir(const std::string& dir) {
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  if (ec || !fs::is_directory(dir)) kvq::fail(dir + ": cannot create the report directory");
-}
-
 std::string response_table(const kvq::ResponseResult& r, const kvq::AnalysisOptions& o) {
   std::string s = fmt::format("Response at cache NMSE {:g} ({} QDQ error direction), {} sequences x {} tokens per cell\n\n", o.nmse,
                               o.cache, o.seqs, o.seq_len);
@@ -135,6 +129,7 @@ std::string jacobian_table(const kvq::JacobianResult& r, const kvq::AnalysisOpti
 
 void run(const Args& a, bool jacobian, const std::string& command) {
   const kvq::AnalysisOptions o = options(a, jacobian);
+  if (!a.report.empty()) kvq::cli::make_report_dir(a.report);
   std::string json, table;
   if (jacobian) {
     const auto r = kvq::analyze_jacobian(o);
@@ -145,7 +140,6 @@ void run(const Args& a, bool jacobian, const std::string& command) {
   }
   const std::string name = jacobian ? "jacobian" : "response";
   if (!a.report.empty()) {
-    make_dir(a.report);
     write_file(a.report + "/" + name + ".json", json);
     write_file(a.report + "/" + name + ".md", "# kvq analyze " + name + "\n\nCommand: `" + command + "`\n\n" + table);
     plot(a.report, name + ".json", name + ".png");

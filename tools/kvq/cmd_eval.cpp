@@ -100,22 +100,6 @@ void print_tables(const std::vector<kvq::ModelEvalResult>& all, std::FILE* out, 
   }
 }
 
-// The report directory, made (and its files' writability checked) before the evaluation runs, so that a bad
-// --report fails at once instead of after the run.
-void prepare_report_dir(const std::string& dir) {
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  if (ec || !fs::is_directory(dir))
-    kvq::fail(dir + ": cannot create the report directory" + (ec ? " (" + ec.message() + ")" : std::string()));
-  const std::string probe = dir + "/report.json";
-  const bool existed = fs::exists(probe);
-  {
-    std::ofstream f(probe, std::ios::app);
-    if (!f) kvq::fail(probe + ": cannot write");
-  }
-  if (!existed) fs::remove(probe, ec);
-}
-
 void write_report(const std::string& dir, const std::vector<kvq::ModelEvalResult>& all, const nlohmann::json& j,
                   const std::string& command) {
   {
@@ -159,7 +143,7 @@ void run(const std::vector<std::string>& models, const std::string& text, const 
   const std::string text_path = kvq::cli::resolve_path(text);
   kvq::require(fs::absolute(opt.calib_text) != fs::absolute(text_path) || !fs::exists(text_path),
                "the calibration text must differ from the evaluation text");
-  if (!report.empty()) prepare_report_dir(report);
+  if (!report.empty()) kvq::cli::make_report_dir(report);
   std::vector<kvq::ModelEvalResult> all;
   for (const auto& m : models) {
     const std::string dir = kvq::cli::resolve_path(m);

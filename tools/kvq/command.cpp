@@ -3,7 +3,9 @@
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <sstream>
+#include <unistd.h>
 
 #include "kvq/common.hpp"
 
@@ -49,6 +51,20 @@ CLI::Validator bound_check(double lo, bool strict) {
 
 CLI::Validator at_least(double lo) { return bound_check(lo, false); }
 CLI::Validator greater_than(double lo) { return bound_check(lo, true); }
+
+void make_report_dir(const std::string& dir) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec || !fs::is_directory(dir))
+    fail(dir + ": cannot create the report directory" + (ec ? " (" + ec.message() + ")" : std::string()));
+  const fs::path probe = fs::path(dir) / (".kvq-write-probe-" + std::to_string(static_cast<long long>(::getpid())));
+  {
+    std::ofstream f(probe, std::ios::binary);
+    if (!(f << 'x')) fail(dir + ": cannot write in the report directory");
+  }
+  fs::remove(probe, ec);
+}
 
 std::vector<std::string> split_list(const std::string& s) {
   std::vector<std::string> out;

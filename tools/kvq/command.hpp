@@ -37,6 +37,10 @@ std::string resolve_path(const std::string& path);
 CLI::Validator at_least(double lo);     // value >= lo
 CLI::Validator greater_than(double lo); // value > lo
 
+// Creates a report directory (and its parents) and checks that a file can be written in it; the commands
+// call it before their run, so that a bad --report fails at once instead of after minutes of work.
+void make_report_dir(const std::string& dir);
+
 // Parses a comma-separated list ("1,2,3" or "bf16,tq-3bit").
 std::vector<std::string> split_list(const std::string& s);
 std::vector<int> parse_int_list(const std::string& s);
