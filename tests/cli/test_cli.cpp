@@ -196,6 +196,17 @@ TEST_F(Cli, BadOptionsAndTexts) {
   EXPECT_FALSE(fs::exists(base / "cal-gqa"));
 }
 
+TEST_F(Cli, BenchCommandsRegistered) {
+  // cmd_bench*.cpp are an object library of their own (tools/kvq/CMakeLists.txt); their subcommands must still be in
+  // the binary. Help and option checks run before any device call, so this holds with or without CUDA and a GPU.
+  for (const char* sub : {"decode", "mla"}) {
+    const Result h = kvq({"bench", sub, "--help"});
+    EXPECT_TRUE(h.exited && h.code == 0) << h.out;
+    EXPECT_NE(h.out.find("--reps"), std::string::npos) << h.out;
+    expect_refused(kvq({"bench", sub, "--reps", "0"}), "not in range", 105);
+  }
+}
+
 TEST_F(Cli, ExhaustedPagePool) {
   const std::string good = model_copy("tiny-gqa", "pool").string(), text = (base / "text.txt").string();
   // 1 MiB holds 15 blocks of 64 tokens of every layer (tq-4bit-nc, a format without calibration); a
