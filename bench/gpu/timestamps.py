@@ -192,6 +192,10 @@ def summary(L):
         "warps_merge": [b - a for a, b in zip(L.merge0, L.merge1)],
         "tail": [e - a for e, a in zip(L.end, last)],
         "end": L.end,
+        # What a perfectly balanced assignment could take off (an upper bound: no granularity, no cost): per CTA, its
+        # last warp's loop end past its warps' mean loop end; per launch, its last CTA's end past the CTAs' mean end.
+        "warp_excess": [a - _mean(w) for a, w in zip(last, L.lend)],
+        "cta_excess": max(L.end) - _mean(L.end),
         "warp_pattern": pattern,
         "warp_pattern_share": var_pat / var_all if var_all > 0 else 0.0,
         "loop_by_sm": {s: _mean(v) for s, v in by_sm.items()},
@@ -210,6 +214,8 @@ def report(paths, out=sys.stdout):
                           ("warps' merge", "warps_merge"), ("last loop end -> CTA done", "tail"), ("CTA done", "end")]:
             xs = L.off if key is None else S[key]
             print(f"    {name:30s} {_q(xs)}", file=out)
+        print(f"    {'last warp - mean warp loop end':30s} {_q(S['warp_excess'])}", file=out)
+        print(f"  last CTA done - mean CTA done: {S['cta_excess']:.2f} us", file=out)
         pr = S["prologue"]
         print(f"  prologue, median CTA, us after its entry: page ids {pr[0]:.2f}, first barrier {pr[1]:.2f}, tables {pr[2]:.2f}, "
               f"query rotated {pr[3]:.2f}, B fragments {pr[4]:.2f}", file=out)

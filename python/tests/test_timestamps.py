@@ -93,6 +93,10 @@ def test_report_of_known_launches(tmp_path):
     # Slowest CTA: entry 0.75, loop end of warp 15 at 2 + 34 + 1.5, done 3 us later.
     assert sa["span"] == pytest.approx(0.75 + 2.0 + 34.0 + 1.5 + 3.0, abs=2e-3)
     assert sa["spread"] == pytest.approx([1.5] * 4, abs=2e-3)
+    # Balance bounds: the last warp ends 1.5 us after the first, 0.75 after the mean; CTAs done at 36.5, 36.75, 41 and
+    # 41.25 us (entry + 2 + loop + 1.5 + 3), mean 38.875.
+    assert sa["warp_excess"] == pytest.approx([0.75] * 4, abs=2e-3)
+    assert sa["cta_excess"] == pytest.approx(41.25 - 38.875, abs=2e-3)
     assert sa["warps_merge"] == pytest.approx([1.0] * 4, abs=2e-3)
     assert sa["tail"] == pytest.approx([3.0] * 4, abs=2e-3)
     assert sa["warp_pattern"] == pytest.approx([0.1 * w - 0.75 for w in range(16)], abs=2e-3)
@@ -104,6 +108,7 @@ def test_report_of_known_launches(tmp_path):
     text = out.getvalue()
     assert "correlation between the two launches: 1.00 over 4 SMs" in text
     assert "CTAs on the same SM in both: 0%" in text
+    assert "last CTA done - mean CTA done: 2.38 us" in text
     assert sb["span"] == pytest.approx(0.25 + 2.0 + 34.0 + 1.5 + 3.0, abs=2e-3)
 
 
