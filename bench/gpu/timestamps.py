@@ -211,10 +211,10 @@ def report(paths, out=sys.stdout):
         print("  (min / median / max over CTAs, us)", file=out)
         for name, key in [("entry", None), ("chunk 0 landed (median warp)", "first"), ("loop end, first warp", "loop_end_first"),
                           ("loop end, last warp", "loop_end_last"), ("warps' loop-end spread", "spread"),
-                          ("warps' merge", "warps_merge"), ("last loop end -> CTA done", "tail"), ("CTA done", "end")]:
+                          ("warps' merge", "warps_merge"), ("last loop end -> CTA done", "tail"), ("CTA done", "end"),
+                          ("last warp - mean warp loop end", "warp_excess")]:
             xs = L.off if key is None else S[key]
             print(f"    {name:30s} {_q(xs)}", file=out)
-        print(f"    {'last warp - mean warp loop end':30s} {_q(S['warp_excess'])}", file=out)
         print(f"  last CTA done - mean CTA done: {S['cta_excess']:.2f} us", file=out)
         pr = S["prologue"]
         print(f"  prologue, median CTA, us after its entry: page ids {pr[0]:.2f}, first barrier {pr[1]:.2f}, tables {pr[2]:.2f}, "
