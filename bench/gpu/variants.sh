@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Same-call timing of compile-time variants of the fast GQA decode kernel (decode_d128.cu), on a GPU host:
+#   OUT=DIR MACRO=NAME VARIANTS="1 2 ..." [ROUNDS=2] [FORMATS=...] [BATCH=8] [CONTEXT=16384,65536] [TESTS="1 ..."] \
+#     bench/gpu/variants.sh
+# Builds `kvq` once from the tree (the macro at its default: variant 0) and compiles decode_d128.cu again with
+# -DMACRO=v for each v of VARIANTS, linking a `kvq` with each (the library's other objects unchanged: only
+# decode_d128.cu includes decode_fast.cuh). Then runs `kvq bench decode --json` with every binary, ROUNDS rounds in
+# alternating order, into DIR/r<round>_k<v>.json, and finally tests/cuda/test_cuda_decode linked with each variant of
+# TESTS. The macro must exist in the tree, as in the probes' patches (bench/results/decode-gqa-ablate-2026-12-05.patch:
+# KVQ_ABLATE; decode-gqa-pf-2026-12-05.patch: KVQ_FAST_PF); bench/gpu/ab.py or a few lines of Python read the JSON.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+# shellcheck source=scripts/lib/gpu.sh
+. "$root/scripts/lib/gpu.sh"
+out="${OUT:?set OUT}"
+macro="${MACRO:?set MACRO}"
+variants="${VARIANTS:?set VARIANTS}"
+rounds="${ROUNDS:-2}"
+formats="${FORMATS:-tq-4bit-nc,tq-k3v4-nc,tq-3bit-nc,tq-4bit,tq-3.5bit,tq-3bit}"
+tests="${TESTS:-}"
+work=/tmp/kvq-variants
+grep -rq "$macro" "$root/src/cuda/decode_fast.cuh" || { echo "error: $macro is not in src/cuda/decode_fast.cuh" >&2; exit 1; }
+rm -rf "$work" && mkdir -p "$work/src" "$work/obj"
+kvq_copy_tree "$root" "$work/src"
+b="$work/build"
+kvq_gpu_configure "$work/src" "$b" > "$work/cmake.log" 2>&1 || { tail -20 "$work/cmake.log"; exit 1; }
+obj=src/cuda/CMakeFiles/kvq_cuda.dir/decode_d128.cu.o
+cc=$(ninja -C "$b" -t commands "$obj" | tail -1)
+t0=$(date +%s)
+targets=(kvq)
+[ -n "$tests" ] && targets+=(test_cuda_decode)
+cmake --build "$b" --target "${targets[@]}" -j 8 > "$work/build.log" 2>&1 &
+pb=$!
+pids=()
+for k in $variants; do
+  mkdir -p "$work/obj/$k"
+  c="${cc/-MF $obj.d/-MF $work/obj/$k/d.d}"
+  c="${c/-o $obj/-D$macro=$k -o $work/obj/$k/decode_d128.cu.o}"
+  (cd "$b" && eval "$c") > "$work/obj/$k/log" 2>&1 &
+  pids+=($!)
+done
+wait "$pb" || { tail -30 "$work/build.log"; exit 1; }
+for p in "${pids[@]}"; do wait "$p" || { cat "$work"/obj/*/log | tail -30; exit 1; }; done
+echo "builds: $(( $(date +%s) - t0 )) s"
+cp "$b/tools/kvq/kvq" "$work/kvq_0"
+link=$(ninja -C "$b" -t commands tools/kvq/kvq | tail -1)
+tlink=""
+[ -n "$tests" ] && tlink=$(ninja -C "$b" -t commands tests/cuda/test_cuda_decode | tail -1)
+for k in $variants; do
+  cp "$b/src/cuda/libkvq_cuda.a" "$work/obj/$k/lib.a"
+  ar r "$work/obj/$k/lib.a" "$work/obj/$k/decode_d128.cu.o"
+  l="${link//src\/cuda\/libkvq_cuda.a/$work/obj/$k/lib.a}"
+  (cd "$b" && eval "${l/-o tools\/kvq\/kvq/-o $work/kvq_$k}")
+  if [ -n "$tlink" ]; then
+    l="${tlink//src\/cuda\/libkvq_cuda.a/$work/obj/$k/lib.a}"
+    (cd "$b" && eval "${l/-o tests\/cuda\/test_cuda_decode/-o $work/test_$k}")
+  fi
+done
+mkdir -p "$out"
+all="0 $variants"
+rev=$(echo "$all" | tr ' ' '\n' | tac | tr '\n' ' ')
+for r in $(seq 1 "$rounds"); do
+  order="$all"
+  [ $(( r % 2 )) = 0 ] && order="$rev"
+  for k in $order; do
+    "$work/kvq_$k" bench decode --formats "$formats" --batch "${BATCH:-8}" --context "${CONTEXT:-16384,65536}" \
+      --reps "${REPS:-30}" --store-tokens 1024 --json > "$out/r${r}_k$k.json"
+  done
+  echo "round $r: $(( $(date +%s) - t0 )) s"
+done
+for k in $tests; do
+  echo "test_cuda_decode with $macro=$k:"
+  "$work/test_$k" 2>&1 | tail -3
+done
