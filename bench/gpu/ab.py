@@ -2,17 +2,24 @@
 """Report of a same-call A/B (scripts/gpu-ab): `kvq bench decode --json` or `kvq bench mla --json` runs of two builds.
 
     ab.py --a A1.json A2.json ... --b B1.json B2.json ...
+    ab.py --variants DIR
 
 Per decode row (format, batch, context, and where the run has them the query / KV heads, head_dim and protection
 policy) and per store row (format, tokens, KV heads, head_dim):
 A's times and B's times in ascending order, and B's speed against A as A's time over B's, of the
 minima and of the medians (above 1: B is faster). Every run must hold the same rows; a row with a
 time that is not a positive finite number is refused. Standard library only.
+
+With --variants, DIR is the output of bench/gpu/variants.sh (files r<round>_k<variant>.json): per row, variant 0's
+(the tree's) minimum over the rounds, then each other variant's minimum and its speed against variant 0 (0's minimum
+over its minimum), with the same checks; each variant needs the same rounds as variant 0.
 """
 
 import argparse
 import json
 import math
+import os
+import re
 import sys
 from statistics import median
 
@@ -101,11 +108,62 @@ def report(rows, out=sys.stdout):
         print(f"{label(k):<{w}}  {fa:<24}  {fb:<24}  {rmin:.3f}  {rmed:.3f}", file=out)
 
 
+_VARIANT_FILE = re.compile(r"^r(\d+)_k(\d+)\.json$")
+
+
+def variant_runs(directory):
+    """{variant: [paths, in round order]} of a bench/gpu/variants.sh output directory."""
+    runs = {}
+    for name in os.listdir(directory):
+        m = _VARIANT_FILE.match(name)
+        if m:
+            runs.setdefault(int(m.group(2)), []).append((int(m.group(1)), os.path.join(directory, name)))
+    if 0 not in runs:
+        raise ValueError(f"{directory}: no runs of variant 0 (files r<round>_k0.json)")
+    rounds = sorted(r for r, _ in runs[0])
+    for v, rs in runs.items():
+        if sorted(r for r, _ in rs) != rounds:
+            raise ValueError(f"{directory}: variant {v} has rounds {sorted(r for r, _ in rs)}, variant 0 {rounds}")
+    return {v: [p for _, p in sorted(rs)] for v, rs in sorted(runs.items())}
+
+
+def variants_table(runs):
+    """(variants other than 0, rows [(key, variant 0's minimum, [(minimum, speed) per other variant])])."""
+    base = [load(p) for p in runs[0]]
+    others = [v for v in runs if v != 0]
+    cols = [compare(base, [load(p) for p in runs[v]]) for v in others]
+    rows = []
+    for i, (k, a, *_) in enumerate(cols[0] if cols else compare(base, base)):
+        rows.append((k, a[0], [(c[i][2][0], c[i][3]) for c in cols]))
+    return others, rows
+
+
+def variants_report(others, rows, out=sys.stdout):
+    w = max(len(label(k)) for k, *_ in rows)
+    head = "".join(f"  {f'{v} us (speed)':>16}" for v in others)
+    print(f"{'row':<{w}}  {'0 us':>7}{head}", file=out)
+    for k, m0, vs in rows:
+        cells = "".join(f"  {f'{m:.1f} ({r:.3f})':>16}" for m, r in vs)
+        print(f"{label(k):<{w}}  {m0:>7.1f}{cells}", file=out)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--a", nargs="+", required=True, help="JSON of the runs of A (the tree)")
-    ap.add_argument("--b", nargs="+", required=True, help="JSON of the runs of B (the tree with the patch)")
+    ap.add_argument("--a", nargs="+", help="JSON of the runs of A (the tree)")
+    ap.add_argument("--b", nargs="+", help="JSON of the runs of B (the tree with the patch)")
+    ap.add_argument("--variants", metavar="DIR", help="the output directory of bench/gpu/variants.sh")
     args = ap.parse_args(argv)
+    if args.variants is not None:
+        if args.a or args.b:
+            ap.error("--variants takes no --a / --b")
+        try:
+            variants_report(*variants_table(variant_runs(args.variants)))
+        except (OSError, ValueError, KeyError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        return 0
+    if not args.a or not args.b:
+        ap.error("--a and --b are required (or --variants DIR)")
     try:
         rows = compare([load(p) for p in args.a], [load(p) for p in args.b])
     except (OSError, ValueError, KeyError) as e:

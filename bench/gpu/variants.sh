@@ -7,7 +7,8 @@
 # decode_d128.cu includes decode_fast.cuh). Then runs `kvq bench decode --json` with every binary, ROUNDS rounds in
 # alternating order, into DIR/r<round>_k<v>.json, and finally tests/cuda/test_cuda_decode linked with each variant of
 # TESTS. The macro must exist in the tree, as in the probes' patches (bench/results/decode-gqa-ablate-2026-12-05.patch:
-# KVQ_ABLATE; decode-gqa-pf-2026-12-05.patch: KVQ_FAST_PF); bench/gpu/ab.py or a few lines of Python read the JSON.
+# KVQ_ABLATE; decode-gqa-pf-2026-12-05.patch: KVQ_FAST_PF). Last it prints `bench/gpu/ab.py --variants DIR`: per row,
+# each variant's minimum over the rounds and its speed against variant 0.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 # shellcheck source=scripts/lib/gpu.sh
@@ -72,3 +73,4 @@ for k in $tests; do
   echo "test_cuda_decode with $macro=$k:"
   "$work/test_$k" 2>&1 | tail -3
 done
+python3 "$root/bench/gpu/ab.py" --variants "$out"

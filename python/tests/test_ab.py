@@ -162,3 +162,46 @@ def test_reuse_runs_the_builds_of_the_same_patch_and_rebuilds_for_another(tmp_pa
     assert r.returncode == 1 and "does not apply" in r.stderr and "reusing" not in r.stdout
     # A call that builds removes the recorded patch first, so builds it did not finish are never reused.
     assert not (ab_dir / "patch").exists()
+
+
+def test_variants_table_of_a_variants_sh_directory(tmp_path):
+    # Two rounds of variants 0, 4 and 8 (bench/gpu/variants.sh's file names), in the files' round order.
+    times = {0: ((50.0, 30.0), (48.0, 31.0)), 4: ((40.0, 30.0), (41.0, 29.0)), 8: ((60.0, 20.0), (55.0, 25.0))}
+    for v, rounds in times.items():
+        for r, (a, b) in enumerate(rounds, start=1):
+            run_json(tmp_path / f"r{r}_k{v}.json", {"tq-4bit-nc": a, "tq-3bit": b})
+    (tmp_path / "log.txt").write_text("not a run")
+    runs = ab.variant_runs(str(tmp_path))
+    assert list(runs) == [0, 4, 8] and [os.path.basename(p) for p in runs[8]] == ["r1_k8.json", "r2_k8.json"]
+    others, rows = ab.variants_table(runs)
+    assert others == [4, 8]
+    by = {k[1]: (m0, vs) for k, m0, vs in rows}
+    assert by["tq-4bit-nc"][0] == 48.0 and by["tq-3bit"][0] == 30.0
+    (m4, r4), (m8, r8) = by["tq-4bit-nc"][1]
+    assert m4 == 40.0 and r4 == pytest.approx(48.0 / 40.0) and m8 == 55.0 and r8 == pytest.approx(48.0 / 55.0)
+    assert by["tq-3bit"][1][1] == (20.0, pytest.approx(1.5))
+    out = io.StringIO()
+    ab.variants_report(others, rows, out)
+    text = out.getvalue()
+    assert "tq-4bit-nc B=8 N=16384 32/8 d128" in text and "40.0 (1.200)" in text and "55.0 (0.873)" in text
+    # The command line: the table, or an error and status 1.
+    assert ab.main(["--variants", str(tmp_path)]) == 0
+
+
+def test_variants_refuses_missing_base_uneven_rounds_and_other_rows(tmp_path, capsys):
+    d = tmp_path / "d"
+    d.mkdir()
+    run_json(d / "r1_k4.json", {"tq-4bit-nc": 40.0})
+    with pytest.raises(ValueError, match="no runs of variant 0"):
+        ab.variant_runs(str(d))
+    run_json(d / "r1_k0.json", {"tq-4bit-nc": 40.0})
+    run_json(d / "r2_k0.json", {"tq-4bit-nc": 41.0})
+    with pytest.raises(ValueError, match=r"variant 4 has rounds \[1\], variant 0 \[1, 2\]"):
+        ab.variant_runs(str(d))
+    run_json(d / "r2_k4.json", {"tq-3bit": 40.0})
+    with pytest.raises(ValueError, match="has other rows"):
+        ab.variants_table(ab.variant_runs(str(d)))
+    assert ab.main(["--variants", str(d)]) == 1
+    assert "error:" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ab.main(["--variants", str(d), "--a", "x.json"])
