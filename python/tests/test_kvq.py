@@ -274,6 +274,10 @@ def test_memory_accounting_and_pool_exhaustion():
     assert c.memory() == kvq.account(g, "tq-3bit-nc", 200, sinks=4, window=32)
     bf = kvq.account(g, "bf16", 200)
     assert bf["total"] > 4 * c.memory()["packed_bytes"]
+    with pytest.raises(ValueError, match="tokens must be >= 0"):
+        kvq.account(g, "tq-3bit-nc", -1)
+    with pytest.raises(kvq.Error, match="page_tokens must be 1..4096"):  # was a division by zero
+        kvq.account(g, "tq-3bit-nc", 200, page_tokens=0)
     # A pool of two blocks: the third block's append fails with kvq.Error and nothing is lost.
     assert kvq.PagedCache(g, "tq-3bit-nc").memory()["blocks"] == 0  # an empty cache holds no block
     small = kvq.PagedCache(g, "tq-3bit-nc", page_tokens=16, pool_bytes=2 * 16 * 2 * 2 * 102)

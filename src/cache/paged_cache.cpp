@@ -769,6 +769,10 @@ CacheMemory PagedCache::memory_total() const {
 
 CacheMemory PagedCache::account(const CacheGeometry& g, const std::string& format, const ProtectionPolicy& p, int tokens,
                                 int page_tokens) {
+  require(g.n_layers > 0, "account: geometry has no layers");
+  require(tokens >= 0, "account: tokens must be non-negative, got " + std::to_string(tokens));
+  require(page_tokens > 0 && page_tokens <= 4096, "account: page_tokens must be 1..4096, got " + std::to_string(page_tokens));
+  require(p.sinks >= 0 && p.window >= 0 && p.boundary_layers >= 0, "protection sizes must be non-negative");
   const FormatSpec& f = find_format(format);
   check_format_fits(f, g);
   CacheMemory m;

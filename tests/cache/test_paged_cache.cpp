@@ -262,6 +262,15 @@ TEST(PagedCache, MemoryAccountingMatchesPaper) {
   const auto a128 = PagedCache::account(g, "c4r4", ProtectionPolicy::paper(), 131072);
   const auto b128 = PagedCache::account(g, "bf16", ProtectionPolicy{}, 131072);
   EXPECT_NEAR(static_cast<double>(b128.packed_bytes) / static_cast<double>(a128.total()), 3.59, 0.005);
+  // An empty request has no pages and no protection rows; impossible arguments are refused, not counted.
+  const auto a0 = PagedCache::account(g, "c4r4", ProtectionPolicy::paper(), 0);
+  EXPECT_EQ(a0.total(), 0u);
+  EXPECT_THROW(PagedCache::account(g, "c4r4", ProtectionPolicy::paper(), -5), Error);
+  EXPECT_THROW(PagedCache::account(g, "c4r4", ProtectionPolicy{}, 4096, 0), Error);
+  EXPECT_THROW(PagedCache::account(g, "c4r4", ProtectionPolicy{}, 4096, -64), Error);
+  ProtectionPolicy neg;
+  neg.sinks = -1;
+  EXPECT_THROW(PagedCache::account(g, "c4r4", neg, 4096), Error);
 }
 
 TEST(PagedCache, ExhaustedPoolPreemptionAndRecompute) {

@@ -186,6 +186,8 @@ TEST_F(Cli, BadOptionsAndTexts) {
   expect_refused(kvq({"eval", "--model", good, "--text", text, "--windows", "-3"}), "must be >= 0, got -3", 105);
   expect_refused(kvq({"ppl", "--model", good, "--text", text, "--cache", "tq-4bit", "--pool-mib", "inf"}), "finite", 105);
   expect_refused(kvq({"budget", "--budget-gib", "0"}), "must be > 0", 105);
+  expect_refused(kvq({"budget", "--context", "4096,-5"}), "each request length must be >= 1, got -5");
+  expect_refused(kvq({"budget", "--context", "0"}), "each request length must be >= 1, got 0");
   // eval makes its own caches per window: the pool options are not its.
   expect_refused(kvq({"eval", "--model", good, "--text", text, "--pool-mib", "1"}), "not expected", 109);
   expect_refused(kvq({"ppl", "--model", good, "--text", (base / "absent.txt").string()}), "cannot open");

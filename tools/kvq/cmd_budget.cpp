@@ -94,7 +94,9 @@ void run(const std::vector<std::string>& models, const std::string& caches, doub
     }
   }
   if (!contexts.empty()) {
-    run_context(shapes, caches, kvq::cli::parse_int_list(contexts),
+    const std::vector<int> lengths = kvq::cli::parse_int_list(contexts);
+    for (int L : lengths) kvq::require(L >= 1, "--context: each request length must be >= 1, got " + std::to_string(L));
+    run_context(shapes, caches, lengths,
                 protect == "paper" ? kvq::ProtectionPolicy::paper() : kvq::ProtectionPolicy{}, json);
     return;
   }
