@@ -12,7 +12,8 @@ time that is not a positive finite number is refused. Standard library only.
 
 With --variants, DIR is the output of bench/gpu/variants.sh (files r<round>_k<variant>.json): per row, variant 0's
 (the tree's) minimum over the rounds, then each other variant's minimum and its speed against variant 0 (0's minimum
-over its minimum), with the same checks; each variant needs the same rounds as variant 0.
+over its minimum), with the same checks; each variant needs the same rounds as variant 0. Columns are named by
+DIR/variants.txt (lines "i<TAB>flags", which variants.sh writes) where it exists.
 """
 
 import argparse
@@ -138,12 +139,28 @@ def variants_table(runs):
     return others, rows
 
 
-def variants_report(others, rows, out=sys.stdout):
+def variant_legend(directory):
+    """{variant: its -D flags} from DIR/variants.txt (lines "i<TAB>flags"), or {} where the file is absent."""
+    path = os.path.join(directory, "variants.txt")
+    if not os.path.exists(path):
+        return {}
+    legend = {}
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                i, _, flags = line.rstrip("\n").partition("\t")
+                legend[int(i)] = flags
+    return legend
+
+
+def variants_report(others, rows, out=sys.stdout, legend=None):
+    legend = legend or {}
     w = max(len(label(k)) for k, *_ in rows)
-    head = "".join(f"  {f'{v} us (speed)':>16}" for v in others)
-    print(f"{'row':<{w}}  {'0 us':>7}{head}", file=out)
+    heads = [f"{legend.get(v, v)} us (speed)" for v in others]
+    cw = [max(16, len(h)) for h in heads]
+    print(f"{'row':<{w}}  {'0 us':>7}" + "".join(f"  {h:>{c}}" for h, c in zip(heads, cw)), file=out)
     for k, m0, vs in rows:
-        cells = "".join(f"  {f'{m:.1f} ({r:.3f})':>16}" for m, r in vs)
+        cells = "".join(f"  {f'{m:.1f} ({r:.3f})':>{c}}" for (m, r), c in zip(vs, cw))
         print(f"{label(k):<{w}}  {m0:>7.1f}{cells}", file=out)
 
 
@@ -157,7 +174,7 @@ def main(argv=None):
         if args.a or args.b:
             ap.error("--variants takes no --a / --b")
         try:
-            variants_report(*variants_table(variant_runs(args.variants)))
+            variants_report(*variants_table(variant_runs(args.variants)), legend=variant_legend(args.variants))
         except (OSError, ValueError, KeyError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 1

@@ -1,26 +1,57 @@
 #!/usr/bin/env bash
 # Same-call timing of compile-time variants of the fast GQA decode kernel (decode_d128.cu), on a GPU host:
-#   OUT=DIR MACRO=NAME VARIANTS="1 2 ..." [ROUNDS=2] [FORMATS=...] [BATCH=8] [CONTEXT=16384,65536] [TESTS="1 ..."] \
+#   OUT=DIR VARIANTS="NAME=V[,NAME=V...] ..." [ROUNDS=2] [FORMATS=...] [BATCH=8] [CONTEXT=16384,65536] [TESTS="..."] \
 #     bench/gpu/variants.sh
-# Builds `kvq` once from the tree (the macro at its default: variant 0) and compiles decode_d128.cu again with
-# -DMACRO=v for each v of VARIANTS, linking a `kvq` with each (the library's other objects unchanged: only
-# decode_d128.cu includes decode_fast.cuh). Then runs `kvq bench decode --json` with every binary, ROUNDS rounds in
-# alternating order, into DIR/r<round>_k<v>.json, and finally tests/cuda/test_cuda_decode linked with each variant of
-# TESTS. The macro must exist in the tree, as in the probes' patches (bench/results/decode-gqa-ablate-2026-12-05.patch:
-# KVQ_ABLATE; decode-gqa-pf-2026-12-05.patch: KVQ_FAST_PF). Last it prints `bench/gpu/ab.py --variants DIR`: per row,
-# each variant's minimum over the rounds and its speed against variant 0.
+#   OUT=DIR MACRO=NAME VARIANTS="1 2 ..." ... bench/gpu/variants.sh      (each variant NAME=v)
+# Builds `kvq` once from the tree (every macro at its default: variant 0) and compiles decode_d128.cu again with the
+# -D flags of each variant (the i-th of VARIANTS, i from 1), linking a `kvq` with each (the library's other objects
+# unchanged: only decode_d128.cu includes decode_fast.cuh). Then runs `kvq bench decode --json` with every binary,
+# ROUNDS rounds in alternating order, into DIR/r<round>_k<i>.json (DIR/variants.txt: i and its flags), and
+# tests/cuda/test_cuda_decode linked with each variant that TESTS names (as written in VARIANTS). Every macro must
+# exist in src/cuda/decode_fast.cuh, as in the probes' patches (bench/results/decode-gqa-ablate-2026-12-05.patch:
+# KVQ_ABLATE; decode-gqa-pf-2026-12-05.patch: KVQ_FAST_PF; decode-gqa-h200-probes-2026-12-05.patch: both).
+# Last it prints `bench/gpu/ab.py --variants DIR`: per row, each variant's minimum over the rounds and its speed
+# against variant 0.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 # shellcheck source=scripts/lib/gpu.sh
 . "$root/scripts/lib/gpu.sh"
 out="${OUT:?set OUT}"
-macro="${MACRO:?set MACRO}"
-variants="${VARIANTS:?set VARIANTS}"
+macro="${MACRO:-}"
+read -r -a specs <<< "${VARIANTS:?set VARIANTS}"
 rounds="${ROUNDS:-2}"
 formats="${FORMATS:-tq-4bit-nc,tq-k3v4-nc,tq-3bit-nc,tq-4bit,tq-3.5bit,tq-3bit}"
-tests="${TESTS:-}"
+read -r -a tests <<< "${TESTS:-}"
 work=/tmp/kvq-variants
-grep -rq "$macro" "$root/src/cuda/decode_fast.cuh" || { echo "error: $macro is not in src/cuda/decode_fast.cuh" >&2; exit 1; }
+labels=() flags=()
+for v in "${specs[@]}"; do
+  if [[ "$v" == *=* ]]; then
+    lab="$v"
+  else
+    [ -n "$macro" ] || { echo "error: variant '$v' is a value without MACRO (give MACRO, or NAME=VALUE)" >&2; exit 1; }
+    lab="$macro=$v"
+  fi
+  f=""
+  IFS=',' read -r -a defs <<< "$lab"
+  for d in "${defs[@]}"; do
+    name="${d%%=*}"
+    if ! [[ "$d" == *=* && "$name" =~ ^[A-Za-z_][A-Za-z0-9_]*$ && "${d#*=}" =~ ^-?[0-9]+$ ]]; then
+      echo "error: '$d' in variant '$v' is not NAME=INTEGER" >&2
+      exit 1
+    fi
+    grep -q "$name" "$root/src/cuda/decode_fast.cuh" || { echo "error: $name is not in src/cuda/decode_fast.cuh" >&2; exit 1; }
+    f+=" -D$d"
+  done
+  labels+=("$lab") flags+=("$f")
+done
+n=${#specs[@]}
+tested=()
+for t in "${tests[@]}"; do
+  hit=""
+  for i in $(seq 1 "$n"); do [ "${specs[i-1]}" = "$t" ] && hit=$i; done
+  [ -n "$hit" ] || { echo "error: TESTS names '$t', which is not in VARIANTS" >&2; exit 1; }
+  tested+=("$hit")
+done
 rm -rf "$work" && mkdir -p "$work/src" "$work/obj"
 kvq_copy_tree "$root" "$work/src"
 b="$work/build"
@@ -29,14 +60,14 @@ obj=src/cuda/CMakeFiles/kvq_cuda.dir/decode_d128.cu.o
 cc=$(ninja -C "$b" -t commands "$obj" | tail -1)
 t0=$(date +%s)
 targets=(kvq)
-[ -n "$tests" ] && targets+=(test_cuda_decode)
+[ ${#tested[@]} -gt 0 ] && targets+=(test_cuda_decode)
 cmake --build "$b" --target "${targets[@]}" -j 8 > "$work/build.log" 2>&1 &
 pb=$!
 pids=()
-for k in $variants; do
+for k in $(seq 1 "$n"); do
   mkdir -p "$work/obj/$k"
   c="${cc/-MF $obj.d/-MF $work/obj/$k/d.d}"
-  c="${c/-o $obj/-D$macro=$k -o $work/obj/$k/decode_d128.cu.o}"
+  c="${c/-o $obj/${flags[k-1]} -o $work/obj/$k/decode_d128.cu.o}"
   (cd "$b" && eval "$c") > "$work/obj/$k/log" 2>&1 &
   pids+=($!)
 done
@@ -46,8 +77,8 @@ echo "builds: $(( $(date +%s) - t0 )) s"
 cp "$b/tools/kvq/kvq" "$work/kvq_0"
 link=$(ninja -C "$b" -t commands tools/kvq/kvq | tail -1)
 tlink=""
-[ -n "$tests" ] && tlink=$(ninja -C "$b" -t commands tests/cuda/test_cuda_decode | tail -1)
-for k in $variants; do
+[ ${#tested[@]} -gt 0 ] && tlink=$(ninja -C "$b" -t commands tests/cuda/test_cuda_decode | tail -1)
+for k in $(seq 1 "$n"); do
   cp "$b/src/cuda/libkvq_cuda.a" "$work/obj/$k/lib.a"
   ar r "$work/obj/$k/lib.a" "$work/obj/$k/decode_d128.cu.o"
   l="${link//src\/cuda\/libkvq_cuda.a/$work/obj/$k/lib.a}"
@@ -58,7 +89,9 @@ for k in $variants; do
   fi
 done
 mkdir -p "$out"
-all="0 $variants"
+printf '0\t(tree)\n' > "$out/variants.txt"
+for k in $(seq 1 "$n"); do printf '%d\t%s\n' "$k" "${labels[k-1]}" >> "$out/variants.txt"; done
+all="0 $(seq -s ' ' 1 "$n")"
 rev=$(echo "$all" | tr ' ' '\n' | tac | tr '\n' ' ')
 for r in $(seq 1 "$rounds"); do
   order="$all"
@@ -69,8 +102,8 @@ for r in $(seq 1 "$rounds"); do
   done
   echo "round $r: $(( $(date +%s) - t0 )) s"
 done
-for k in $tests; do
-  echo "test_cuda_decode with $macro=$k:"
+for k in "${tested[@]}"; do
+  echo "test_cuda_decode with${flags[k-1]}:"
   "$work/test_$k" 2>&1 | tail -3
 done
 python3 "$root/bench/gpu/ab.py" --variants "$out"

@@ -184,6 +184,15 @@ def test_variants_table_of_a_variants_sh_directory(tmp_path):
     ab.variants_report(others, rows, out)
     text = out.getvalue()
     assert "tq-4bit-nc B=8 N=16384 32/8 d128" in text and "40.0 (1.200)" in text and "55.0 (0.873)" in text
+    # Columns named by variants.txt where variants.sh wrote one.
+    assert ab.variant_legend(str(tmp_path)) == {}
+    (tmp_path / "variants.txt").write_text("0\t(tree)\n4\tKVQ_ABLATE=4\n8\tKVQ_ABLATE=8,KVQ_FAST_PF=1\n")
+    legend = ab.variant_legend(str(tmp_path))
+    assert legend == {0: "(tree)", 4: "KVQ_ABLATE=4", 8: "KVQ_ABLATE=8,KVQ_FAST_PF=1"}
+    out = io.StringIO()
+    ab.variants_report(others, rows, out, legend)
+    head = out.getvalue().splitlines()[0]
+    assert "KVQ_ABLATE=4 us (speed)" in head and "KVQ_ABLATE=8,KVQ_FAST_PF=1 us (speed)" in head
     # The command line: the table, or an error and status 1.
     assert ab.main(["--variants", str(tmp_path)]) == 0
 
@@ -205,3 +214,23 @@ def test_variants_refuses_missing_base_uneven_rounds_and_other_rows(tmp_path, ca
     assert "error:" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         ab.main(["--variants", str(d), "--a", "x.json"])
+
+
+def test_variants_script_refuses_bad_variants_before_building(tmp_path):
+    # bench/gpu/variants.sh checks every variant's flags (NAME=INTEGER, NAME in decode_fast.cuh, a plain value only
+    # with MACRO) and TESTS before it copies the tree or builds anything.
+    def run(**env):
+        e = {k: v for k, v in os.environ.items() if k not in ("MACRO", "VARIANTS", "TESTS")}
+        e.update(OUT=str(tmp_path / "out"), **env)
+        return subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu", "variants.sh")], env=e, capture_output=True,
+                              text=True, timeout=60)
+    cases = [({"VARIANTS": "1"}, "value without MACRO"),
+             ({"VARIANTS": "KVQ_NO_SUCH_MACRO=1"}, "KVQ_NO_SUCH_MACRO is not in src/cuda/decode_fast.cuh"),
+             ({"VARIANTS": "KVQ_FAST_BULK=x"}, "is not NAME=INTEGER"),
+             ({"VARIANTS": "KVQ_FAST_BULK=0,1"}, "is not NAME=INTEGER"),
+             ({"VARIANTS": "KVQ_FAST_BULK=0", "TESTS": "KVQ_FAST_BULK=1"}, "not in VARIANTS"),
+             ({"MACRO": "KVQ_FAST_BULK", "VARIANTS": "0", "TESTS": "1"}, "not in VARIANTS")]
+    for env, msg in cases:
+        r = run(**env)
+        assert r.returncode == 1 and msg in r.stderr, (env, r.stderr)
+    assert not (tmp_path / "out").exists()  # made only once the builds are done
