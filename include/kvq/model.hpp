@@ -23,13 +23,14 @@ namespace kvq {
 enum class Arch { kLlama, kDeepseekV2, kDeepseekV3 };
 
 struct RopeConfig {
-  std::string type = "default";  // "default" or "yarn"
+  std::string type = "default";  // "default", "yarn", "llama3" or "linear"
   double theta = 10000.0;
   int dim = 0;                    // rotated dims per head
   bool interleaved = false;       // DeepSeek: pairs (2i, 2i+1); Llama: rotate-half pairs (i, i + dim/2)
-  // YaRN
+  // YaRN, llama3 (factor, original_max_position_embeddings, low / high_freq_factor), linear (factor)
   double factor = 1.0;
   int original_max_position_embeddings = 0;
+  double low_freq_factor = 1.0, high_freq_factor = 4.0;
   double beta_fast = 32.0, beta_slow = 1.0;
   double mscale = 0.0, mscale_all_dim = 0.0;
   bool truncate = true;

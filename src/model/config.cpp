@@ -114,9 +114,25 @@ void parse_rope(const json& root, const std::string& label, ModelConfig& c) {
     } else {
       c.rope.attention_factor = yarn_get_mscale(c.rope.factor, 1.0);
     }
+  } else if (type == "linear") {
+    if (!rp.has("factor")) rp.bad("factor", "is required for linear");
+    c.rope.factor = rp.get_num("factor", 1.0);
+    if (!(c.rope.factor > 0.0)) rp.bad("factor", "must be > 0");
+    c.rope.attention_factor = 1.0;
+  } else if (type == "llama3") {
+    for (const char* k : {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"})
+      if (!rp.has(k)) rp.bad(k, "is required for llama3");
+    c.rope.factor = rp.get_num("factor", 1.0);
+    if (!(c.rope.factor > 0.0)) rp.bad("factor", "must be > 0");
+    c.rope.low_freq_factor = rp.get_num("low_freq_factor", 1.0);
+    c.rope.high_freq_factor = rp.get_num("high_freq_factor", 4.0);
+    if (!(c.rope.low_freq_factor > 0.0)) rp.bad("low_freq_factor", "must be > 0");
+    if (!(c.rope.high_freq_factor > c.rope.low_freq_factor)) rp.bad("high_freq_factor", "must be > low_freq_factor");
+    c.rope.original_max_position_embeddings = rp.get_pos("original_max_position_embeddings");
+    c.rope.attention_factor = 1.0;
   } else {
     fail(label + ": field '" + (where.empty() ? std::string("rope_type") : where + ".rope_type") + "' = '" + type +
-         "' is not supported (supported: default, yarn)");
+         "' is not supported (supported: default, yarn, llama3, linear)");
   }
 }
 
@@ -308,7 +324,29 @@ std::vector<float> rope_inv_freq(const RopeConfig& rope) {
     pos_freq[i] = static_cast<float>(std::pow(static_cast<double>(static_cast<float>(rope.theta)), double(expo)));
     inv[i] = 1.0f / pos_freq[i];
   }
-  if (rope.type == "yarn") {
+  if (rope.type == "linear") {
+    // Position interpolation: every frequency over the factor (float32, as transformers divides its tensor).
+    for (int i = 0; i < half; ++i) inv[i] /= static_cast<float>(rope.factor);
+  } else if (rope.type == "llama3") {
+    // Llama 3.1's scaling: wavelengths 2 pi / f shorter than orig / high_freq_factor keep f, those longer than
+    // orig / low_freq_factor take f / factor, and the band between blends the two with
+    // s = (orig / wavelength - low) / (high - low): (1 - s) f / factor + s f. Float32 arithmetic in transformers'
+    // order (its tensors are float32; the Python scalars take part as float32).
+    const double orig = rope.original_max_position_embeddings;
+    const float low_wavelen = static_cast<float>(orig / rope.low_freq_factor);
+    const float high_wavelen = static_cast<float>(orig / rope.high_freq_factor);
+    const float f = static_cast<float>(rope.factor), lo = static_cast<float>(rope.low_freq_factor);
+    const float span = static_cast<float>(rope.high_freq_factor - rope.low_freq_factor);
+    for (int i = 0; i < half; ++i) {
+      const float wavelen = static_cast<float>(2.0 * M_PI) / inv[i];
+      float v = wavelen > low_wavelen ? inv[i] / f : inv[i];
+      if (!(wavelen < high_wavelen) && !(wavelen > low_wavelen)) {
+        const float s = (static_cast<float>(orig) / wavelen - lo) / span;
+        v = (1.0f - s) * v / f + s * v;
+      }
+      inv[i] = v;
+    }
+  } else if (rope.type == "yarn") {
     // YaRN (arXiv 2309.00071 sec. 3.2): blend interpolated (1/factor) and extrapolated
     // frequencies with a linear ramp between the dims that rotate beta_fast and beta_slow times
     // over the original context.

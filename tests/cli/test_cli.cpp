@@ -115,6 +115,36 @@ TEST_F(Cli, GoodCopiesRun) {
   EXPECT_TRUE(m.exited && m.code == 0) << m.out;
 }
 
+TEST_F(Cli, RopeScalingsRun) {
+  // The same weights under llama3 and linear RoPE scaling: each runs, and each changes the perplexity (the model was
+  // trained with default RoPE, so the scaled frequencies do change its predictions).
+  auto ppl_of = [](const Result& r) {
+    const auto at = r.out.find("ppl ");
+    return at == std::string::npos ? -1.0 : std::stod(r.out.substr(at + 4));
+  };
+  const Result d = kvq(ppl(model_copy("tiny-gqa", "rope-default")));
+  ASSERT_TRUE(d.exited && d.code == 0) << d.out;
+  const fs::path l3 = model_copy("tiny-gqa", "rope-llama3");
+  edit_config(l3, "rope_parameters", {{"rope_type", "llama3"}, {"rope_theta", 10000.0}, {"factor", 8.0},
+                                      {"low_freq_factor", 1.0}, {"high_freq_factor", 4.0},
+                                      {"original_max_position_embeddings", 64}});
+  const Result r3 = kvq(ppl(l3));
+  ASSERT_TRUE(r3.exited && r3.code == 0) << r3.out;
+  const fs::path lin = model_copy("tiny-gqa", "rope-linear");
+  edit_config(lin, "rope_parameters", {{"rope_type", "linear"}, {"rope_theta", 10000.0}, {"factor", 2.0}});
+  const Result rl = kvq(ppl(lin));
+  ASSERT_TRUE(rl.exited && rl.code == 0) << rl.out;
+  const double p0 = ppl_of(d), p3 = ppl_of(r3), pl = ppl_of(rl);
+  EXPECT_GT(p0, 1.0);
+  EXPECT_GT(p3, 1.0);
+  EXPECT_GT(pl, 1.0);
+  EXPECT_NE(p3, p0);
+  EXPECT_NE(pl, p0);
+  const fs::path dyn = model_copy("tiny-gqa", "rope-dynamic");
+  edit_config(dyn, "rope_parameters", {{"rope_type", "dynamic"}, {"rope_theta", 10000.0}, {"factor", 2.0}});
+  expect_refused(kvq(ppl(dyn)), "supported: default, yarn, llama3, linear");
+}
+
 TEST_F(Cli, MalformedModelDirectories) {
   expect_refused(kvq(ppl(base / "absent")), "not a model directory");
   {

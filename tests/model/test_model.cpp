@@ -317,6 +317,71 @@ TEST(Config, LegacyAndNewRopeFieldsAgree) {
   EXPECT_NEAR(c.softmax_scale, 1.0 / std::sqrt(12.0), 1e-7);
 }
 
+TEST(Config, Llama3AndLinearRope) {
+  // Llama 3.1 8B's RoPE: theta 500000, 128 dims, factor 8, low / high frequency factors 1 / 4, 8192 original tokens.
+  const std::string common =
+      R"("architectures":["LlamaForCausalLM"],"vocab_size":16,"hidden_size":256,"num_hidden_layers":1,
+         "num_attention_heads":2,"num_key_value_heads":1,"intermediate_size":8,"max_position_embeddings":131072,)";
+  const auto l3 = parse_model_config(
+      "{" + common +
+          R"("rope_parameters":{"rope_type":"llama3","rope_theta":500000,"factor":8,"low_freq_factor":1,
+              "high_freq_factor":4,"original_max_position_embeddings":8192}})",
+      "llama3");
+  ASSERT_EQ(l3.rope.type, "llama3");
+  EXPECT_EQ(l3.rope.original_max_position_embeddings, 8192);
+  EXPECT_DOUBLE_EQ(l3.rope.attention_factor, 1.0);
+  const auto def = parse_model_config("{" + common + R"("rope_theta":500000})", "default");
+  const auto got = rope_inv_freq(l3.rope), base = rope_inv_freq(def.rope);
+  ASSERT_EQ(got.size(), 64u);
+  int kept = 0, divided = 0, blended = 0;
+  for (int i = 0; i < 64; ++i) {
+    // The scaling in double from its definition: wavelengths below 8192 / 4 keep their frequency, those above
+    // 8192 / 1 divide it by 8, the band between blends the two.
+    const double f = std::pow(500000.0, -2.0 * i / 128.0), wl = 2.0 * M_PI / f;
+    double want = f;
+    if (wl > 8192.0) {
+      want = f / 8.0;
+      ++divided;
+      EXPECT_EQ(got[i], base[i] / 8.0f) << i;  // the same float32 division as transformers'
+    } else if (wl >= 2048.0) {
+      const double sm = (8192.0 / wl - 1.0) / 3.0;
+      want = (1.0 - sm) * f / 8.0 + sm * f;
+      ++blended;
+      EXPECT_GT(got[i], base[i] / 8.0f) << i;
+      EXPECT_LT(got[i], base[i]) << i;
+    } else {
+      ++kept;
+      EXPECT_EQ(got[i], base[i]) << i;
+    }
+    EXPECT_NEAR(got[i], want, 2e-6 * want) << i;
+  }
+  EXPECT_EQ(kept, 29);  // i <= 28: wavelength 2 pi 500000^(i / 64) < 2048
+  EXPECT_EQ(blended, 6);
+  EXPECT_EQ(divided, 29);
+  // Linear (position interpolation): every frequency over the factor; the older rope_scaling form too.
+  const auto lin = parse_model_config(
+      "{" + common + R"("rope_theta":500000,"rope_scaling":{"type":"linear","factor":4}})", "linear");
+  const auto glin = rope_inv_freq(lin.rope);
+  for (int i = 0; i < 64; ++i) EXPECT_EQ(glin[i], base[i] / 4.0f) << i;
+  // Refusals name the field.
+  auto refused = [&](const std::string& rope, const std::string& needle) {
+    try {
+      parse_model_config("{" + common + R"("rope_theta":500000,"rope_scaling":)" + rope + "}", "bad");
+      ADD_FAILURE() << rope;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  refused(R"({"rope_type":"llama3","factor":8,"high_freq_factor":4,"original_max_position_embeddings":8192})",
+          "'low_freq_factor' is required for llama3");
+  refused(R"({"rope_type":"llama3","factor":8,"low_freq_factor":4,"high_freq_factor":4,
+             "original_max_position_embeddings":8192})",
+          "must be > low_freq_factor");
+  refused(R"({"rope_type":"linear"})", "'factor' is required for linear");
+  refused(R"({"rope_type":"linear","factor":0})", "must be > 0");
+  refused(R"({"rope_type":"dynamic","factor":2})", "supported: default, yarn, llama3, linear");
+}
+
 TEST(Observer, SeesEveryLayerWithTheAppendedRows) {
   auto m = Model::load(src_path("models/tiny-gqa"));
   SafetensorsFile ref(src_path("models/tiny-gqa/reference.safetensors"));
