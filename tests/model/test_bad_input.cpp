@@ -147,7 +147,9 @@ TEST_F(BadInput, UnsupportedFieldsAreNamed) {
     const char* expect;
   };
   const Case cases[] = {
-      {"rope_parameters", {{"rope_type", "llama3"}, {"rope_theta", 500000.0}, {"factor", 8.0}}, "rope_type' = 'llama3'"},
+      {"rope_parameters", {{"rope_type", "dynamic"}, {"rope_theta", 500000.0}, {"factor", 8.0}}, "rope_type' = 'dynamic'"},
+      // llama3 is supported; without its frequency factors it is refused by name.
+      {"rope_parameters", {{"rope_type", "llama3"}, {"rope_theta", 500000.0}, {"factor", 8.0}}, "'low_freq_factor' is required"},
       {"hidden_act", "gelu", "'hidden_act' = 'gelu'"},
       {"use_sliding_window", true, "'sliding_window'"},
       {"num_key_value_heads", 3, "'num_key_value_heads'"},
