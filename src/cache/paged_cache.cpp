@@ -45,6 +45,19 @@ void from_bf16(const std::uint16_t* x, std::size_t n, float* out) {
   for (std::size_t i = 0; i < n; ++i) out[i] = bf16_to_float(x[i]);
 }
 
+// The arguments a paged cache and its analytic accounting share: layers, page size, protection sizes, and the
+// format fitting the geometry. `who` prefixes the messages.
+const FormatSpec& check_cache_args(const char* who, const CacheGeometry& g, const std::string& format, int page_tokens,
+                                   const ProtectionPolicy& p) {
+  require(g.n_layers > 0, std::string(who) + ": geometry has no layers");
+  require(page_tokens > 0 && page_tokens <= 4096,
+          std::string(who) + ": page_tokens must be 1..4096, got " + std::to_string(page_tokens));
+  require(p.sinks >= 0 && p.window >= 0 && p.boundary_layers >= 0, "protection sizes must be non-negative");
+  const FormatSpec& f = find_format(format);
+  check_format_fits(f, g);
+  return f;
+}
+
 }  // namespace
 
 struct PagedCache::Impl {
@@ -86,13 +99,9 @@ struct PagedCache::Impl {
 
 PagedCache::PagedCache(const CacheGeometry& g, CacheOptions opt, int max_seqs)
     : geo_(g), opt_(std::move(opt)), impl_(std::make_unique<Impl>()) {
-  require(g.n_layers > 0, "PagedCache: geometry has no layers");
   require(max_seqs > 0, "PagedCache: max_seqs must be positive");
-  require(opt_.page_tokens > 0 && opt_.page_tokens <= 4096, "PagedCache: page_tokens must be 1..4096");
+  const FormatSpec& fmt = check_cache_args("PagedCache", g, opt_.format, opt_.page_tokens, opt_.protect);
   const auto& p = opt_.protect;
-  require(p.sinks >= 0 && p.window >= 0 && p.boundary_layers >= 0, "protection sizes must be non-negative");
-  const FormatSpec& fmt = find_format(opt_.format);
-  check_format_fits(fmt, g);
   auto& im = *impl_;
   im.heads = g.mla ? 1 : g.n_kv_heads;
   im.dk = g.mla ? g.d_latent : g.head_dim;
@@ -769,12 +778,8 @@ CacheMemory PagedCache::memory_total() const {
 
 CacheMemory PagedCache::account(const CacheGeometry& g, const std::string& format, const ProtectionPolicy& p, int tokens,
                                 int page_tokens) {
-  require(g.n_layers > 0, "account: geometry has no layers");
   require(tokens >= 0, "account: tokens must be non-negative, got " + std::to_string(tokens));
-  require(page_tokens > 0 && page_tokens <= 4096, "account: page_tokens must be 1..4096, got " + std::to_string(page_tokens));
-  require(p.sinks >= 0 && p.window >= 0 && p.boundary_layers >= 0, "protection sizes must be non-negative");
-  const FormatSpec& f = find_format(format);
-  check_format_fits(f, g);
+  const FormatSpec& f = check_cache_args("account", g, format, page_tokens, p);
   CacheMemory m;
   m.blocks = static_cast<std::size_t>((tokens + page_tokens - 1) / page_tokens);
   std::size_t block = 0;
