@@ -9,7 +9,7 @@
 # ROUNDS rounds in alternating order, into DIR/r<round>_k<i>.json (DIR/variants.txt: i and its flags), and
 # tests/cuda/test_cuda_decode linked with each variant that TESTS names (as written in VARIANTS). Every macro must
 # exist in src/cuda/decode_fast.cuh, as in the probes' patches (bench/results/decode-gqa-ablate-2026-12-05.patch:
-# KVQ_ABLATE; decode-gqa-pf-2026-12-05.patch: KVQ_FAST_PF; decode-gqa-h200-probes-2026-12-05.patch: both).
+# KVQ_ABLATE; decode-gqa-pf-2026-12-05.patch: KVQ_FAST_PF; decode-gqa-probes-2026-12-05.patch: both, with KVQ_FAST_FILL).
 # Last it prints `bench/gpu/ab.py --variants DIR`: per row, each variant's minimum over the rounds and its speed
 # against variant 0.
 set -euo pipefail
