@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Same-call timing of compile-time variants of the fast GQA decode kernel (decode_d128.cu), on a GPU host:
 #   OUT=DIR VARIANTS="NAME=V[,NAME=V...] ..." [ROUNDS=2] [FORMATS=...] [BATCH=8] [CONTEXT=16384,65536] [TESTS="..."] \
-#     bench/gpu/variants.sh
+#     bench/gpu/variants.sh         ([WORK=/tmp/kvq-variants]: the scratch folder, emptied first)
 #   OUT=DIR MACRO=NAME VARIANTS="1 2 ..." ... bench/gpu/variants.sh      (each variant NAME=v)
 # Builds `kvq` once from the tree (every macro at its default: variant 0) and compiles decode_d128.cu again with the
 # -D flags of each variant (the i-th of VARIANTS, i from 1), linking a `kvq` with each (the library's other objects
@@ -22,7 +22,7 @@ read -r -a specs <<< "${VARIANTS:?set VARIANTS}"
 rounds="${ROUNDS:-2}"
 formats="${FORMATS:-tq-4bit-nc,tq-k3v4-nc,tq-3bit-nc,tq-4bit,tq-3.5bit,tq-3bit}"
 read -r -a tests <<< "${TESTS:-}"
-work=/tmp/kvq-variants
+work="${WORK:-/tmp/kvq-variants}"  # scratch: the tree copy, the builds, the binaries
 labels=() flags=()
 for v in "${specs[@]}"; do
   if [[ "$v" == *=* ]]; then

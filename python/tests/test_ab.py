@@ -9,6 +9,7 @@ import io
 import json
 import math
 import os
+import signal
 import subprocess
 
 import pytest
@@ -216,14 +217,37 @@ def test_variants_refuses_missing_base_uneven_rounds_and_other_rows(tmp_path, ca
         ab.main(["--variants", str(d), "--a", "x.json"])
 
 
+def kill_session(sid):
+    """SIGKILL every process of session `sid` (Linux /proc)."""
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                if int(fields[3]) == sid:  # field 6 of stat: the session id
+                    os.kill(int(d), signal.SIGKILL)
+            except (OSError, IndexError, ValueError):
+                pass  # gone meanwhile
+
+
 def test_variants_script_refuses_bad_variants_before_building(tmp_path):
     # bench/gpu/variants.sh checks every variant's flags (NAME=INTEGER, NAME in decode_fast.cuh, a plain value only
     # with MACRO) and TESTS before it copies the tree or builds anything.
     def run(**env):
         e = {k: v for k, v in os.environ.items() if k not in ("MACRO", "VARIANTS", "TESTS")}
-        e.update(OUT=str(tmp_path / "out"), **env)
-        return subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu", "variants.sh")], env=e, capture_output=True,
-                              text=True, timeout=60)
+        e.update(OUT=str(tmp_path / "out"), WORK=str(tmp_path / "work"), **env)
+        # Its own session, so that a refusal that broke (the script going on to build) is stopped whole at the
+        # timeout and fails the test: every process of the session, since ninja puts each command in a process
+        # group of its own.
+        pr = subprocess.Popen(["bash", os.path.join(ROOT, "bench", "gpu", "variants.sh")], env=e, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        try:
+            out, err = pr.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            kill_session(pr.pid)
+            pr.communicate()
+            raise
+        return subprocess.CompletedProcess(pr.args, pr.returncode, out, err)
     cases = [({"VARIANTS": "1"}, "value without MACRO"),
              ({"VARIANTS": "KVQ_NO_SUCH_MACRO=1"}, "KVQ_NO_SUCH_MACRO is not in src/cuda/decode_fast.cuh"),
              ({"VARIANTS": "KVQ_FAST_BULK=x"}, "is not NAME=INTEGER"),
@@ -234,3 +258,4 @@ def test_variants_script_refuses_bad_variants_before_building(tmp_path):
         r = run(**env)
         assert r.returncode == 1 and msg in r.stderr, (env, r.stderr)
     assert not (tmp_path / "out").exists()  # made only once the builds are done
+    assert not (tmp_path / "work").exists()  # made only once every variant is checked
