@@ -13,6 +13,9 @@
 #include <omp.h>
 
 #include <cmath>
+#include <fstream>
+#include <map>
+#include <sstream>
 
 #include "kvq/common.hpp"
 #include "kvq/numeric.hpp"
@@ -380,6 +383,41 @@ TEST(Config, Llama3AndLinearRope) {
   refused(R"({"rope_type":"linear"})", "'factor' is required for linear");
   refused(R"({"rope_type":"linear","factor":0})", "must be > 0");
   refused(R"({"rope_type":"dynamic","factor":2})", "supported: default, yarn, llama3, linear");
+}
+
+TEST(Config, RopeMatchesTransformers) {
+  // tests/data/rope/inv_freq.txt: the float32 inverse frequencies that transformers 5.17.0 computes
+  // (ROPE_INIT_FUNCTIONS, make_rope_reference.py there) for Llama 3.1 8B's llama3 scaling and for linear scaling by
+  // 4, theta 500000, head_dim 128. The runtime's must be the same floats.
+  std::ifstream in(src_path("tests/data/rope/inv_freq.txt"));
+  ASSERT_TRUE(in) << "tests/data/rope/inv_freq.txt";
+  const std::string common =
+      R"("architectures":["LlamaForCausalLM"],"vocab_size":16,"hidden_size":4096,"num_hidden_layers":1,
+         "num_attention_heads":32,"num_key_value_heads":8,"intermediate_size":8,"max_position_embeddings":131072,
+         "rope_theta":500000,)";
+  const std::map<std::string, std::string> scaling = {
+      {"llama3", R"({"rope_type":"llama3","factor":8,"low_freq_factor":1,"high_freq_factor":4,
+                    "original_max_position_embeddings":8192})"},
+      {"linear", R"({"type":"linear","factor":4})"}};
+  int seen = 0;
+  for (std::string line; std::getline(in, line);) {
+    if (line.empty() || line[0] == '#') continue;
+    std::istringstream ls(line);
+    std::string kind;
+    double attention = 0;
+    ls >> kind >> attention;
+    ASSERT_TRUE(scaling.count(kind)) << kind;
+    const auto cfg = parse_model_config("{" + common + R"("rope_scaling":)" + scaling.at(kind) + "}", kind);
+    EXPECT_DOUBLE_EQ(cfg.rope.attention_factor, attention) << kind;
+    const auto got = rope_inv_freq(cfg.rope);
+    std::vector<float> want;
+    for (double v; ls >> v;) want.push_back(static_cast<float>(v));
+    ASSERT_EQ(want.size(), 64u) << kind;
+    ASSERT_EQ(got.size(), want.size()) << kind;
+    for (std::size_t i = 0; i < want.size(); ++i) EXPECT_EQ(got[i], want[i]) << kind << " " << i;
+    ++seen;
+  }
+  EXPECT_EQ(seen, 2);
 }
 
 TEST(Observer, SeesEveryLayerWithTheAppendedRows) {
