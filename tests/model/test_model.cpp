@@ -320,11 +320,14 @@ TEST(Config, LegacyAndNewRopeFieldsAgree) {
   EXPECT_NEAR(c.softmax_scale, 1.0 / std::sqrt(12.0), 1e-7);
 }
 
+// A one-layer Llama config's fields before its RoPE ones, with Llama 3.1 8B's head_dim of 128.
+const std::string kLlamaHead =
+    R"("architectures":["LlamaForCausalLM"],"vocab_size":16,"hidden_size":256,"num_hidden_layers":1,
+       "num_attention_heads":2,"num_key_value_heads":1,"intermediate_size":8,"max_position_embeddings":131072,)";
+
 TEST(Config, Llama3AndLinearRope) {
   // Llama 3.1 8B's RoPE: theta 500000, 128 dims, factor 8, low / high frequency factors 1 / 4, 8192 original tokens.
-  const std::string common =
-      R"("architectures":["LlamaForCausalLM"],"vocab_size":16,"hidden_size":256,"num_hidden_layers":1,
-         "num_attention_heads":2,"num_key_value_heads":1,"intermediate_size":8,"max_position_embeddings":131072,)";
+  const std::string& common = kLlamaHead;
   const auto l3 = parse_model_config(
       "{" + common +
           R"("rope_parameters":{"rope_type":"llama3","rope_theta":500000,"factor":8,"low_freq_factor":1,
@@ -391,10 +394,7 @@ TEST(Config, RopeMatchesTransformers) {
   // 4, theta 500000, head_dim 128. The runtime's must be the same floats.
   std::ifstream in(src_path("tests/data/rope/inv_freq.txt"));
   ASSERT_TRUE(in) << "tests/data/rope/inv_freq.txt";
-  const std::string common =
-      R"("architectures":["LlamaForCausalLM"],"vocab_size":16,"hidden_size":4096,"num_hidden_layers":1,
-         "num_attention_heads":32,"num_key_value_heads":8,"intermediate_size":8,"max_position_embeddings":131072,
-         "rope_theta":500000,)";
+  const std::string common = kLlamaHead + R"("rope_theta":500000,)";
   const std::map<std::string, std::string> scaling = {
       {"llama3", R"({"rope_type":"llama3","factor":8,"low_freq_factor":1,"high_freq_factor":4,
                     "original_max_position_embeddings":8192})"},
