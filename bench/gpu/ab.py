@@ -10,9 +10,11 @@ A's times and B's times in ascending order, and B's speed against A as A's time 
 minima and of the medians (above 1: B is faster). Every run must hold the same rows; a row with a
 time that is not a positive finite number is refused. Standard library only.
 
-With --variants, DIR is the output of bench/gpu/variants.sh (files r<round>_k<variant>.json): per row, variant 0's
-(the tree's) minimum over the rounds, then each other variant's minimum and its speed against variant 0 (0's minimum
-over its minimum), with the same checks; each variant needs the same rounds as variant 0. Columns are named by
+With --variants, DIR is the output of bench/gpu/variants.sh (files r<run>_k<variant>.json): per row, variant 0's
+(the tree's) minimum over the runs, then each other variant's minimum and its speed against variant 0 (0's minimum
+over its minimum, then 0's median over its median: with runs at several arena pads, the median speaks for the
+placements, the minimum for the luckiest), with the same checks; each variant needs the same runs as variant 0.
+Columns are named by
 DIR/variants.txt (lines "i<TAB>flags", which variants.sh writes) where it exists.
 """
 
@@ -129,13 +131,14 @@ def variant_runs(directory):
 
 
 def variants_table(runs):
-    """(variants other than 0, rows [(key, variant 0's minimum, [(minimum, speed) per other variant])])."""
+    """(variants other than 0, rows [(key, variant 0's minimum, [(minimum, speed of the minima, speed of the medians)
+    per other variant])])."""
     base = [load(p) for p in runs[0]]
     others = [v for v in runs if v != 0]
     cols = [compare(base, [load(p) for p in runs[v]]) for v in others]
     rows = []
     for i, (k, a, *_) in enumerate(cols[0] if cols else compare(base, base)):
-        rows.append((k, a[0], [(c[i][2][0], c[i][3]) for c in cols]))
+        rows.append((k, a[0], [(c[i][2][0], c[i][3], c[i][4]) for c in cols]))
     return others, rows
 
 
@@ -156,11 +159,11 @@ def variant_legend(directory):
 def variants_report(others, rows, out=sys.stdout, legend=None):
     legend = legend or {}
     w = max(len(label(k)) for k, *_ in rows)
-    heads = [f"{legend.get(v, v)} us (speed)" for v in others]
-    cw = [max(16, len(h)) for h in heads]
+    heads = [f"{legend.get(v, v)} us (speed, of medians)" for v in others]
+    cw = [max(24, len(h)) for h in heads]
     print(f"{'row':<{w}}  {'0 us':>7}" + "".join(f"  {h:>{c}}" for h, c in zip(heads, cw)), file=out)
     for k, m0, vs in rows:
-        cells = "".join(f"  {f'{m:.1f} ({r:.3f})':>{c}}" for (m, r), c in zip(vs, cw))
+        cells = "".join(f"  {f'{m:.1f} ({r:.3f}, {rm:.3f})':>{c}}" for (m, r, rm), c in zip(vs, cw))
         print(f"{label(k):<{w}}  {m0:>7.1f}{cells}", file=out)
 
 

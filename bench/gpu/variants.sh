@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
 # Same-call timing of compile-time variants of the fast GQA decode kernel (decode_d128.cu), on a GPU host:
-#   OUT=DIR VARIANTS="NAME=V[,NAME=V...] ..." [ROUNDS=2] [FORMATS=...] [BATCH=8] [CONTEXT=16384,65536] [TESTS="..."] \
-#     bench/gpu/variants.sh         ([WORK=/tmp/kvq-variants]: the scratch folder, emptied first)
+#   OUT=DIR VARIANTS="NAME=V[,NAME=V...] ..." [ROUNDS=2] [PADS="0 ..."] [FORMATS=...] [BATCH=8] [CONTEXT=16384,65536] \
+#     [TESTS="..."] bench/gpu/variants.sh         ([WORK=/tmp/kvq-variants]: the scratch folder, emptied first)
 #   OUT=DIR MACRO=NAME VARIANTS="1 2 ..." ... bench/gpu/variants.sh      (each variant NAME=v)
 # Builds `kvq` once from the tree (every macro at its default: variant 0) and compiles decode_d128.cu again with the
 # -D flags of each variant (the i-th of VARIANTS, i from 1), linking a `kvq` with each (the library's other objects
 # unchanged: only decode_d128.cu includes decode_fast.cuh). Then runs `kvq bench decode --json` with every binary,
-# ROUNDS rounds in alternating order, into DIR/r<round>_k<i>.json (DIR/variants.txt: i and its flags), and
-# tests/cuda/test_cuda_decode linked with each variant that TESTS names (as written in VARIANTS). Every macro must
+# ROUNDS rounds, each once per pad of PADS (MiB, `--arena-pad`: the pools at another physical placement), the binaries
+# in alternating order, into DIR/r<run>_k<i>.json (DIR/variants.txt: i and its flags; DIR/runs.txt: each run's round
+# and pad), and tests/cuda/test_cuda_decode linked with each variant that TESTS names (as written in VARIANTS).
+# Several pads matter: one binary's placement can favour a row by a few percent over another's with the same kernel
+# code (bench/results/decode-gqa-early-rows-2026-12-06.md). Every macro must
 # exist in src/cuda/decode_fast.cuh, as in the probes' patches (bench/results/decode-gqa-ablate-2026-12-05.patch:
 # KVQ_ABLATE; decode-gqa-pf-2026-12-05.patch: KVQ_FAST_PF; decode-gqa-probes-2026-12-05.patch: both, with KVQ_FAST_FILL).
-# Last it prints `bench/gpu/ab.py --variants DIR`: per row, each variant's minimum over the rounds and its speed
-# against variant 0.
+# Last it prints `bench/gpu/ab.py --variants DIR`: per row, each variant's minimum over the runs and its speed
+# against variant 0, of the minima and of the medians.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 # shellcheck source=scripts/lib/gpu.sh
@@ -20,6 +23,10 @@ out="${OUT:?set OUT}"
 macro="${MACRO:-}"
 read -r -a specs <<< "${VARIANTS:?set VARIANTS}"
 rounds="${ROUNDS:-2}"
+read -r -a pads <<< "${PADS:-0}"
+for pad in "${pads[@]}"; do
+  [[ "$pad" =~ ^[0-9]+$ ]] || { echo "error: PADS holds '$pad', not a whole number of MiB" >&2; exit 1; }
+done
 formats="${FORMATS:-tq-4bit-nc,tq-k3v4-nc,tq-3bit-nc,tq-4bit,tq-3.5bit,tq-3bit}"
 read -r -a tests <<< "${TESTS:-}"
 work="${WORK:-/tmp/kvq-variants}"  # scratch: the tree copy, the builds, the binaries
@@ -93,12 +100,19 @@ printf '0\t(tree)\n' > "$out/variants.txt"
 for k in $(seq 1 "$n"); do printf '%d\t%s\n' "$k" "${labels[k-1]}" >> "$out/variants.txt"; done
 all="0 $(seq -s ' ' 1 "$n")"
 rev=$(echo "$all" | tr ' ' '\n' | tac | tr '\n' ' ')
+# A run is a (round, pad) pair, numbered from 1 in that order: the files' r<run>; runs.txt says each run's pad.
+printf 'run\tround\tpad_mib\n' > "$out/runs.txt"
+run=0
 for r in $(seq 1 "$rounds"); do
-  order="$all"
-  [ $(( r % 2 )) = 0 ] && order="$rev"
-  for k in $order; do
-    "$work/kvq_$k" bench decode --formats "$formats" --batch "${BATCH:-8}" --context "${CONTEXT:-16384,65536}" \
-      --reps "${REPS:-30}" --store-tokens 1024 --json > "$out/r${r}_k$k.json"
+  for pad in "${pads[@]}"; do
+    run=$(( run + 1 ))
+    printf '%d\t%d\t%d\n' "$run" "$r" "$pad" >> "$out/runs.txt"
+    order="$all"
+    [ $(( run % 2 )) = 0 ] && order="$rev"
+    for k in $order; do
+      "$work/kvq_$k" bench decode --formats "$formats" --batch "${BATCH:-8}" --context "${CONTEXT:-16384,65536}" \
+        --reps "${REPS:-30}" --store-tokens 1024 --arena-pad "$pad" --json > "$out/r${run}_k$k.json"
+    done
   done
   echo "round $r: $(( $(date +%s) - t0 )) s"
 done

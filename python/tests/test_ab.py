@@ -178,13 +178,15 @@ def test_variants_table_of_a_variants_sh_directory(tmp_path):
     assert others == [4, 8]
     by = {k[1]: (m0, vs) for k, m0, vs in rows}
     assert by["tq-4bit-nc"][0] == 48.0 and by["tq-3bit"][0] == 30.0
-    (m4, r4), (m8, r8) = by["tq-4bit-nc"][1]
+    (m4, r4, q4), (m8, r8, q8) = by["tq-4bit-nc"][1]
     assert m4 == 40.0 and r4 == pytest.approx(48.0 / 40.0) and m8 == 55.0 and r8 == pytest.approx(48.0 / 55.0)
-    assert by["tq-3bit"][1][1] == (20.0, pytest.approx(1.5))
+    # The medians' speed: 0's median (49.0) over the variant's (40.5; 57.5).
+    assert q4 == pytest.approx(49.0 / 40.5) and q8 == pytest.approx(49.0 / 57.5)
+    assert by["tq-3bit"][1][1] == (20.0, pytest.approx(1.5), pytest.approx(30.5 / 22.5))
     out = io.StringIO()
     ab.variants_report(others, rows, out)
     text = out.getvalue()
-    assert "tq-4bit-nc B=8 N=16384 32/8 d128" in text and "40.0 (1.200)" in text and "55.0 (0.873)" in text
+    assert "tq-4bit-nc B=8 N=16384 32/8 d128" in text and "40.0 (1.200, 1.210)" in text and "55.0 (0.873, 0.852)" in text
     # Columns named by variants.txt where variants.sh wrote one.
     assert ab.variant_legend(str(tmp_path)) == {}
     (tmp_path / "variants.txt").write_text("0\t(tree)\n4\tKVQ_ABLATE=4\n8\tKVQ_ABLATE=8,KVQ_FAST_PF=1\n")
@@ -193,7 +195,7 @@ def test_variants_table_of_a_variants_sh_directory(tmp_path):
     out = io.StringIO()
     ab.variants_report(others, rows, out, legend)
     head = out.getvalue().splitlines()[0]
-    assert "KVQ_ABLATE=4 us (speed)" in head and "KVQ_ABLATE=8,KVQ_FAST_PF=1 us (speed)" in head
+    assert "KVQ_ABLATE=4 us (speed, of medians)" in head and "KVQ_ABLATE=8,KVQ_FAST_PF=1 us (speed, of medians)" in head
     # The command line: the table, or an error and status 1.
     assert ab.main(["--variants", str(tmp_path)]) == 0
 
@@ -232,9 +234,9 @@ def kill_session(sid):
 
 def test_variants_script_refuses_bad_variants_before_building(tmp_path):
     # bench/gpu/variants.sh checks every variant's flags (NAME=INTEGER, NAME in decode_fast.cuh, a plain value only
-    # with MACRO) and TESTS before it copies the tree or builds anything.
+    # with MACRO), TESTS and PADS before it copies the tree or builds anything.
     def run(**env):
-        e = {k: v for k, v in os.environ.items() if k not in ("MACRO", "VARIANTS", "TESTS")}
+        e = {k: v for k, v in os.environ.items() if k not in ("MACRO", "VARIANTS", "TESTS", "PADS")}
         e.update(OUT=str(tmp_path / "out"), WORK=str(tmp_path / "work"), **env)
         # Its own session, so that a refusal that broke (the script going on to build) is stopped whole at the
         # timeout and fails the test: every process of the session, since ninja puts each command in a process
@@ -253,7 +255,8 @@ def test_variants_script_refuses_bad_variants_before_building(tmp_path):
              ({"VARIANTS": "KVQ_FAST_BULK=x"}, "is not NAME=INTEGER"),
              ({"VARIANTS": "KVQ_FAST_BULK=0,1"}, "is not NAME=INTEGER"),
              ({"VARIANTS": "KVQ_FAST_BULK=0", "TESTS": "KVQ_FAST_BULK=1"}, "not in VARIANTS"),
-             ({"MACRO": "KVQ_FAST_BULK", "VARIANTS": "0", "TESTS": "1"}, "not in VARIANTS")]
+             ({"MACRO": "KVQ_FAST_BULK", "VARIANTS": "0", "TESTS": "1"}, "not in VARIANTS"),
+             ({"VARIANTS": "KVQ_FAST_BULK=0", "PADS": "0 64M"}, "PADS holds '64M', not a whole number of MiB")]
     for env, msg in cases:
         r = run(**env)
         assert r.returncode == 1 and msg in r.stderr, (env, r.stderr)

@@ -16,6 +16,7 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <string>
@@ -39,6 +40,7 @@ struct BenchOptions {
   std::string batches = "8,32", contexts = "4096,16384,65536";
   std::string formats = "bf16,tq-k8v4,tq-4bit-nc,tq-k3v4-nc,tq-3bit-nc,tq-4bit,tq-3.5bit,tq-3bit";
   int q_heads = 32, kv_heads = 8, head_dim = 128, reps = 60, warmup = 5, store_tokens = 0, splits = 0, gap_ms = 0;
+  int arena_pad_mib = 0;  // device memory allocated before the arena: moves the pools' physical placement
   unsigned seed = 7;  // page order and query of each (batch, context): the same for every format
   bool json = false, centered = false, no_cluster_merge = false, eight_heads = false, step = false;
   std::string pages = "random";  // page order in the pool
@@ -112,6 +114,10 @@ void run_decode_bench(const BenchOptions& o) {
         arena_bytes = std::max(arena_bytes, pool_bytes * copies);
       }
   }
+  // --arena-pad: an allocation held before the arena, so that a run can place the pools elsewhere in physical memory
+  // (the same code reads at different speeds from different placements: bench/gpu/variants.sh's PADS).
+  std::optional<DevBuf> pad;  // none at 0: the default run allocates as before the option existed
+  if (o.arena_pad_mib > 0) pad.emplace(static_cast<std::size_t>(o.arena_pad_mib) << 20);
   DevBuf arena(arena_bytes);
   // --step: a decode step (the store of each sequence's newest token, then the decode) timed on its own stream,
   // flushed on that stream; a blocking stream, so it is ordered with the legacy stream's work too.
@@ -318,7 +324,8 @@ void run_decode_bench(const BenchOptions& o) {
   nlohmann::json res = {{"gpu", prop.name},     {"copy_gbps", copy_gbps}, {"commit", o.commit},
                         {"command", o.command}, {"sms", prop.multiProcessorCount}, {"l2_bytes", l2},
                         {"peers", peer_info},   {"rows", rows},           {"store", store_rows},
-                        {"flush", flush.mode()}, {"pages", o.pages}, {"seed", o.seed}, {"gap_ms", o.gap_ms}};
+                        {"flush", flush.mode()}, {"pages", o.pages}, {"seed", o.seed}, {"gap_ms", o.gap_ms},
+                        {"arena_pad_mib", o.arena_pad_mib}};
   if (o.json) {
     fmt::print("{}\n", res.dump(1));
   } else {
@@ -356,6 +363,9 @@ void register_bench(CLI::App& app) {
                   "left (bench/gpu/peers.py takes the same option)")
       ->check(CLI::Range(0, 10000));
   dec->add_option("--seed", o->seed, "seed of each shape's page order and query (with batch and context)");
+  dec->add_option("--arena-pad", o->arena_pad_mib,
+                  "MiB of device memory allocated before the rows' arena, to measure a row at another physical placement")
+      ->check(CLI::Range(0, 1 << 16));
   dec->add_option("--splits", o->splits, "splits per sequence and KV head (0: the launcher's choice)")
       ->check(CLI::Range(0, 256));
   dec->add_flag("--json", o->json, "print one JSON object");
