@@ -59,9 +59,16 @@ def main():
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--vllm-splits", type=int, default=32)
+    ap.add_argument("--arena-pad", type=int, default=0,
+                    help="MiB held on the device before every row's tensors, as `kvq bench decode --arena-pad`: the "
+                         "same rows at another physical placement")
     args, _ = ap.parse_known_args()
+    if not 0 <= args.arena_pad <= 1 << 16:
+        ap.error(f"--arena-pad {args.arena_pad}: from 0 to 65536 MiB")
     dev = torch.device("cuda")
     flush, l2 = flush_buffer(dev)
+    # Held until main returns: every row's tensors are allocated after it (none at 0, as before the option).
+    pad = torch.empty(args.arena_pad << 20, dtype=torch.uint8, device=dev) if args.arena_pad > 0 else None  # noqa: F841
     versions = {"torch": torch.__version__, "vllm_triton": None}
     try:
         from vllm.v1.attention.ops import triton_turboquant_decode as tqd  # noqa: PLC0415
@@ -112,7 +119,8 @@ def main():
                         print(f"vllm {name} failed: {e!r}", file=sys.stderr)
                 rows.append({"impl": "vllm_triton", "format": name, "batch": B, "context": C, "us": us})
                 print(f"vllm_triton {name} B={B} C={C}: {us} us", file=sys.stderr)
-    print(json.dumps({"versions": versions, "flush": args.flush, "gap_ms": args.gap_ms, "rows": rows}, indent=1))
+    print(json.dumps({"versions": versions, "flush": args.flush, "gap_ms": args.gap_ms, "arena_pad_mib": args.arena_pad,
+                      "rows": rows}, indent=1))
 
 
 def run_vllm(tqd, name, kb, vb, nc, B, C, Hq, Hk, D, l2, flush, args, dev):

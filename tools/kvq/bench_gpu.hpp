@@ -116,7 +116,10 @@ double time_us(cudaStream_t stream, const L2Flush& flush, int warmup, int reps, 
 // A peers file (bench/gpu/peers.py, peers_mla.py) timed another way than this run is not comparable: refuses one whose
 // L2 flush (files without the key predate the option and used the memset) or idle gap before each series (files
 // without the key had none) differs.
-inline void check_peers_method(const nlohmann::json& pj, const std::string& path, const std::string& flush, int gap_ms) {
+// The peers file must come from the same method: flush, idle gap and (for `kvq bench decode --arena-pad`) the pad
+// allocated before the inputs. Files without a key were measured without that option.
+inline void check_peers_method(const nlohmann::json& pj, const std::string& path, const std::string& flush, int gap_ms,
+                               int arena_pad_mib = 0) {
   const std::string peer_flush = pj.value("flush", std::string("write"));
   if (peer_flush != flush)
     fail("peers file '" + path + "' was measured with --flush " + peer_flush + ", this run uses --flush " + flush);
@@ -124,6 +127,10 @@ inline void check_peers_method(const nlohmann::json& pj, const std::string& path
   if (peer_gap != gap_ms)
     fail("peers file '" + path + "' was measured with --gap-ms " + std::to_string(peer_gap) + ", this run uses --gap-ms " +
          std::to_string(gap_ms));
+  const int peer_pad = pj.value("arena_pad_mib", 0);
+  if (peer_pad != arena_pad_mib)
+    fail("peers file '" + path + "' was measured with --arena-pad " + std::to_string(peer_pad) +
+         ", this run uses --arena-pad " + std::to_string(arena_pad_mib));
 }
 
 // Copy bandwidth as docs/kernels.md defines it: (read + written) / time of a 4 GiB

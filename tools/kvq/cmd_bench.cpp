@@ -74,7 +74,7 @@ void run_decode_bench(const BenchOptions& o) {
     if (!in) fail("cannot open peers file '" + o.peers + "'");
     nlohmann::json pj = nlohmann::json::parse(in);
     peer_info = pj.value("versions", nlohmann::json::object());
-    gpu::check_peers_method(pj, o.peers, o.flush, o.gap_ms);
+    gpu::check_peers_method(pj, o.peers, o.flush, o.gap_ms, o.arena_pad_mib);
     for (const auto& r : pj["rows"]) {
       if (r["us"].is_null()) continue;
       std::string impl = r["impl"].get<std::string>();
