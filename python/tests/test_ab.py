@@ -113,6 +113,11 @@ def test_script_refuses_missing_empty_and_foreign_patches(tmp_path):
     assert r.returncode == 2 and "--bench takes decode or mla" in r.stderr
     r = _script(tmp_path, str(bad), "--rounds")
     assert r.returncode == 2 and "--rounds needs a positive integer" in r.stderr
+    for args, msg in ((("--pads", "0 1G"), "whole numbers of MiB"), (("--pads", ""), "whole numbers of MiB"),
+                      (("--bench", "mla", "--pads", "0 16"), "--pads is for --bench decode"),
+                      (("--arena-pad", "16"), "not --arena-pad")):
+        r = _script(tmp_path, str(bad), *args)
+        assert r.returncode == 2 and msg in r.stderr, (args, r.stderr)
     r = _script(tmp_path, str(bad))
     assert r.returncode == 1 and "does not apply" in r.stderr
     assert not (tmp_path / "ab" / "build-a").exists()
@@ -157,6 +162,15 @@ def test_reuse_runs_the_builds_of_the_same_patch_and_rebuilds_for_another(tmp_pa
         calls = (ab_dir / f"args-{side}").read_text().splitlines()
         assert len(calls) == 2 and all("--q-heads 64" in c and "--json" in c for c in calls)
     assert not (ab_dir / "a").exists()  # no tree was copied
+    # --pads: two rounds per pad (each side first once), the pad passed to both sides.
+    for side in "ab":
+        (ab_dir / f"args-{side}").unlink()
+    r = _script(tmp_path, str(patch), "--reuse", "--rounds", "6", "--pads", "0 16 1024", "--formats", "tq-4bit")
+    assert r.returncode == 0, r.stderr
+    assert "6 rounds; arena pads 0 16 1024 MiB" in r.stdout
+    for side in "ab":
+        calls = (ab_dir / f"args-{side}").read_text().splitlines()
+        assert [c.split("--arena-pad ")[1].split()[0] for c in calls] == ["0", "0", "16", "16", "1024", "1024"]
     other = tmp_path / "y.patch"
     other.write_text(patch.read_text().replace("+y", "+z"))
     r = _script(tmp_path, str(other), "--reuse")
