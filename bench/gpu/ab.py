@@ -14,8 +14,7 @@ With --variants, DIR is the output of bench/gpu/variants.sh (files r<run>_k<vari
 (the tree's) minimum over the runs, then each other variant's minimum and its speed against variant 0 (0's minimum
 over its minimum, then 0's median over its median: with runs at several arena pads, the median speaks for the
 placements, the minimum for the luckiest), with the same checks; each variant needs the same runs as variant 0.
-Columns are named by
-DIR/variants.txt (lines "i<TAB>flags", which variants.sh writes) where it exists.
+Columns are named by DIR/variants.txt (lines "i<TAB>flags", which variants.sh writes) where it exists.
 """
 
 import argparse

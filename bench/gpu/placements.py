@@ -10,9 +10,9 @@ decode-gqa-early-rows-2026-12-06.md), so one placement is one sample. Per row (f
 head_dim) the merged `us` is the median over the runs, `us_placements` lists every run's time in run order, `gbps`
 is recomputed from the row's bytes, and the speedups are the peers' median times over the row's median (the
 peers, rows `peer:...`, are merged the same way). Store rows likewise (`us`, `gbps`, `fraction_of_copy` against the
-median copy bandwidth). `placements` lists each run's arena_pad_mib. Every run must have the same GPU, commit,
-flush, gap and rows, each with a positive finite time (a null time stays null only where it is null in every run);
-anything else is refused with a message and status 1. Standard library only; an odd number of runs keeps every
+median copy bandwidth). `placements` lists each run's arena_pad_mib and command. Every run must have the same GPU,
+commit, flush, gap and rows, each with a positive finite time (a null time stays null only where it is null in every
+run); anything else is refused with a message and status 1. Standard library only; an odd number of runs keeps every
 median a measured time.
 """
 
@@ -73,7 +73,7 @@ def merge(runs, paths):
     out = {k: v for k, v in first.items() if k not in ("rows", "store")}
     out["copy_gbps"] = median(copies)
     out["copy_gbps_placements"] = copies
-    out["placements"] = [{"arena_pad_mib": p} for p in pads]
+    out["placements"] = [{"arena_pad_mib": p, "command": r.get("command")} for p, r in zip(pads, runs)]
     out["arena_pad_mib"] = None  # several: see placements
     peers = {}
     for x in first["rows"]:
