@@ -176,7 +176,7 @@ print(json.dumps(g))
     # Refusals before anything runs.
     (tmp_path / "calls.txt").unlink()
     for pads, args, msg in (("0 16", ("--arena-pad", "4"), "do not pass it too"), ("16", (), "at least two pads"),
-                            ("0 1G", (), "not a whole number")):
+                            ("0 1G", (), "not a whole number"), ("0 16 016", (), "repeats a pad")):
         r = bench("bad", *args, KVQ_PADS=pads)
         assert r.returncode == 1 and msg in r.stderr, (pads, r.stderr)
     assert not (tmp_path / "calls.txt").exists()
