@@ -165,7 +165,7 @@ def test_reuse_runs_the_builds_of_the_same_patch_and_rebuilds_for_another(tmp_pa
     # --pads: two rounds per pad (each side first once), the pad passed to both sides.
     for side in "ab":
         (ab_dir / f"args-{side}").unlink()
-    r = _script(tmp_path, str(patch), "--reuse", "--rounds", "6", "--pads", "0 16 1024", "--formats", "tq-4bit")
+    r = _script(tmp_path, str(patch), "--reuse", "--rounds", "6", "--pads", "0 016 1024", "--formats", "tq-4bit")
     assert r.returncode == 0, r.stderr
     assert "6 rounds; arena pads 0 16 1024 MiB" in r.stdout
     for side in "ab":

@@ -154,7 +154,8 @@ print(json.dumps(g))
         e = dict(env, KVQ_BENCH_OUT=str(tmp_path / out), **extra)
         return subprocess.run(["bash", str(root / "scripts/gpu-bench"), *args], env=e, capture_output=True, text=True,
                               timeout=120)
-    r = bench("merged", "--batch", "8", KVQ_PADS="0 16 1024")
+    # "016" is 16: the driver passes pads in decimal (kvq's option parser would read a leading 0 as octal).
+    r = bench("merged", "--batch", "8", KVQ_PADS="0 016 1024")
     assert r.returncode == 0, r.stderr
     merged = json.loads((tmp_path / "merged" / "decode-gqa.json").read_text())
     t = {x["format"]: x for x in merged["rows"]}["tq-4bit-nc"]
