@@ -24,10 +24,8 @@ macro="${MACRO:-}"
 read -r -a specs <<< "${VARIANTS:?set VARIANTS}"
 rounds="${ROUNDS:-2}"
 read -r -a pads <<< "${PADS:-0}"
-for i in "${!pads[@]}"; do
-  [[ "${pads[i]}" =~ ^[0-9]{1,9}$ ]] || { echo "error: PADS holds '${pads[i]}', not a whole number of MiB" >&2; exit 1; }
-  pads[i]=$(( 10#${pads[i]} ))  # decimal: kvq's option parser reads a leading 0 as octal
-done
+kvq_arena_pads PADS "${pads[@]}" || exit 1
+pads=("${kvq_pads[@]}")
 formats="${FORMATS:-tq-4bit-nc,tq-k3v4-nc,tq-3bit-nc,tq-4bit,tq-3.5bit,tq-3bit}"
 read -r -a tests <<< "${TESTS:-}"
 work="${WORK:-/tmp/kvq-variants}"  # scratch: the tree copy, the builds, the binaries

@@ -113,7 +113,8 @@ def test_script_refuses_missing_empty_and_foreign_patches(tmp_path):
     assert r.returncode == 2 and "--bench takes decode or mla" in r.stderr
     r = _script(tmp_path, str(bad), "--rounds")
     assert r.returncode == 2 and "--rounds needs a positive integer" in r.stderr
-    for args, msg in ((("--pads", "0 1G"), "whole numbers of MiB"), (("--pads", ""), "whole numbers of MiB"),
+    for args, msg in ((("--pads", "0 1G"), "--pads holds '1G', not a whole number of MiB"),
+                      (("--pads", ""), "--pads holds '', not a whole number of MiB"),
                       (("--bench", "mla", "--pads", "0 16"), "--pads is for --bench decode"),
                       (("--arena-pad", "16"), "not --arena-pad")):
         r = _script(tmp_path, str(bad), *args)

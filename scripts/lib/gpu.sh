@@ -27,6 +27,20 @@ kvq_copy_tree() {
   if [ -d "$root/.deps" ]; then cp -r "$root/.deps" "$dest/"; fi
 }
 
+# kvq_arena_pads WHAT P...: the arena pads P (MiB, `kvq bench decode --arena-pad`) in decimal in the array
+# kvq_pads: kvq's option parser (CLI11) reads a leading 0 as octal (016 is 14), Python's int() does not, so the
+# scripts pass every pad in decimal. Returns 1 with a message naming WHAT (the variable or option that gave them)
+# for one that is not a whole number.
+kvq_arena_pads() {
+  local what=$1 p
+  shift
+  kvq_pads=()
+  for p in "$@"; do
+    [[ "$p" =~ ^[0-9]{1,9}$ ]] || { echo "error: $what holds '$p', not a whole number of MiB" >&2; return 1; }
+    kvq_pads+=("$(( 10#$p ))")
+  done
+}
+
 # kvq_ab_order ROUND: the order in which scripts/gpu-ab runs its two builds in round ROUND (1-based): "a b" in odd
 # rounds, "b a" in even ones, so that an effect of the position within a round (clocks, a drift over the call) falls
 # on A and B alike over an even number of rounds instead of always on the same side.
