@@ -75,14 +75,11 @@ def merge(runs, paths):
     out["copy_gbps_placements"] = copies
     out["placements"] = [{"arena_pad_mib": p, "command": r.get("command")} for p, r in zip(pads, runs)]
     out["arena_pad_mib"] = None  # several: see placements
-    peers = {}
-    for x in first["rows"]:
-        if x["format"].startswith("peer:"):
-            peers[(x["format"][5:], x["batch"], x["context"])] = _merge_times(runs, _key(x, _ROW_KEY), _ROW_KEY,
-                                                                               "rows", paths)[0]
+    times = [_merge_times(runs, _key(x, _ROW_KEY), _ROW_KEY, "rows", paths) for x in first["rows"]]
+    peers = {(x["format"][5:], x["batch"], x["context"]): m
+             for x, (m, _) in zip(first["rows"], times) if x["format"].startswith("peer:")}
     rows = []
-    for x in first["rows"]:
-        m, ts = _merge_times(runs, _key(x, _ROW_KEY), _ROW_KEY, "rows", paths)
+    for x, (m, ts) in zip(first["rows"], times):
         row = dict(x)
         row["us"], row["us_placements"] = m, ts
         for k in ("t_start", "t_end", "step_us", "step_programmatic_us"):

@@ -114,10 +114,8 @@ double time_us(cudaStream_t stream, const L2Flush& flush, int warmup, int reps, 
 }
 
 // A peers file (bench/gpu/peers.py, peers_mla.py) timed another way than this run is not comparable: refuses one whose
-// L2 flush (files without the key predate the option and used the memset) or idle gap before each series (files
-// without the key had none) differs.
-// The peers file must come from the same method: flush, idle gap and (for `kvq bench decode --arena-pad`) the pad
-// allocated before the inputs. Files without a key were measured without that option.
+// L2 flush (files without the key predate the option and used the memset), idle gap before each series (files
+// without the key had none) or arena pad (`kvq bench decode --arena-pad`; files without the key had none) differs.
 inline void check_peers_method(const nlohmann::json& pj, const std::string& path, const std::string& flush, int gap_ms,
                                int arena_pad_mib = 0) {
   const std::string peer_flush = pj.value("flush", std::string("write"));
