@@ -154,7 +154,7 @@ print(json.dumps(g))
         e = dict(env, KVQ_BENCH_OUT=str(tmp_path / out), **extra)
         return subprocess.run(["bash", str(root / "scripts/gpu-bench"), *args], env=e, capture_output=True, text=True,
                               timeout=120)
-    # "016" is 16: the driver passes pads in decimal (kvq's option parser would read a leading 0 as octal).
+    # "016" is 16: the driver passes pads without leading zeros, one directory per pad.
     r = bench("merged", "--batch", "8", KVQ_PADS="0 016 1024")
     assert r.returncode == 0, r.stderr
     merged = json.loads((tmp_path / "merged" / "decode-gqa.json").read_text())

@@ -239,6 +239,24 @@ TEST_F(Cli, BenchCommandsRegistered) {
   }
 }
 
+// Integer options read decimal only (decimal_integer_options in tools/kvq/command.cpp): CLI11 alone takes "0100" as
+// octal 64, fails on "0128", and takes "0x80" as 128.
+TEST_F(Cli, IntegerOptionsAreDecimal) {
+  for (const char* d : {"0100", "+0100", "100"}) {
+    const Result r = kvq({"codebook", "--dim", d, "--bits", "2"});
+    EXPECT_TRUE(r.exited && r.code == 0) << r.out;
+    EXPECT_NE(r.out.find("d = 100\n"), std::string::npos) << d << ":\n" << r.out;
+  }
+  const Result r = kvq({"codebook", "--dim", "0128", "--bits", "2"});
+  EXPECT_TRUE(r.exited && r.code == 0) << r.out;
+  EXPECT_NE(r.out.find("d = 128\n"), std::string::npos) << r.out;
+  expect_refused(kvq({"codebook", "--dim", "0x80"}), "--dim: must be a decimal integer, got '0x80'", 105);
+  // An option with a range check, and the bench commands (their checks run before any device call).
+  expect_refused(kvq({"distortion", "--trials", "0b11"}), "must be a decimal integer", 105);
+  expect_refused(kvq({"bench", "decode", "--reps", "0X10"}), "must be a decimal integer", 105);
+  expect_refused(kvq({"bench", "decode", "--reps", "000"}), "not in range", 105);
+}
+
 TEST_F(Cli, ExhaustedPagePool) {
   const std::string good = model_copy("tiny-gqa", "pool").string(), text = (base / "text.txt").string();
   // 1 MiB holds 15 blocks of 64 tokens of every layer (tq-4bit-nc, a format without calibration); a

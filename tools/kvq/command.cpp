@@ -52,6 +52,26 @@ CLI::Validator bound_check(double lo, bool strict) {
 CLI::Validator at_least(double lo) { return bound_check(lo, false); }
 CLI::Validator greater_than(double lo) { return bound_check(lo, true); }
 
+void decimal_integer_options(CLI::App& app) {
+  const CLI::Validator decimal(
+      [](std::string& in) -> std::string {
+        std::size_t i = in.size() > 0 && (in[0] == '+' || in[0] == '-') ? 1 : 0;
+        if (in.size() >= i + 2 && in[i] == '0' && std::string("xXbBoO").find(in[i + 1]) != std::string::npos)
+          return "must be a decimal integer, got '" + in + "'";
+        std::size_t z = i;
+        while (z + 1 < in.size() && in[z] == '0') ++z;  // keep one digit: "000" -> "0"
+        if (z > i && in.find_first_not_of("0123456789", z) == std::string::npos) in.erase(i, z - i);
+        return {};
+      },
+      "");
+  for (CLI::Option* o : app.get_options()) {
+    const std::string t = o->get_type_name();  // "INT", or "INT:" and its checks' descriptions
+    const std::string base = t.substr(0, t.find(':'));
+    if (base == "INT" || base == "UINT") o->transform(decimal);
+  }
+  for (CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; })) decimal_integer_options(*sub);
+}
+
 void make_report_dir(const std::string& dir) {
   namespace fs = std::filesystem;
   std::error_code ec;
