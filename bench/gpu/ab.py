@@ -8,7 +8,8 @@ Per decode row (format, batch, context, and where the run has them the query / K
 policy) and per store row (format, tokens, KV heads, head_dim):
 A's times and B's times in ascending order, and B's speed against A as A's time over B's, of the
 minima and of the medians (above 1: B is faster). Every run must hold the same rows; a row with a
-time that is not a positive finite number is refused. Standard library only.
+time that is not a positive finite number is refused. Where the runs record GPU UUIDs (gpu_uuid) and more than one
+appears, a note above the table says so. Standard library only.
 
 With --variants, DIR is the output of bench/gpu/variants.sh (files r<run>_k<variant>.json): per row, variant 0's
 (the tree's) minimum over the runs, then each other variant's minimum and its speed against variant 0 (0's minimum
@@ -58,6 +59,24 @@ def load(path):
     return out
 
 
+def host_note(paths_a, paths_b):
+    """A line saying that the runs come from more than one GPU (by the gpu_uuid that kvq bench records), or None. The
+    same build runs a few percent apart on two hosts (bench/results/decode-gqa-h100-placements-2026-12-06.md), so such
+    an A/B measures the hosts too."""
+    def uuids(paths):
+        out = set()
+        for p in paths:
+            with open(p) as f:
+                u = json.load(f).get("gpu_uuid")
+            if u is not None:
+                out.add(u)
+        return out
+    a, b = uuids(paths_a), uuids(paths_b)
+    if len(a | b) <= 1:
+        return None
+    return f"note: the runs come from more than one GPU (A: {', '.join(sorted(a)) or '-'}; B: {', '.join(sorted(b)) or '-'})"
+
+
 def compare(runs_a, runs_b):
     """Rows [(key, a times sorted, b times sorted, min ratio, median ratio)] in the first run's order."""
     if not runs_a or not runs_b:
@@ -101,7 +120,8 @@ def label(k):
     return out
 
 
-def report(rows, out=sys.stdout):
+def report(rows, out=None):
+    out = sys.stdout if out is None else out
     w = max(len(label(k)) for k, *_ in rows)
     print(f"{'row':<{w}}  {'A us':<24}  {'B us':<24}  B speed (min, median)", file=out)
     for k, a, b, rmin, rmed in rows:
@@ -155,7 +175,8 @@ def variant_legend(directory):
     return legend
 
 
-def variants_report(others, rows, out=sys.stdout, legend=None):
+def variants_report(others, rows, out=None, legend=None):
+    out = sys.stdout if out is None else out
     legend = legend or {}
     w = max(len(label(k)) for k, *_ in rows)
     heads = [f"{legend.get(v, v)} us (speed, of medians)" for v in others]
@@ -185,9 +206,12 @@ def main(argv=None):
         ap.error("--a and --b are required (or --variants DIR)")
     try:
         rows = compare([load(p) for p in args.a], [load(p) for p in args.b])
+        note = host_note(args.a, args.b)
     except (OSError, ValueError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    if note:
+        print(note)
     report(rows)
     return 0
 

@@ -20,13 +20,16 @@ ab = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(ab)
 
 
-def run_json(path, decode_us, store_us=None):
+def run_json(path, decode_us, store_us=None, uuid=None):
     """A `kvq bench decode --json` file with the given times per format (batch 8, 16K, 32 / 8 heads, d128)."""
     rows = [{"format": f, "batch": 8, "context": 16384, "q_heads": 32, "kv_heads": 8, "head_dim": 128, "us": us,
              "gbps": 1.0, "splits": 2} for f, us in decode_us.items()]
     store = [{"format": f, "tokens": 1024, "kv_heads": 8, "head_dim": 128, "us": us} for f, us in (store_us or {}).items()]
     with open(path, "w") as fh:
-        json.dump({"gpu": "test", "commit": "x", "copy_gbps": 1.0, "rows": rows, "store": store}, fh)
+        doc = {"gpu": "test", "commit": "x", "copy_gbps": 1.0, "rows": rows, "store": store}
+        if uuid is not None:
+            doc["gpu_uuid"] = uuid
+        json.dump(doc, fh)
     return str(path)
 
 
@@ -49,6 +52,20 @@ def test_ratios_of_minima_and_medians(tmp_path):
     text = out.getvalue()
     assert "tq-4bit-nc B=8 N=16384 32/8 d128" in text and "1.053  1.154" in text
     assert "store tq-4bit-nc 1024x8 d128" in text
+
+
+def test_note_when_the_runs_come_from_several_gpus(tmp_path, capsys):
+    same = [run_json(tmp_path / f"s{i}.json", {"tq-4bit-nc": 40.0}, uuid="GPU-a") for i in range(2)]
+    assert ab.host_note(same[:1], same[1:]) is None
+    old = run_json(tmp_path / "old.json", {"tq-4bit-nc": 40.0})  # no UUID recorded
+    assert ab.host_note([old], same[:1]) is None
+    other = run_json(tmp_path / "o.json", {"tq-4bit-nc": 39.0}, uuid="GPU-b")
+    assert ab.host_note(same, [other]) == "note: the runs come from more than one GPU (A: GPU-a; B: GPU-b)"
+    assert ab.main(["--a", *same, "--b", other]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("note: the runs come from more than one GPU") and "tq-4bit-nc" in out
+    assert ab.main(["--a", same[0], "--b", same[1]]) == 0
+    assert "note:" not in capsys.readouterr().out
 
 
 def test_refuses_other_rows_and_bad_times(tmp_path):
