@@ -10,9 +10,8 @@ decode-gqa-early-rows-2026-12-06.md), so one placement is one sample. Per row (f
 head_dim) the merged `us` is the median over the runs, `us_placements` lists every run's time in run order, `gbps`
 is recomputed from the row's bytes, and the speedups are the peers' median times over the row's median (the
 peers, rows `peer:...`, are merged the same way). Store rows likewise (`us`, `gbps`, `fraction_of_copy` against the
-median copy bandwidth; `read_gbps` and each row's `fraction_of_read` likewise, where the runs have them).
-`placements` lists each run's arena_pad_mib and command. Every run must have the same GPU (name, and UUID where
-recorded), commit, flush, gap and rows, each with a positive finite time (a null time stays null only where it is null in every
+median copy bandwidth). `placements` lists each run's arena_pad_mib and command. Every run must have the same GPU
+(name, and UUID and driver where recorded), commit, flush, gap and rows, each with a positive finite time (a null time stays null only where it is null in every
 run); anything else is refused with a message and status 1. Standard library only; an odd number of runs keeps every
 median a measured time.
 """
@@ -74,12 +73,6 @@ def merge(runs, paths):
     out = {k: v for k, v in first.items() if k not in ("rows", "store")}
     out["copy_gbps"] = median(copies)
     out["copy_gbps_placements"] = copies
-    if any("read_gbps" in r for r in runs):  # kvq bench decode measures it since the sixtieth session
-        reads = [_time(r.get("read_gbps"), f"{p}: read_gbps") for r, p in zip(runs, paths)]
-        if any(x is None for x in reads):
-            raise ValueError(f"read_gbps in some runs only ({reads})")
-        out["read_gbps"] = median(reads)
-        out["read_gbps_placements"] = reads
     out["placements"] = [{"arena_pad_mib": p, "command": r.get("command")} for p, r in zip(pads, runs)]
     out["arena_pad_mib"] = None  # several: see placements
     times = [_merge_times(runs, _key(x, _ROW_KEY), _ROW_KEY, "rows", paths) for x in first["rows"]]
@@ -95,8 +88,6 @@ def merge(runs, paths):
             if m is None:
                 raise ValueError(f"row {_key(x, _ROW_KEY)}: no time")
             row["gbps"] = x["bytes"] / (m * 1e3) if x.get("bytes") is not None else None
-            if "fraction_of_read" in x:
-                row["fraction_of_read"] = None if row["gbps"] is None else row["gbps"] / out["read_gbps"]
             flash = peers.get(("sdpa_flash", x["batch"], x["context"]))
             pair = x.get("vllm_pair")
             vllm = peers.get((f"vllm_triton:{pair}", x["batch"], x["context"])) if pair else None

@@ -11,8 +11,7 @@ def fmt(x, spec):
 def main():
     r = json.load(open(sys.argv[1]))
     host = f" ({r['gpu_uuid']})" if r.get("gpu_uuid") else ""
-    read = f"; read bandwidth {r['read_gbps']:.0f} GB/s" if r.get("read_gbps") else ""
-    print(f"GPU: {r['gpu']}{host}; copy bandwidth {r['copy_gbps']:.0f} GB/s{read}; commit {r['commit']}")
+    print(f"GPU: {r['gpu']}{host}; copy bandwidth {r['copy_gbps']:.0f} GB/s; commit {r['commit']}")
     print(f"peers: {json.dumps(r.get('peers'))}")
     print()
     print("| format | batch | context | us | GB/s | % copy | bytes ratio vs bf16 | x bf16 flash | target | x vLLM Triton (preset) |")

@@ -143,20 +143,6 @@ inline double copy_gbps(cudaStream_t stream, const L2Flush& flush) {
   return 2.0 * static_cast<double>(n) / (us * 1e3);
 }
 
-// Read bandwidth: bytes / time of a read-only pass over 4 GiB (the read-only flush kernel: 16-byte loads from every
-// SM), in GB/s. A decode kernel only reads, so this is its ceiling; the copy bandwidth, which turns the bus around
-// between reads and writes, need not follow it: two H100 hosts whose copy bandwidths differ by 0.7% ran a pure-read
-// decode 5% apart (bench/results/decode-gqa-h100-placements-2026-12-06.md).
-inline double read_gbps(cudaStream_t stream, const L2Flush& flush) {
-  const std::size_t n = std::size_t{4} << 30;
-  DevBuf src(n);
-  ok(cudaMemsetAsync(src.p, 1, n, stream), "memset");
-  const double us = time_us(stream, flush, 2, 10, [&](int) {
-    ok(cuda::flush_l2_read(src.as<std::uint8_t>(), n, stream), "read pass");
-  });
-  return static_cast<double>(n) / (us * 1e3);
-}
-
 // The device's UUID as nvidia-smi prints it (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx): the host a result came from,
 // since the same build's times differ between hosts by more than between runs.
 inline std::string gpu_uuid(const cudaDeviceProp& prop) {
@@ -171,12 +157,12 @@ inline std::string gpu_uuid(const cudaDeviceProp& prop) {
   return s;
 }
 
-// What identifies the machine in a result file beside prop.name: the GPU's UUID, the CUDA version the driver
-// supports, and the read bandwidth measured in this run.
-inline nlohmann::json host_fields(const cudaDeviceProp& prop, double read_gbps) {
+// What identifies the machine in a result file beside prop.name: the GPU's UUID and the CUDA version its driver
+// supports.
+inline nlohmann::json host_fields(const cudaDeviceProp& prop) {
   int driver = 0;
   ok(cudaDriverGetVersion(&driver), "cudaDriverGetVersion");
-  return {{"gpu_uuid", gpu_uuid(prop)}, {"cuda_driver", driver}, {"read_gbps", read_gbps}};
+  return {{"gpu_uuid", gpu_uuid(prop)}, {"cuda_driver", driver}};
 }
 
 }  // namespace kvq::cli::gpu

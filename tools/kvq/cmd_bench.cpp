@@ -7,8 +7,8 @@
 // each group merges the splits), warm-up, median of --reps runs, L2 flushed before every run
 // (--flush: a read-only pass by default, bench_gpu.hpp), and enough copies of the cache that the
 // inputs rotated over are >= 4x L2. GB/s counts every byte the format must read
-// (codes, metadata, block tables). copy_gbps: (read + written) / time of a 4 GiB device copy; read_gbps: bytes / time
-// of a read-only pass over 4 GiB, and each row's fraction_of_read against it; gpu_uuid names the host.
+// (codes, metadata, block tables). copy_gbps: (read + written) / time of a 4 GiB device copy; gpu_uuid names the
+// host, cuda_driver the CUDA version its driver supports.
 #include <fmt/core.h>
 
 #include <CLI/CLI.hpp>
@@ -67,7 +67,6 @@ void run_decode_bench(const BenchOptions& o) {
   const L2Flush flush(o.flush, l2, nullptr);
   gpu::series_gap_ms = o.gap_ms;
   const double copy_gbps = gpu::copy_gbps(nullptr, flush);
-  const double read_gbps = gpu::read_gbps(nullptr, flush);
 
   std::map<PeerKey, double> peer_us;
   nlohmann::json peer_info = nullptr;
@@ -285,7 +284,6 @@ void run_decode_bench(const BenchOptions& o) {
                               {"head_dim", o.head_dim},
                               {"us", us},
                               {"gbps", bytes / (us * 1e3)},
-                              {"fraction_of_read", bytes / (us * 1e3) / read_gbps},
                               {"speedup_vs_bf16_flash", flash.is_null() ? nlohmann::json(nullptr) : nlohmann::json(flash.get<double>() / us)},
                               {"speedup_vs_vllm_triton", vllm.is_null() ? nlohmann::json(nullptr) : nlohmann::json(vllm.get<double>() / us)},
                               {"bytes", bytes},
@@ -329,11 +327,11 @@ void run_decode_bench(const BenchOptions& o) {
                         {"peers", peer_info},   {"rows", rows},           {"store", store_rows},
                         {"flush", flush.mode()}, {"pages", o.pages}, {"seed", o.seed}, {"gap_ms", o.gap_ms},
                         {"arena_pad_mib", o.arena_pad_mib}};
-  res.update(gpu::host_fields(prop, read_gbps));
+  res.update(gpu::host_fields(prop));
   if (o.json) {
     fmt::print("{}\n", res.dump(1));
   } else {
-    fmt::print("gpu {} ({})  copy {:.0f} GB/s  read {:.0f} GB/s\n", prop.name, gpu::gpu_uuid(prop), copy_gbps, read_gbps);
+    fmt::print("gpu {} ({})  copy {:.0f} GB/s\n", prop.name, gpu::gpu_uuid(prop), copy_gbps);
     for (const auto& s : store_rows)
       fmt::print("store {:<11} {:8.1f} us {:7.0f} GB/s ({:.0f}% of copy)\n", s["format"].get<std::string>(),
                  s["us"].get<double>(), s["gbps"].get<double>(), 100 * s["fraction_of_copy"].get<double>());

@@ -78,7 +78,6 @@ void run_mla_bench(const MlaBenchOptions& o) {
   const L2Flush flush(o.flush, l2, st);
   gpu::series_gap_ms = o.gap_ms;
   const double copy_gbps = gpu::copy_gbps(st, flush);
-  const double read_gbps = gpu::read_gbps(st, flush);
   const int dc = o.d_latent, dr = o.d_rope, D = dc + dr;
   if (!o.peers.empty() && (dc != 512 || dr != 64)) fail("--peers: FlashMLA's rows are for d_c = 512, d_r = 64 only");
 
@@ -238,7 +237,6 @@ void run_mla_bench(const MlaBenchOptions& o) {
                             {"us", us},
                             {"gbps", bytes / (us * 1e3)},
                             {"fraction_of_copy", bytes / (us * 1e3) / copy_gbps},
-                            {"fraction_of_read", bytes / (us * 1e3) / read_gbps},
                             {"speedup_vs_bf16", sp16},
                             {"speedup_vs_flashmla", spfm},
                             {"bytes", bytes},
@@ -261,7 +259,6 @@ void run_mla_bench(const MlaBenchOptions& o) {
     const auto it = bf16_us.find(k);
     rows.push_back({{"format", "peer:flashmla"}, {"batch", B}, {"context", ctx}, {"heads", H}, {"protect", "none"}, {"us", us},
                     {"gbps", bytes / (us * 1e3)}, {"fraction_of_copy", bytes / (us * 1e3) / copy_gbps},
-                    {"fraction_of_read", bytes / (us * 1e3) / read_gbps},
                     {"speedup_vs_bf16", it == bf16_us.end() ? nlohmann::json(nullptr) : nlohmann::json(it->second / us)},
                     {"speedup_vs_flashmla", 1.0}, {"bytes", bytes}});
   }
@@ -279,11 +276,11 @@ void run_mla_bench(const MlaBenchOptions& o) {
                         {"d_latent", dc},
                         {"d_rope", dr},
                         {"kernel", o.generic || dc != 512 || dr != 64 ? "generic-shape" : "tuned"}};
-  res.update(gpu::host_fields(prop, read_gbps));
+  res.update(gpu::host_fields(prop));
   if (o.json) {
     fmt::print("{}\n", res.dump(1));
   } else {
-    fmt::print("gpu {} ({})  copy {:.0f} GB/s  read {:.0f} GB/s\n", prop.name, gpu::gpu_uuid(prop), copy_gbps, read_gbps);
+    fmt::print("gpu {} ({})  copy {:.0f} GB/s\n", prop.name, gpu::gpu_uuid(prop), copy_gbps);
     for (const auto& s : store_rows)
       fmt::print("writer {:<5} {:8.1f} us {:7.0f} GB/s ({:.0f}% of copy)\n", s["format"].get<std::string>(),
                  s["us"].get<double>(), s["gbps"].get<double>(), 100 * s["fraction_of_copy"].get<double>());
