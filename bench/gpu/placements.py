@@ -11,9 +11,9 @@ head_dim) the merged `us` is the median over the runs, `us_placements` lists eve
 is recomputed from the row's bytes, and the speedups are the peers' median times over the row's median (the
 peers, rows `peer:...`, are merged the same way). Store rows likewise (`us`, `gbps`, `fraction_of_copy` against the
 median copy bandwidth). `placements` lists each run's arena_pad_mib and command. Every run must have the same GPU
-(name, and UUID and driver where recorded), commit, flush, gap and rows, each with a positive finite time (a null time stays null only where it is null in every
-run); anything else is refused with a message and status 1. Standard library only; an odd number of runs keeps every
-median a measured time.
+(name, and UUID and driver where recorded), commit, flush, gap and rows, each with a positive finite time (a null
+time stays null only where it is null in every run); anything else is refused with a message and status 1. Standard
+library only; an odd number of runs keeps every median a measured time.
 """
 
 import json

@@ -28,9 +28,9 @@ kvq_copy_tree() {
 }
 
 # kvq_arena_pads WHAT P...: the arena pads P (MiB, `kvq bench decode --arena-pad`) in decimal in the array
-# kvq_pads, without leading zeros, so that "016" and "16" name one run directory (pad16) and count as a repeated pad
-# (kvq and peers.py both read 016 as 16; kvq read it as octal 14 before its integer options were made decimal). Returns 1 with a message naming WHAT (the variable or option that gave them)
-# for one that is not a whole number.
+# kvq_pads, without leading zeros, so that "016" and "16" name one run directory (pad16) and count as a repeated
+# pad (kvq and peers.py both read 016 as 16; kvq read it as octal 14 before its integer options were made decimal).
+# Returns 1 with a message naming WHAT (the variable or option that gave them) for one that is not a whole number.
 kvq_arena_pads() {
   local what=$1 p
   shift

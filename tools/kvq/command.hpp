@@ -38,8 +38,8 @@ CLI::Validator at_least(double lo);     // value >= lo
 CLI::Validator greater_than(double lo); // value > lo
 
 // Makes every integer option of `app` and its subcommands read decimal only. CLI11 (2.1) converts integers with
-// strtoll(s, 0, 0), so "--reps 050" would mean 40 and "0x10" 16: leading zeros are dropped before the conversion and
-// a base prefix (0x, 0b, 0o) is refused. main() calls it once every command has registered.
+// strtoll in base 0, so "--reps 050" would mean 40 and "0x10" 16: leading zeros are dropped before the conversion
+// and a base prefix (0x, 0b, 0o) is refused. main() calls it once every command has registered.
 void decimal_integer_options(CLI::App& app);
 
 // Creates a report directory (and its parents) and checks that a file can be written in it; the commands
