@@ -42,6 +42,11 @@ def store_key(r):
 
 def load(path):
     """{row key: microseconds} of one run."""
+    return read_run(path)[0]
+
+
+def read_run(path):
+    """({row key: microseconds}, the GPU's UUID or None) of one run: the file read once for both."""
     with open(path) as f:
         d = json.load(f)
     out = {}
@@ -56,22 +61,14 @@ def load(path):
             out[k] = float(us)
     if not out:
         raise ValueError(f"{path}: no rows")
-    return out
+    return out, d.get("gpu_uuid")
 
 
-def host_note(paths_a, paths_b):
-    """A line saying that the runs come from more than one GPU (by the gpu_uuid that kvq bench records), or None. The
-    same build runs a few percent apart on two hosts (bench/results/decode-gqa-h100-placements-2026-12-06.md), so such
-    an A/B measures the hosts too."""
-    def uuids(paths):
-        out = set()
-        for p in paths:
-            with open(p) as f:
-                u = json.load(f).get("gpu_uuid")
-            if u is not None:
-                out.add(u)
-        return out
-    a, b = uuids(paths_a), uuids(paths_b)
+def host_note(uuids_a, uuids_b):
+    """A line saying that the runs come from more than one GPU (by the gpu_uuid that kvq bench records; None where a run
+    has none), or None. The same build runs a few percent apart on two hosts
+    (bench/results/gpu-hosts-h100-2026-12-06.md), so such an A/B measures the hosts too."""
+    a, b = {u for u in uuids_a if u is not None}, {u for u in uuids_b if u is not None}
     if len(a | b) <= 1:
         return None
     return f"note: the runs come from more than one GPU (A: {', '.join(sorted(a)) or '-'}; B: {', '.join(sorted(b)) or '-'})"
@@ -205,8 +202,9 @@ def main(argv=None):
     if not args.a or not args.b:
         ap.error("--a and --b are required (or --variants DIR)")
     try:
-        rows = compare([load(p) for p in args.a], [load(p) for p in args.b])
-        note = host_note(args.a, args.b)
+        runs_a, runs_b = [read_run(p) for p in args.a], [read_run(p) for p in args.b]
+        rows = compare([t for t, _ in runs_a], [t for t, _ in runs_b])
+        note = host_note([u for _, u in runs_a], [u for _, u in runs_b])
     except (OSError, ValueError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -56,11 +56,12 @@ def test_ratios_of_minima_and_medians(tmp_path):
 
 def test_note_when_the_runs_come_from_several_gpus(tmp_path, capsys):
     same = [run_json(tmp_path / f"s{i}.json", {"tq-4bit-nc": 40.0}, uuid="GPU-a") for i in range(2)]
-    assert ab.host_note(same[:1], same[1:]) is None
+    uuid = lambda paths: [ab.read_run(p)[1] for p in paths]  # noqa: E731
+    assert ab.host_note(uuid(same[:1]), uuid(same[1:])) is None
     old = run_json(tmp_path / "old.json", {"tq-4bit-nc": 40.0})  # no UUID recorded
-    assert ab.host_note([old], same[:1]) is None
+    assert ab.host_note(uuid([old]), uuid(same[:1])) is None
     other = run_json(tmp_path / "o.json", {"tq-4bit-nc": 39.0}, uuid="GPU-b")
-    assert ab.host_note(same, [other]) == "note: the runs come from more than one GPU (A: GPU-a; B: GPU-b)"
+    assert ab.host_note(uuid(same), uuid([other])) == "note: the runs come from more than one GPU (A: GPU-a; B: GPU-b)"
     assert ab.main(["--a", *same, "--b", other]) == 0
     out = capsys.readouterr().out
     assert out.startswith("note: the runs come from more than one GPU") and "tq-4bit-nc" in out
