@@ -1183,9 +1183,10 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     // ---- online softmax (log2 domain) of head t4 over the 8 lanes t4, t4 + 4, ... ----
     // The head's maximum moves only when one of its scores exceeds the running one, which gets rarer chunk by chunk
     // (on random rows 1 - (1 - 1/i)^4 in a warp's chunk i for its four heads: 48% of the chunks at 16 per warp, as
-    // measured at 8 x 16K, docs/kernels.md "Open"; a sink token holding the maximum makes it rarer). A vote finds whether any lane has such a score; only then is the maximum reduced over the head's lanes
-    // (three shuffles) and the accumulators rescaled. Otherwise the new maximum is the running one exactly and the
-    // skipped factors would be ex2(0) = 1: the arithmetic of the reduction in every chunk.
+    // measured at 8 x 16K; docs/kernels.md, "Open"; a sink token holding the maximum makes it rarer). A vote finds
+    // whether any lane has such a score; only then is the maximum reduced over the head's lanes (three shuffles) and
+    // the accumulators rescaled. Otherwise the new maximum is the running one exactly and the skipped factors would
+    // be ex2(0) = 1: the arithmetic of the reduction in every chunk.
     float mx = fmaxf(fmaxf(sc[0], sc[1]), fmaxf(sc[2], sc[3]));
     float mx1 = C::kHG8 ? fmaxf(fmaxf(sc1[0], sc1[1]), fmaxf(sc1[2], sc1[3])) : -INFINITY;  // eight heads: head t4 + 4
     float alpha = 1.0f, alpha1 = 1.0f;
