@@ -19,10 +19,11 @@ import argparse
 import collections
 import csv
 import gzip
-import re
+import os
 import sys
 
-OPCODE = re.compile(r"^\s*(?:@!?U?P[T0-9]+\s+)?([A-Z0-9_]+)")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sass_loops import opcode  # noqa: E402  (the mnemonic of a SASS line, predicate and modifiers dropped)
 
 
 def _int(s):
@@ -54,11 +55,6 @@ def read(path):
     if not out:
         raise ValueError(f"{path}: no instructions")
     return out
-
-
-def opcode(src):
-    m = OPCODE.match(src)
-    return m.group(1) if m else "?"
 
 
 def loop_count(ins, min_share=64):

@@ -39,7 +39,7 @@ def kernel_csv(path, loop_len=100, chunks=64, issue=20):
         elif k % 2:
             add("PRMT R64, R60, 0x7604, R95", chunks, 3)
         else:
-            add("LDS R64, [R64]", chunks, 1)
+            add("@!P0  LDS.U16 R64, [R64]", chunks, 1)  # a predicate and modifiers: counted as LDS
     for k in range(10):
         add("BAR.SYNC.DEFER_BLOCKING 0x0", 8, 0, barrier=5)
     text = io.StringIO()
@@ -69,6 +69,7 @@ def test_loop_parts_and_opcodes(tmp_path):
     assert "executed       64:   80 instructions,   80.0 per chunk,   160 samples ( 80.0% of the loop's)" in out
     assert "PRMT            120 ( 60.0%)    40.0" in out
     assert "ELECT            40 ( 20.0%)    17.5" in out
+    assert "LDS              40 ( 20.0%)    40.0" in out
     assert "barrier 5" in out
 
 
