@@ -153,6 +153,37 @@ def test_run_order_alternates_which_side_goes_first():
     assert 'for s in $(kvq_ab_order "$r"); do' in script and "rounds=4" in script
 
 
+def test_tree_commit_marks_a_tree_that_differs_from_its_head(tmp_path):
+    # kvq_tree_commit (scripts/lib/gpu.sh) names the commit of scripts/gpu-bench's results when KVQ_COMMIT is unset:
+    # HEAD, "-dirty" where a tracked file differs from it (a GPU host's copy can carry an older .git than its files),
+    # "unknown" outside a checkout.
+    lib = os.path.join(ROOT, "scripts", "lib", "gpu.sh")
+
+    def tree_commit():
+        return subprocess.run(["bash", "-c", f'. "{lib}"; kvq_tree_commit "{tmp_path}"'], capture_output=True,
+                              text=True, check=True).stdout.strip()
+
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", *args], check=True,
+                       capture_output=True)
+
+    assert tree_commit() == "unknown"
+    git("init", "-q")
+    assert tree_commit() == "unknown"  # no commit yet
+    (tmp_path / "a.txt").write_text("one\n")
+    git("add", "a.txt")
+    git("commit", "-q", "-m", "one")
+    head = subprocess.run(["git", "-C", str(tmp_path), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    assert len(head) == 12 and tree_commit() == head
+    (tmp_path / "new.txt").write_text("untracked\n")  # a file git does not track leaves the mark off
+    assert tree_commit() == head
+    (tmp_path / "a.txt").write_text("two\n")
+    assert tree_commit() == head + "-dirty"
+    git("add", "a.txt")  # staged but not committed: still not HEAD's tree
+    assert tree_commit() == head + "-dirty"
+
+
 def _fake_build(ab_dir, side, us):
     """A stand-in for gpu-ab's build of one side: a `kvq` that prints one decode row's JSON and records its arguments."""
     kvq = ab_dir / f"build-{side}" / "tools" / "kvq" / "kvq"

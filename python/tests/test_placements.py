@@ -192,6 +192,13 @@ print(json.dumps(g))
     r = bench("one", "--batch", "8")
     assert r.returncode == 0, r.stderr
     assert not any("--arena-pad" in c for c in (tmp_path / "calls.txt").read_text().splitlines())
+    # The commit kvq records: the scratch root is no git checkout, so "unknown" unless KVQ_COMMIT names one.
+    kvq_calls = [c for c in (tmp_path / "calls.txt").read_text().splitlines() if "--commit" in c]
+    assert len(kvq_calls) == 1 and "--commit unknown" in kvq_calls[0]
+    (tmp_path / "calls.txt").unlink()
+    r = bench("named", "--batch", "8", KVQ_COMMIT="0123abcd")
+    assert r.returncode == 0, r.stderr
+    assert "--commit 0123abcd " in (tmp_path / "calls.txt").read_text()
     assert json.loads((tmp_path / "one" / "decode-gqa.json").read_text())["rows"][0]["us"] == 40.0
     # Refusals before anything runs.
     (tmp_path / "calls.txt").unlink()

@@ -27,6 +27,17 @@ kvq_copy_tree() {
   if [ -d "$root/.deps" ]; then cp -r "$root/.deps" "$dest/"; fi
 }
 
+# kvq_tree_commit ROOT: the commit a result names when KVQ_COMMIT does not: ROOT's HEAD (12 hex digits), with
+# "-dirty" appended where a tracked file differs from it, or "unknown" outside a git checkout. A GPU host's copy of a
+# working tree can carry an older .git than its files (grid m of 2026-12-06 named fcb4ae3 for a tree of e697774): the
+# mark says so instead of naming the older commit alone.
+kvq_tree_commit() {
+  local root=$1 h
+  h=$(git -C "$root" rev-parse --short=12 HEAD 2>/dev/null) || { echo unknown; return 0; }
+  if ! git -C "$root" diff --quiet HEAD -- 2>/dev/null; then h="$h-dirty"; fi
+  echo "$h"
+}
+
 # kvq_arena_pads WHAT P...: the arena pads P (MiB, `kvq bench decode --arena-pad`) in decimal in the array
 # kvq_pads, without leading zeros, so that "016" and "16" name one run directory (pad16) and count as a repeated
 # pad (kvq and peers.py both read 016 as 16; kvq read it as octal 14 before its integer options were made decimal).
