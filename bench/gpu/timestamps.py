@@ -15,6 +15,8 @@ What the patch records, per CTA (record of 48 64-bit slots, CTA index x + X (y +
   slots 24-39   per warp: chunk 0 landed (tq-3bit and the outlier splits: its key codes and metadata; its values may follow)
   slots 8-23    per warp: main loop ended (all copies waited for)
   slot 3, 4, 5  warps' merge start, warps' merge done, CTA done (split merge included)
+  slots 1, 2    cluster merge (finish_cluster): the first cluster barrier passed, the sends to the other CTAs issued
+  slots 6, 7    the same, in the CTA's first row-owning warp: the other CTAs' rows landed, its rows merged and stored
 Timestamps are kept in registers and stored where the store does not delay the measured work
 (the warps' times after the CTA's merge). Every launch overwrites the records; the buffer of the
 last launch is written to $KVQ_PROBE_OUT (default /tmp/probe.bin) at exit: 3 uint32 grid
@@ -90,6 +92,15 @@ _EDITS = [
      "    if (pb && tt == 0) { pb[PSLOT(3)] = tbar_; pb[PSLOT(4)] = tmw_; pb[PSLOT(5)] = tfin_; }\n"
      "  }\n"
      "}"),
+    ("  __cluster_barrier_wait();  // early: the prologue's arrivals (the partner's buffer and barrier are ready)\n",
+     "  __cluster_barrier_wait();  // early: the prologue's arrivals (the partner's buffer and barrier are ready)\n"
+     "  if (g_probe && tid == 0) g_probe[PSLOT(1)] = gt32_();\n"),
+    ("  __cluster_barrier_arrive_relaxed();\n  if (mine) {\n    wait_cluster_bytes(rbar);\n",
+     "  __cluster_barrier_arrive_relaxed();\n  if (g_probe && tid == 0) g_probe[PSLOT(2)] = gt32_();\n"
+     "  if (mine) {\n    wait_cluster_bytes(rbar);\n    if (g_probe && w == rank && lane == 0) g_probe[PSLOT(6)] = gt32_();\n"),
+    ("  }\n  __cluster_barrier_wait();\n}\n\ntemplate <class C>\n__global__ void __launch_bounds__(C::THREADS, 1)\n",
+     "  }\n  if (g_probe && w == rank && lane == 0) g_probe[PSLOT(7)] = gt32_();\n  __cluster_barrier_wait();\n}\n\n"
+     "template <class C>\n__global__ void __launch_bounds__(C::THREADS, 1)\n"),
     ("  const dim3 grid(static_cast<unsigned>(NS), static_cast<unsigned>(grid_rows(p, a)), static_cast<unsigned>(p.batch));\n",
      "  const dim3 grid(static_cast<unsigned>(NS), static_cast<unsigned>(grid_rows(p, a)), static_cast<unsigned>(p.batch));\n"
      "  if (grid.x * grid.y * grid.z > 8192) return cudaErrorInvalidValue;  // the probe buffer's CTAs\n"
@@ -148,6 +159,9 @@ class Launch:
         self.merge0 = [rel(r, 3, o) for r, o in zip(recs, self.off)]
         self.merge1 = [rel(r, 4, o) for r, o in zip(recs, self.off)]
         self.end = [rel(r, 5, o) for r, o in zip(recs, self.off)]
+        # cluster merge (0 where the launch had none): first barrier passed, sends issued, rows landed, rows merged
+        self.cluster = all(r[1] != 0 and r[2] != 0 for r in recs)
+        self.cl = [[rel(r, k, o) if r[k] != 0 else None for k in (1, 2, 6, 7)] for r, o in zip(recs, self.off)]
         # page ids read, first barrier, tables built, query rotated, B fragments loaded (after the CTA's entry)
         self.prologue = [[rel(r, 41 + k, 0.0) for k in range(5)] for r in recs]
 
@@ -199,7 +213,44 @@ def summary(L):
         "warp_pattern": pattern,
         "warp_pattern_share": var_pat / var_all if var_all > 0 else 0.0,
         "loop_by_sm": {s: _mean(v) for s, v in by_sm.items()},
+        "cluster_steps": cluster_steps(L) if L.cluster else None,
     }
+
+
+def cluster_steps(L):
+    """The cluster merge's steps of clusters of two CTAs along x, as (name, [us]) lists for the cluster's later CTA
+    (the one whose warps' merge ended last: the launch's critical path through the cluster) and its earlier one."""
+    gx = L.grid[0]
+    if gx != 2:
+        return None
+    late, early = [], []
+    for i in range(0, len(L.end), 2):
+        a, b = (i, i + 1) if L.merge1[i] >= L.merge1[i + 1] else (i + 1, i)
+        late.append(a)
+        early.append(b)
+
+    def steps(idx, other):
+        out = {"loop end (last warp) -> warps' merge start": [], "warps' merge": [],
+               "-> first cluster barrier passed": [], "-> sends issued": [],
+               "-> the other CTA's rows landed (row-owning warp)": [], "-> rows merged and stored": [],
+               "-> CTA done": [], "the other CTA: this CTA's sends issued -> its rows landed": []}
+        for c, o in zip(idx, other):
+            s1, s2, s6, s7 = L.cl[c]
+            if None in (s1, s2, s6, s7):
+                continue
+            last = max(L.lend[c])
+            out["loop end (last warp) -> warps' merge start"].append(L.merge0[c] - last)
+            out["warps' merge"].append(L.merge1[c] - L.merge0[c])
+            out["-> first cluster barrier passed"].append(s1 - L.merge1[c])
+            out["-> sends issued"].append(s2 - s1)
+            out["-> the other CTA's rows landed (row-owning warp)"].append(s6 - s2)
+            out["-> rows merged and stored"].append(s7 - s6)
+            out["-> CTA done"].append(L.end[c] - s7)
+            if L.cl[o][2] is not None:
+                out["the other CTA: this CTA's sends issued -> its rows landed"].append(L.cl[o][2] - s2)
+        return [(k, v) for k, v in out.items() if v]
+
+    return {"later": steps(late, early), "earlier": steps(early, late)}
 
 
 def report(paths, out=sys.stdout):
@@ -216,6 +267,12 @@ def report(paths, out=sys.stdout):
             xs = L.off if key is None else S[key]
             print(f"    {name:30s} {_q(xs)}", file=out)
         print(f"  last CTA done - mean CTA done: {S['cta_excess']:.2f} us", file=out)
+        if S["cluster_steps"]:
+            for side in ("later", "earlier"):
+                print(f"  cluster merge, the {side} CTA of each cluster (by its warps' merge end; min / median / max, us):",
+                      file=out)
+                for name, xs in S["cluster_steps"][side]:
+                    print(f"    {name:52s} {_q(xs)}", file=out)
         pr = S["prologue"]
         print(f"  prologue, median CTA, us after its entry: page ids {pr[0]:.2f}, first barrier {pr[1]:.2f}, tables {pr[2]:.2f}, "
               f"query rotated {pr[3]:.2f}, B fragments {pr[4]:.2f}", file=out)
