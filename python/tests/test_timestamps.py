@@ -61,6 +61,8 @@ def dump(path, grid, ctas):
         r[3], r[4], r[5] = lo(c["merge0"]), lo(c["merge1"]), lo(c["end"])
         for k, v in enumerate(c.get("prologue", [])):
             r[41 + k] = lo(v)
+        for k, v in zip((1, 2, 6, 7), c.get("cluster", [])):  # first cluster barrier, sends, rows landed, merged
+            r[k] = lo(v)
         recs.append(r)
     n = len(recs)
     with open(path, "wb") as f:
@@ -110,6 +112,46 @@ def test_report_of_known_launches(tmp_path):
     assert "CTAs on the same SM in both: 0%" in text
     assert "last CTA done - mean CTA done: 2.38 us" in text
     assert sb["span"] == pytest.approx(0.25 + 2.0 + 34.0 + 1.5 + 3.0, abs=2e-3)
+
+
+def test_cluster_steps_follow_each_clusters_later_cta(tmp_path):
+    # Two clusters of two CTAs (grid x = 2). In cluster 0 CTA 1 ends its warps' merge 2 us after CTA 0, in cluster 1
+    # CTA 2 ends it 1 us after CTA 3: the later CTAs are 1 and 2. Each CTA: merge1 -> first cluster barrier +0.5 (the
+    # earlier one +w, waiting for its partner), sends +0.4, rows landed, merged +0.7.
+    ctas = launch([10, 11, 12, 13], slow_sms=set())
+    shift = [0.0, 2.0, 1.0, 0.0]
+    for k, c in enumerate(ctas):
+        c["merge0"] += shift[k]
+        c["merge1"] += shift[k]
+        c["lend"] = [t + shift[k] for t in c["lend"]]
+    late = {0: 1, 1: 0, 2: 3, 3: 2}  # partner
+    for k, c in enumerate(ctas):
+        p = ctas[late[k]]
+        # absolute (launch) times: entry 0.25 k; the partner's merge1 in this CTA's frame
+        pm1 = p["merge1"] + 0.25 * late[k] - 0.25 * k
+        s1 = max(c["merge1"], pm1) + 0.5
+        s2 = s1 + 0.4
+        c["cluster"] = [s1, s2, s2 + 0.1, s2 + 0.1 + 0.7]
+        c["end"] = s2 + 0.9
+    path = tmp_path / "c.bin"
+    dump(path, (2, 1, 2), ctas)
+    out = io.StringIO()
+    (S,) = ts.report([str(path)], out=out)
+    steps = {side: dict(S["cluster_steps"][side]) for side in ("later", "earlier")}
+    lat = steps["later"]
+    assert lat["warps' merge"] == pytest.approx([1.0, 1.0], abs=2e-3)
+    assert lat["-> first cluster barrier passed"] == pytest.approx([0.5, 0.5], abs=2e-3)
+    assert lat["-> sends issued"] == pytest.approx([0.4, 0.4], abs=2e-3)
+    assert lat["-> rows merged and stored"] == pytest.approx([0.7, 0.7], abs=2e-3)
+    # The earlier CTA waited at the first cluster barrier for its partner: 2 us in cluster 0 (CTA 1's merge ended
+    # 2 us later, but CTA 1 entered 0.25 us later too), 1 us in cluster 1.
+    assert steps["earlier"]["-> first cluster barrier passed"] == pytest.approx([2.0 + 0.25 + 0.5, 1.0 - 0.25 + 0.5],
+                                                                              abs=2e-3)
+    assert "cluster merge, the later CTA of each cluster" in out.getvalue()
+    # A dump without the cluster slots (the launch had no cluster merge) reports none.
+    dump(path, (2, 1, 2), launch([10, 11, 12, 13], slow_sms=set()))
+    (S,) = ts.report([str(path)], out=io.StringIO())
+    assert S["cluster_steps"] is None
 
 
 def test_malformed_dumps_are_refused(tmp_path):
