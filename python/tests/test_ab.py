@@ -159,9 +159,11 @@ def test_tree_commit_marks_a_tree_that_differs_from_its_head(tmp_path):
     # "unknown" outside a checkout.
     lib = os.path.join(ROOT, "scripts", "lib", "gpu.sh")
 
+    env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(tmp_path.parent))  # no checkout above tmp_path counts
+
     def tree_commit():
         return subprocess.run(["bash", "-c", f'. "{lib}"; kvq_tree_commit "{tmp_path}"'], capture_output=True,
-                              text=True, check=True).stdout.strip()
+                              text=True, check=True, env=env).stdout.strip()
 
     def git(*args):
         subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", *args], check=True,

@@ -167,7 +167,8 @@ print(json.dumps(g))
     kvq.chmod(0o755)
     (root / "bench/gpu/peers.py.kvq").write_text(stub)
     env = {k: v for k, v in os.environ.items() if k not in ("KVQ_PADS", "KVQ_BENCH_MLA")}
-    env.update(KVQ_BUILD_DIR=str(tmp_path / "build"), PATH=os.path.dirname(sys.executable) + ":/usr/bin:/bin")
+    env.update(KVQ_BUILD_DIR=str(tmp_path / "build"), PATH=os.path.dirname(sys.executable) + ":/usr/bin:/bin",
+               GIT_CEILING_DIRECTORIES=str(tmp_path))  # the scratch root is no checkout, whatever holds tmp_path
 
     def bench(out, *args, **extra):
         e = dict(env, KVQ_BENCH_OUT=str(tmp_path / out), **extra)
