@@ -159,8 +159,7 @@ class Launch:
         self.merge0 = [rel(r, 3, o) for r, o in zip(recs, self.off)]
         self.merge1 = [rel(r, 4, o) for r, o in zip(recs, self.off)]
         self.end = [rel(r, 5, o) for r, o in zip(recs, self.off)]
-        # cluster merge (0 where the launch had none): first barrier passed, sends issued, rows landed, rows merged
-        self.cluster = all(r[1] != 0 and r[2] != 0 for r in recs)
+        # cluster merge (None where the launch had none): first barrier passed, sends issued, rows landed, rows merged
         self.cl = [[rel(r, k, o) if r[k] != 0 else None for k in (1, 2, 6, 7)] for r, o in zip(recs, self.off)]
         # page ids read, first barrier, tables built, query rotated, B fragments loaded (after the CTA's entry)
         self.prologue = [[rel(r, 41 + k, 0.0) for k in range(5)] for r in recs]
@@ -213,15 +212,15 @@ def summary(L):
         "warp_pattern": pattern,
         "warp_pattern_share": var_pat / var_all if var_all > 0 else 0.0,
         "loop_by_sm": {s: _mean(v) for s, v in by_sm.items()},
-        "cluster_steps": cluster_steps(L) if L.cluster else None,
+        "cluster_steps": cluster_steps(L),
     }
 
 
 def cluster_steps(L):
     """The cluster merge's steps of clusters of two CTAs along x, as (name, [us]) lists for the cluster's later CTA
-    (the one whose warps' merge ended last: the launch's critical path through the cluster) and its earlier one."""
-    gx = L.grid[0]
-    if gx != 2:
+    (the one whose warps' merge ended last: the launch's critical path through the cluster) and its earlier one; None
+    unless every CTA recorded the first cluster barrier and its sends (a launch without the cluster merge)."""
+    if L.grid[0] != 2 or any(c[0] is None or c[1] is None for c in L.cl):
         return None
     late, early = [], []
     for i in range(0, len(L.end), 2):
