@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Same-call timing of compile-time variants of the fast GQA decode kernel (decode_d128.cu), on a GPU host:
 #   OUT=DIR VARIANTS="NAME=V[,NAME=V...] ..." [ROUNDS=2] [PADS="0 ..."] [FORMATS=...] [BATCH=8] [CONTEXT=16384,65536] \
-#     [TESTS="..."] bench/gpu/variants.sh         ([WORK=/tmp/kvq-variants]: the scratch folder, emptied first)
+#     [TESTS="..."] [FLUSH=read|write|none] bench/gpu/variants.sh  ([WORK=/tmp/kvq-variants]: the scratch folder,
+#     emptied first; FLUSH: `kvq bench decode --flush`, read by default, none only to tell cold-cache costs apart)
 #   OUT=DIR MACRO=NAME VARIANTS="1 2 ..." ... bench/gpu/variants.sh      (each variant NAME=v)
 # Builds `kvq` once from the tree (every macro at its default: variant 0) and compiles decode_d128.cu again with the
 # -D flags of each variant (the i-th of VARIANTS, i from 1), linking a `kvq` with each (the library's other objects
@@ -28,6 +29,11 @@ kvq_arena_pads PADS "${pads[@]}" || exit 1
 pads=("${kvq_pads[@]}")
 formats="${FORMATS:-tq-4bit-nc,tq-k3v4-nc,tq-3bit-nc,tq-4bit,tq-3.5bit,tq-3bit}"
 read -r -a tests <<< "${TESTS:-}"
+flush="${FLUSH:-read}"
+case "$flush" in
+  read | write | none) ;;
+  *) echo "error: FLUSH must be read, write or none, not '$flush'" >&2; exit 1 ;;
+esac
 work="${WORK:-/tmp/kvq-variants}"  # scratch: the tree copy, the builds, the binaries
 labels=() flags=()
 for v in "${specs[@]}"; do
@@ -110,7 +116,7 @@ for r in $(seq 1 "$rounds"); do
     [ $(( run % 2 )) = 0 ] && order="$rev"
     for k in $order; do
       "$work/kvq_$k" bench decode --formats "$formats" --batch "${BATCH:-8}" --context "${CONTEXT:-16384,65536}" \
-        --reps "${REPS:-30}" --store-tokens 1024 --arena-pad "$pad" --json > "$out/r${run}_k$k.json"
+        --reps "${REPS:-30}" --store-tokens 1024 --arena-pad "$pad" --flush "$flush" --json > "$out/r${run}_k$k.json"
     done
   done
   echo "round $r: $(( $(date +%s) - t0 )) s"

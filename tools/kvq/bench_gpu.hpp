@@ -54,10 +54,14 @@ inline double median(std::vector<double> v) {
 
 class L2Flush {
  public:
-  // mode: "read" or "write" (anything else is an error); l2_bytes: the device's L2 size.
+  // mode: "read", "write" or "none" (anything else is an error); l2_bytes: the device's L2 size. "none" flushes
+  // nothing: whatever the run before left in L2 (its code, parameters and tables, and the pages it read where they
+  // fit) stays there. A diagnostic, for telling cold-cache costs from the rest; results are taken with a flush.
   L2Flush(const std::string& mode, std::size_t l2_bytes, cudaStream_t stream) : stream_(stream) {
-    if (mode != "read" && mode != "write") fail("--flush must be 'read' or 'write', not '" + mode + "'");
+    if (mode != "read" && mode != "write" && mode != "none")
+      fail("--flush must be 'read', 'write' or 'none', not '" + mode + "'");
     write_ = mode == "write";
+    none_ = mode == "none";
     bytes_ = std::max<std::size_t>(4 * l2_bytes, std::size_t{256} << 20);
     ok(cudaMalloc(&buf_, bytes_), "cudaMalloc (flush)");
     ok(cudaMemsetAsync(buf_, 0, bytes_, stream_), "flush init");
@@ -67,14 +71,15 @@ class L2Flush {
   L2Flush& operator=(const L2Flush&) = delete;
 
   void operator()(int rep) const {
+    if (none_) return;
     if (write_) ok(cudaMemsetAsync(buf_, rep & 0xff, bytes_, stream_), "flush (memset)");
     else ok(cuda::flush_l2_read(static_cast<std::uint8_t*>(buf_), bytes_, stream_), "flush (read)");
   }
-  const char* mode() const { return write_ ? "write" : "read"; }
+  const char* mode() const { return none_ ? "none" : write_ ? "write" : "read"; }
 
  private:
   cudaStream_t stream_;
-  bool write_ = false;
+  bool write_ = false, none_ = false;
   std::size_t bytes_ = 0;
   void* buf_ = nullptr;
 };
