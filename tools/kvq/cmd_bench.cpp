@@ -356,8 +356,9 @@ void register_bench(CLI::App& app) {
   dec->add_option("--peers", o->peers, "JSON written by bench/gpu/peers.py");
   dec->add_option("--commit", o->commit, "commit recorded in the result");
   dec->add_option("--command-line", o->command, "command recorded in the result");
-  dec->add_option("--flush", o->flush, "L2 flush before every timed run: read (clean L2), write (memset, dirty L2) or none (a diagnostic: "
-                 "what the run before left in L2 stays)")
+  dec->add_option("--flush", o->flush,
+                  "L2 flush before every timed run: read (clean L2), write (memset, dirty L2) or none (a "
+                  "diagnostic: what the run before left in L2 stays)")
       ->check(CLI::IsMember({"read", "write", "none"}));
   dec->add_option("--pages", o->pages, "page order in the pool: random (default) or sequential")
       ->check(CLI::IsMember({"random", "sequential"}));

@@ -317,8 +317,9 @@ void register_bench_mla(CLI::App& app) {
   cmd->add_option("--commit", o->commit, "commit recorded in the result");
   cmd->add_option("--command-line", o->command, "command recorded in the result");
   cmd->add_option("--peers", o->peers, "JSON written by bench/gpu/peers_mla.py (FlashMLA)");
-  cmd->add_option("--flush", o->flush, "L2 flush before every timed replay: read (clean L2), write (memset, dirty L2) or none (a diagnostic: "
-                 "what the replay before left in L2 stays)")
+  cmd->add_option("--flush", o->flush,
+                  "L2 flush before every timed replay: read (clean L2), write (memset, dirty L2) or none (a "
+                  "diagnostic: what the replay before left in L2 stays)")
       ->check(CLI::IsMember({"read", "write", "none"}));
   cmd->add_option("--pages", o->pages, "page order in the pool: random (default, as FlashMLA's peer script) or sequential")
       ->check(CLI::IsMember({"random", "sequential"}));
