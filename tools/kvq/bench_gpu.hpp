@@ -56,7 +56,8 @@ class L2Flush {
  public:
   // mode: "read", "write" or "none" (anything else is an error); l2_bytes: the device's L2 size. "none" flushes
   // nothing: whatever the run before left in L2 (its code, parameters and tables, and the pages it read where they
-  // fit) stays there. A diagnostic, for telling cold-cache costs from the rest; results are taken with a flush.
+  // fit) stays there. A diagnostic, for telling cold-cache costs from the rest; results are taken with a flush. Its
+  // buffer is allocated all the same, so that the pools allocated after it land where they do with a flush.
   L2Flush(const std::string& mode, std::size_t l2_bytes, cudaStream_t stream) : stream_(stream) {
     if (mode != "read" && mode != "write" && mode != "none")
       fail("--flush must be 'read', 'write' or 'none', not '" + mode + "'");
