@@ -59,10 +59,10 @@ class L2Flush {
   // fit) stays there. A diagnostic, for telling cold-cache costs from the rest; results are taken with a flush. Its
   // buffer is allocated all the same, so that the pools allocated after it land where they do with a flush.
   L2Flush(const std::string& mode, std::size_t l2_bytes, cudaStream_t stream) : stream_(stream) {
-    if (mode != "read" && mode != "write" && mode != "none")
-      fail("--flush must be 'read', 'write' or 'none', not '" + mode + "'");
-    write_ = mode == "write";
-    none_ = mode == "none";
+    if (mode == "read") mode_ = Mode::kRead;
+    else if (mode == "write") mode_ = Mode::kWrite;
+    else if (mode == "none") mode_ = Mode::kNone;
+    else fail("--flush must be 'read', 'write' or 'none', not '" + mode + "'");
     bytes_ = std::max<std::size_t>(4 * l2_bytes, std::size_t{256} << 20);
     ok(cudaMalloc(&buf_, bytes_), "cudaMalloc (flush)");
     ok(cudaMemsetAsync(buf_, 0, bytes_, stream_), "flush init");
@@ -72,15 +72,14 @@ class L2Flush {
   L2Flush& operator=(const L2Flush&) = delete;
 
   void operator()(int rep) const {
-    if (none_) return;
-    if (write_) ok(cudaMemsetAsync(buf_, rep & 0xff, bytes_, stream_), "flush (memset)");
-    else ok(cuda::flush_l2_read(static_cast<std::uint8_t*>(buf_), bytes_, stream_), "flush (read)");
+    if (mode_ == Mode::kWrite) ok(cudaMemsetAsync(buf_, rep & 0xff, bytes_, stream_), "flush (memset)");
+    else if (mode_ == Mode::kRead) ok(cuda::flush_l2_read(static_cast<std::uint8_t*>(buf_), bytes_, stream_), "flush (read)");
   }
-  const char* mode() const { return none_ ? "none" : write_ ? "write" : "read"; }
+  const char* mode() const { return mode_ == Mode::kWrite ? "write" : mode_ == Mode::kNone ? "none" : "read"; }
 
  private:
   cudaStream_t stream_;
-  bool write_ = false, none_ = false;
+  enum class Mode { kRead, kWrite, kNone } mode_ = Mode::kRead;
   std::size_t bytes_ = 0;
   void* buf_ = nullptr;
 };
