@@ -78,6 +78,11 @@ __global__ void delayed_copy_kernel(TestCopies c, unsigned delay_ns) {
   }
 }
 
+// One thread spins ns of the global timer and touches no memory (hold_stream).
+__global__ void hold_kernel(unsigned ns) {
+  if (threadIdx.x == 0) detail::sleep_at_least_ns(ns);
+}
+
 // Launched programmatically after delayed_copy_kernel and never waiting for it: whether the first byte of buf
 // still held `stale` when it read it (a programmatic launch that did start early).
 __global__ void stale_probe_kernel(const std::uint8_t* buf, std::uint8_t stale, int* saw_stale) {
@@ -107,6 +112,12 @@ cudaError_t test_stale_probe(const std::uint8_t* buf, std::uint8_t stale, int* s
 cudaError_t flush_l2_read(std::uint8_t* buf, std::size_t bytes, cudaStream_t stream) {
   if (bytes % 16 || reinterpret_cast<std::uintptr_t>(buf) % 16) return cudaErrorInvalidValue;
   flush_read_kernel<<<132 * 8, 512, 0, stream>>>(reinterpret_cast<uint4*>(buf), bytes / 16);
+  return cudaGetLastError();
+}
+
+cudaError_t hold_stream(unsigned ns, cudaStream_t stream) {
+  if (ns > kMaxHoldNs) return cudaErrorInvalidValue;
+  hold_kernel<<<1, 32, 0, stream>>>(ns);
   return cudaGetLastError();
 }
 

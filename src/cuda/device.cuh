@@ -30,7 +30,8 @@ __device__ __forceinline__ void spin_at_least_ns(unsigned ns) {
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   } while (t - t0 < ns);
 }
-// The same as a call (tests only: DecodeParams::test_send_delay_ns before the sends, test_delayed_copy).
+// The same as a call (tests and benchmarks only: DecodeParams::test_send_delay_ns before the sends,
+// test_delayed_copy, hold_stream).
 inline __device__ __noinline__ void sleep_at_least_ns(unsigned ns) { spin_at_least_ns(ns); }
 // Whether environment variable `name` is set to 1 (the kernels' test switches; callers read it once).
 inline bool env_flag(const char* name) {

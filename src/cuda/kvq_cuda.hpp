@@ -212,6 +212,12 @@ cudaError_t fill_random_bf16(std::uint16_t* p, std::size_t n, std::uint64_t seed
 // nothing (except, never in practice, one word of buf when the XOR of everything read equals a
 // sentinel, which keeps the loads alive), so the L2 is left holding clean lines only.
 cudaError_t flush_l2_read(std::uint8_t* buf, std::size_t bytes, cudaStream_t stream = nullptr);
+// Benchmarks' stand-in for the flush where none is wanted: one CTA whose first thread spins `ns` nanoseconds of the
+// global timer (at most kMaxHoldNs, else cudaErrorInvalidValue) and touches no memory. With the device idle when the
+// host starts a timed run, the start event would be recorded before the host had enqueued the launch, and the time
+// would include the host's launch; held this long, the launch is queued behind the event when the device reaches it.
+inline constexpr unsigned kMaxHoldNs = 10'000'000;
+cudaError_t hold_stream(unsigned ns, cudaStream_t stream = nullptr);
 
 // ---- test helpers for programmatic launches (DecodeParams::programmatic) -----------------------
 struct TestCopies {

@@ -963,6 +963,26 @@ void test_decode_rejects() {
   cudaFree(dout);
 }
 
+// The benchmarks' hold (`--flush none`): the stream is held at least as long as asked, and a longer hold than the
+// bound is refused before anything is launched.
+void test_hold_stream() {
+  cudaEvent_t a, b;
+  KVQ_CUDA_OK(cudaEventCreate(&a));
+  KVQ_CUDA_OK(cudaEventCreate(&b));
+  KVQ_CUDA_OK(cudaEventRecord(a));
+  check(cuda::hold_stream(200'000) == cudaSuccess, "hold: 200 us launched");
+  KVQ_CUDA_OK(cudaEventRecord(b));
+  KVQ_CUDA_OK(cudaEventSynchronize(b));
+  float ms = 0;
+  KVQ_CUDA_OK(cudaEventElapsedTime(&ms, a, b));
+  // The events' resolution is about half a microsecond (cudaEventElapsedTime).
+  check(ms >= 0.199f, "hold: 200 us held at least 199 us (" + std::to_string(1000.0f * ms) + " us)");
+  check(cuda::hold_stream(cuda::kMaxHoldNs + 1) == cudaErrorInvalidValue, "hold: longer than kMaxHoldNs refused");
+  KVQ_CUDA_OK(cudaGetLastError());
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+}
+
 int main(int argc, char** argv) {
   if (!kvq::cudatest::gpu_present()) return 0;
   const bool small = argc > 1 && std::string(argv[1]) == "--small";
@@ -1077,6 +1097,7 @@ int main(int argc, char** argv) {
   if (pdl_off) check(g_pdl_early == 0, "with KVQ_NO_PDL=1 a launch after the writer started before it ended");
   else if (!small) check(g_pdl_early > 0, "no programmatic launch started before the writer before it ended");
   test_decode_rejects();
+  test_hold_stream();
   if (small) {
     test_store_edges("tq-3.5bit", 128, 2, 45, 3);
     test_store_edges("tq-k8v4", 128, 4, 77, 4, true);
