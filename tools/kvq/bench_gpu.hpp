@@ -78,7 +78,7 @@ class L2Flush {
     else if (mode_ == Mode::kRead) ok(cuda::flush_l2_read(static_cast<std::uint8_t*>(buf_), bytes_, stream_), "flush (read)");
     else ok(cuda::hold_stream(kHoldNs, stream_), "flush (none: hold)");
   }
-  static constexpr unsigned kHoldNs = 50'000;  // a read flush of 4x an H200's L2 takes ~60 us
+  static constexpr unsigned kHoldNs = 50'000;  // a read flush (256 MiB on an H100 or H200) takes 60-80 us
   const char* mode() const { return mode_ == Mode::kWrite ? "write" : mode_ == Mode::kNone ? "none" : "read"; }
 
  private:
