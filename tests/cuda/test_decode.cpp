@@ -965,8 +965,8 @@ void test_decode_rejects() {
 
 // The benchmarks' hold (`--flush none`): the stream is held at least as long as asked, and a longer hold than the
 // bound is refused before anything is launched. The hold is timed between two events recorded while the stream is
-// busy with a first hold, so that the host's launch of the timed one (the module's loading on a first launch, tens to
-// hundreds of us) is not in the interval: timed from an idle stream, a hold that did not wait at all passed.
+// busy with a first hold, so that the host's launch of the timed one (and on a first launch the module's loading) is
+// not in the interval: timed from an idle stream, a hold that did not wait at all passed.
 void test_hold_stream() {
   cudaEvent_t b, c;
   KVQ_CUDA_OK(cudaEventCreate(&b));
