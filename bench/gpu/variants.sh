@@ -16,6 +16,9 @@
 # KVQ_ABLATE; decode-gqa-pf-2026-12-05.patch: KVQ_FAST_PF; decode-gqa-probes-2026-12-05.patch: both, with KVQ_FAST_FILL).
 # Last it prints `bench/gpu/ab.py --variants DIR`: per row, each variant's minimum over the runs and its speed
 # against variant 0, of the minima and of the medians.
+# PACK=1: then the run files (r*_k*.json, runs.txt, variants.txt) go into DIR/runs.tgz and leave DIR, which then
+# holds one archive instead of 2 + ROUNDS x pads x (variants + 1) files (the device tool brings back at most eight
+# files of $OUT); `tar -xzf runs.tgz -C D && bench/gpu/ab.py --variants D` prints the table again.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 # shellcheck source=scripts/lib/gpu.sh
@@ -126,3 +129,7 @@ for k in "${tested[@]}"; do
   "$work/test_$k" 2>&1 | tail -3
 done
 python3 "$root/bench/gpu/ab.py" --variants "$out"
+if [ "${PACK:-0}" = 1 ]; then
+  (cd "$out" && tar -czf runs.tgz variants.txt runs.txt r*_k*.json && rm -f variants.txt runs.txt r*_k*.json)
+  echo "packed: $out/runs.tgz"
+fi
