@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# Same-call timing of compile-time variants of the fast GQA decode kernel (decode_d128.cu), on a GPU host:
+# Same-call timing of compile-time variants of the fast GQA decode kernel (decode_d128.cu) or of the store kernels
+# (FILE=store.cu), on a GPU host:
 #   OUT=DIR VARIANTS="NAME=V[,NAME=V...] ..." [ROUNDS=2] [PADS="0 ..."] [FORMATS=...] [BATCH=8] [CONTEXT=16384,65536] \
-#     [TESTS="..."] [FLUSH=read|write|none] bench/gpu/variants.sh  ([WORK=/tmp/kvq-variants]: the scratch folder,
-#     emptied first; FLUSH: `kvq bench decode --flush`, read by default, none only to tell cold-cache costs apart)
+#     [TESTS="..."] [FLUSH=read|write|none] [FILE=decode_d128.cu|store.cu] [STORE_TOKENS=1024] bench/gpu/variants.sh
+#     ([WORK=/tmp/kvq-variants]: the scratch folder, emptied first; FLUSH: `kvq bench decode --flush`, read by
+#     default, none only to tell cold-cache costs apart; STORE_TOKENS: `--store-tokens`, the store rows' tokens)
 #   OUT=DIR MACRO=NAME VARIANTS="1 2 ..." ... bench/gpu/variants.sh      (each variant NAME=v)
-# Builds `kvq` once from the tree (every macro at its default: variant 0) and compiles decode_d128.cu again with the
-# -D flags of each variant (the i-th of VARIANTS, i from 1), linking a `kvq` with each (the library's other objects
-# unchanged: only decode_d128.cu includes decode_fast.cuh). Then runs `kvq bench decode --json` with every binary,
+# Builds `kvq` once from the tree (every macro at its default: variant 0) and compiles FILE (src/cuda/, default
+# decode_d128.cu) again with the -D flags of each variant (the i-th of VARIANTS, i from 1), linking a `kvq` with each
+# (the library's other objects unchanged: only decode_d128.cu includes decode_fast.cuh, where its macros are). Then runs `kvq bench decode --json` with every binary,
 # ROUNDS rounds, each once per pad of PADS (MiB, `--arena-pad`: the pools at another physical placement), the binaries
 # in alternating order, into DIR/r<run>_k<i>.json (DIR/variants.txt: i and its flags; DIR/runs.txt: each run's round
 # and pad), and tests/cuda/test_cuda_decode linked with each variant that TESTS names (as written in VARIANTS).
@@ -33,6 +35,14 @@ pads=("${kvq_pads[@]}")
 formats="${FORMATS:-tq-4bit-nc,tq-k3v4-nc,tq-3bit-nc,tq-4bit,tq-3.5bit,tq-3bit}"
 read -r -a tests <<< "${TESTS:-}"
 flush="${FLUSH:-read}"
+file="${FILE:-decode_d128.cu}"
+case "$file" in
+  decode_d128.cu) msrc="$root/src/cuda/decode_fast.cuh" ;;
+  store.cu) msrc="$root/src/cuda/store.cu" ;;
+  *) echo "error: FILE must be decode_d128.cu or store.cu, not '$file'" >&2; exit 1 ;;
+esac
+store_tokens="${STORE_TOKENS:-1024}"
+[[ "$store_tokens" =~ ^[1-9][0-9]*$ ]] || { echo "error: STORE_TOKENS must be a positive integer, not '$store_tokens'" >&2; exit 1; }
 case "$flush" in
   read | write | none) ;;
   *) echo "error: FLUSH must be read, write or none, not '$flush'" >&2; exit 1 ;;
@@ -54,7 +64,7 @@ for v in "${specs[@]}"; do
       echo "error: '$d' in variant '$v' is not NAME=INTEGER" >&2
       exit 1
     fi
-    grep -q "$name" "$root/src/cuda/decode_fast.cuh" || { echo "error: $name is not in src/cuda/decode_fast.cuh" >&2; exit 1; }
+    grep -q "$name" "$msrc" || { echo "error: $name is not in ${msrc#"$root"/}" >&2; exit 1; }
     f+=" -D$d"
   done
   labels+=("$lab") flags+=("$f")
@@ -71,7 +81,7 @@ rm -rf "$work" && mkdir -p "$work/src" "$work/obj"
 kvq_copy_tree "$root" "$work/src"
 b="$work/build"
 kvq_gpu_configure "$work/src" "$b" > "$work/cmake.log" 2>&1 || { tail -20 "$work/cmake.log"; exit 1; }
-obj=src/cuda/CMakeFiles/kvq_cuda.dir/decode_d128.cu.o
+obj=src/cuda/CMakeFiles/kvq_cuda.dir/$file.o
 cc=$(ninja -C "$b" -t commands "$obj" | tail -1)
 t0=$(date +%s)
 targets=(kvq)
@@ -82,7 +92,7 @@ pids=()
 for k in $(seq 1 "$n"); do
   mkdir -p "$work/obj/$k"
   c="${cc/-MF $obj.d/-MF $work/obj/$k/d.d}"
-  c="${c/-o $obj/${flags[k-1]} -o $work/obj/$k/decode_d128.cu.o}"
+  c="${c/-o $obj/${flags[k-1]} -o $work/obj/$k/$file.o}"
   (cd "$b" && eval "$c") > "$work/obj/$k/log" 2>&1 &
   pids+=($!)
 done
@@ -95,7 +105,7 @@ tlink=""
 [ ${#tested[@]} -gt 0 ] && tlink=$(ninja -C "$b" -t commands tests/cuda/test_cuda_decode | tail -1)
 for k in $(seq 1 "$n"); do
   cp "$b/src/cuda/libkvq_cuda.a" "$work/obj/$k/lib.a"
-  ar r "$work/obj/$k/lib.a" "$work/obj/$k/decode_d128.cu.o"
+  ar r "$work/obj/$k/lib.a" "$work/obj/$k/$file.o"
   l="${link//src\/cuda\/libkvq_cuda.a/$work/obj/$k/lib.a}"
   (cd "$b" && eval "${l/-o tools\/kvq\/kvq/-o $work/kvq_$k}")
   if [ -n "$tlink" ]; then
@@ -119,7 +129,7 @@ for r in $(seq 1 "$rounds"); do
     [ $(( run % 2 )) = 0 ] && order="$rev"
     for k in $order; do
       "$work/kvq_$k" bench decode --formats "$formats" --batch "${BATCH:-8}" --context "${CONTEXT:-16384,65536}" \
-        --reps "${REPS:-30}" --store-tokens 1024 --arena-pad "$pad" --flush "$flush" --json > "$out/r${run}_k$k.json"
+        --reps "${REPS:-30}" --store-tokens "$store_tokens" --arena-pad "$pad" --flush "$flush" --json > "$out/r${run}_k$k.json"
     done
   done
   echo "round $r: $(( $(date +%s) - t0 )) s"

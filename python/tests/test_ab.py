@@ -300,9 +300,11 @@ def kill_session(sid):
 
 def test_variants_script_refuses_bad_variants_before_building(tmp_path):
     # bench/gpu/variants.sh checks every variant's flags (NAME=INTEGER, NAME in decode_fast.cuh, a plain value only
-    # with MACRO), TESTS, PADS and FLUSH before it copies the tree or builds anything.
+    # with MACRO), TESTS, PADS, FLUSH, FILE and STORE_TOKENS before it copies the tree or builds anything (with
+    # FILE=store.cu the macros are looked up in src/cuda/store.cu).
     def run(**env):
-        e = {k: v for k, v in os.environ.items() if k not in ("MACRO", "VARIANTS", "TESTS", "PADS", "FLUSH")}
+        e = {k: v for k, v in os.environ.items()
+             if k not in ("MACRO", "VARIANTS", "TESTS", "PADS", "FLUSH", "FILE", "STORE_TOKENS")}
         e.update(OUT=str(tmp_path / "out"), WORK=str(tmp_path / "work"), **env)
         # Its own session, so that a refusal that broke (the script going on to build) is stopped whole at the
         # timeout and fails the test: every process of the session, since ninja puts each command in a process
@@ -323,7 +325,10 @@ def test_variants_script_refuses_bad_variants_before_building(tmp_path):
              ({"VARIANTS": "KVQ_FAST_BULK=0", "TESTS": "KVQ_FAST_BULK=1"}, "not in VARIANTS"),
              ({"MACRO": "KVQ_FAST_BULK", "VARIANTS": "0", "TESTS": "1"}, "not in VARIANTS"),
              ({"VARIANTS": "KVQ_FAST_BULK=0", "PADS": "0 64M"}, "PADS holds '64M', not a whole number of MiB"),
-             ({"VARIANTS": "KVQ_FAST_BULK=0", "FLUSH": "all"}, "FLUSH must be read, write or none, not 'all'")]
+             ({"VARIANTS": "KVQ_FAST_BULK=0", "FLUSH": "all"}, "FLUSH must be read, write or none, not 'all'"),
+             ({"VARIANTS": "KVQ_FAST_BULK=0", "FILE": "decode.cu"}, "FILE must be decode_d128.cu or store.cu, not 'decode.cu'"),
+             ({"VARIANTS": "KVQ_FAST_BULK=1", "FILE": "store.cu"}, "KVQ_FAST_BULK is not in src/cuda/store.cu"),
+             ({"VARIANTS": "KVQ_FAST_BULK=0", "STORE_TOKENS": "0"}, "STORE_TOKENS must be a positive integer, not '0'")]
     for env, msg in cases:
         r = run(**env)
         assert r.returncode == 1 and msg in r.stderr, (env, r.stderr)
