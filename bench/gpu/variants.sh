@@ -8,14 +8,16 @@
 #   OUT=DIR MACRO=NAME VARIANTS="1 2 ..." ... bench/gpu/variants.sh      (each variant NAME=v)
 # Builds `kvq` once from the tree (every macro at its default: variant 0) and compiles FILE (src/cuda/, default
 # decode_d128.cu) again with the -D flags of each variant (the i-th of VARIANTS, i from 1), linking a `kvq` with each
-# (the library's other objects unchanged: only decode_d128.cu includes decode_fast.cuh, where its macros are). Then runs `kvq bench decode --json` with every binary,
-# ROUNDS rounds, each once per pad of PADS (MiB, `--arena-pad`: the pools at another physical placement), the binaries
-# in alternating order, into DIR/r<run>_k<i>.json (DIR/variants.txt: i and its flags; DIR/runs.txt: each run's round
-# and pad), and tests/cuda/test_cuda_decode linked with each variant that TESTS names (as written in VARIANTS).
+# (the library's other objects unchanged: only decode_d128.cu includes decode_fast.cuh, where its macros are; store.cu
+# holds the store kernels and its own). Then runs `kvq bench decode --json` with every binary, ROUNDS rounds, each
+# once per pad of PADS (MiB, `--arena-pad`: the pools at another physical placement), the binaries in alternating
+# order, into DIR/r<run>_k<i>.json (DIR/variants.txt: i and its flags; DIR/runs.txt: each run's round and pad), and
+# tests/cuda/test_cuda_decode linked with each variant that TESTS names (as written in VARIANTS).
 # Several pads matter: one binary's placement can favour a row by a few percent over another's with the same kernel
-# code (bench/results/decode-gqa-early-rows-2026-12-06.md). Every macro must
-# exist in src/cuda/decode_fast.cuh, as in the probes' patches (bench/results/decode-gqa-ablate-2026-12-05.patch:
-# KVQ_ABLATE; decode-gqa-pf-2026-12-05.patch: KVQ_FAST_PF; decode-gqa-probes-2026-12-05.patch: both, with KVQ_FAST_FILL).
+# code (bench/results/decode-gqa-early-rows-2026-12-06.md). Every macro must exist in src/cuda/decode_fast.cuh (with
+# FILE=store.cu in src/cuda/store.cu), as in the probes' patches (bench/results/decode-gqa-ablate-2026-12-05.patch:
+# KVQ_ABLATE; decode-gqa-pf-2026-12-05.patch: KVQ_FAST_PF; decode-gqa-probes-2026-12-05.patch: both, with
+# KVQ_FAST_FILL; store-probe-2026-12-06.patch: KVQ_STORE_PROBE).
 # Last it prints `bench/gpu/ab.py --variants DIR`: per row, each variant's minimum over the runs and its speed
 # against variant 0, of the minima and of the medians.
 # PACK=1: then the run files (r*_k*.json, runs.txt, variants.txt) go into DIR/runs.tgz and leave DIR, which then

@@ -299,7 +299,7 @@ def kill_session(sid):
 
 
 def test_variants_script_refuses_bad_variants_before_building(tmp_path):
-    # bench/gpu/variants.sh checks every variant's flags (NAME=INTEGER, NAME in decode_fast.cuh, a plain value only
+    # bench/gpu/variants.sh checks every variant's flags (NAME=INTEGER, NAME in FILE's source, a plain value only
     # with MACRO), TESTS, PADS, FLUSH, FILE and STORE_TOKENS before it copies the tree or builds anything (with
     # FILE=store.cu the macros are looked up in src/cuda/store.cu).
     def run(**env):
