@@ -222,13 +222,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "bench_sm_stream: need --reps >= 2 and 0 < --mb <= 16384\n");
     return 2;
   }
-  int ndev = 0;
-  if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
-    std::printf("bench_sm_stream: no CUDA device, skipped\n");
-    return 0;
-  }
   cudaDeviceProp pr{};
-  CHECK(cudaGetDeviceProperties(&pr, 0));
+  if (!bench_device(pr, false)) return 0;
   const int sms = pr.multiProcessorCount;
   const std::size_t bytes = static_cast<std::size_t>(mb * 1e6) / 16 * 16;
   const std::size_t flush_bytes = std::size_t{256} << 20;

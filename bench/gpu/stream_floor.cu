@@ -68,13 +68,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "bench_stream_floor: --reps must be >= 1\n");
     return 2;
   }
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
-    std::printf("bench_stream_floor: no CUDA device, skipped\n");
-    return 0;
-  }
   cudaDeviceProp pr{};
-  CHECK(cudaGetDeviceProperties(&pr, 0));
+  if (!bench_device(pr, false)) return 0;
   const int sms = pr.multiProcessorCount;
   struct Fmt {
     const char* name;

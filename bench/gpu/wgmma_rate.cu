@@ -256,19 +256,10 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "bench_wgmma_rate: --ctas-per-sm must be 1 or 2, --iters >= 8\n");
     return 2;
   }
-  int dev = 0, n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
-    std::printf("bench_wgmma_rate: no CUDA device, skipped\n");
-    return 0;
-  }
   cudaDeviceProp pr{};
-  CHECK(cudaGetDeviceProperties(&pr, dev));
+  if (!bench_device(pr, true)) return 0;
   int khz = 0;
-  CHECK(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, dev));
-  if (pr.major != 9) {
-    std::printf("bench_wgmma_rate: %s is sm_%d%d, needs sm_90; skipped\n", pr.name, pr.major, pr.minor);
-    return 0;
-  }
+  CHECK(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, 0));
   const int sms = pr.multiProcessorCount;
   std::printf("%s, %d SMs, %d CTAs of one warpgroup per SM, %d x 32 operations per CTA\n\n", pr.name, sms, per_sm, iters);
   std::vector<Row> rows;
