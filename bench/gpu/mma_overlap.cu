@@ -9,6 +9,10 @@
 // if the products hide behind the other work the mixed time is about the larger of the two, if they take the
 // issue slots (or their operands' register reads) it is about the sum.
 //
+// The "wgmma" rows do the same with the warpgroup's asynchronous product instead: per iteration each warpgroup
+// issues M wgmma.mma_async m64n8k16 (f32 += f16 x f16, A from registers, B a 256-byte tile in shared memory; the
+// multiply-adds of M mma.sync per warp), commits them, runs its F operations and then waits for the products.
+//
 // Usage: bench_mma_overlap [--iters n]. Needs an sm_90 GPU; exits 0 with a message without one.
 #include <cuda_runtime.h>
 
@@ -32,17 +36,30 @@ __device__ __forceinline__ void mma(float (&d)[4], const std::uint32_t (&a)[4], 
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
+// wgmma m64n8k16, f32 += f16 x f16, A from registers (the warp's 16 rows, as mma.sync's A), B by descriptor.
+__device__ __forceinline__ void wgmma_rs(float (&d)[4], const std::uint32_t (&a)[4], std::uint64_t bd) {
+  asm volatile("wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0,%1,%2,%3}, {%4,%5,%6,%7}, %8, 1, 1, 1, 0;\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(bd));
+}
 __device__ __forceinline__ std::uint32_t lop3(std::uint32_t x, std::uint32_t y, std::uint32_t z) {
   std::uint32_t r;
   asm volatile("lop3.b32 %0, %1, %2, %3, 0x96;\n" : "=r"(r) : "r"(x), "r"(y), "r"(z));  // x ^ y ^ z
   return r;
 }
 
-// KIND 0: FFMA, 1: LOP3. F must be a multiple of 8 (eight chains).
-template <int M, int F, int KIND>
+// KIND 0: FFMA, 1: LOP3. F must be a multiple of 8 (eight chains). W: the products as wgmma (per warpgroup).
+template <int M, int F, int KIND, bool W = false>
 __global__ void __launch_bounds__(kWarps * 32, 1) overlap_kernel(int iters, float* out, long long* cycles) {
   static_assert(F % 8 == 0, "eight chains");
   const std::uint32_t t = threadIdx.x;
+  __shared__ __align__(128) std::uint32_t btile[kWarps / 4][64];  // one 16 x 8 fp16 B tile per warpgroup
+  btile[t >> 7][t & 63] = 0x3c003c00u ^ (t & 0x00ff00ffu);
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  // No-swizzle descriptor: address >> 4, leading (k) byte offset 128, stride byte offset 256.
+  const std::uint32_t bs = static_cast<std::uint32_t>(__cvta_generic_to_shared(&btile[t >> 7][0]));
+  const std::uint64_t bd = static_cast<std::uint64_t>((bs & 0x3ffffu) >> 4) | (std::uint64_t{128 >> 4} << 16) |
+                           (std::uint64_t{256 >> 4} << 32);
   std::uint32_t a[4], b[2];
 #pragma unroll
   for (int i = 0; i < 4; ++i) a[i] = 0x3f803f80u ^ ((t + i) & 7u);  // bf16 pairs near 1.0
@@ -62,13 +79,23 @@ __global__ void __launch_bounds__(kWarps * 32, 1) overlap_kernel(int iters, floa
   const long long t0 = clock64();
   for (int it = 0; it < iters; ++it) {
     // The products first, then the other work: both independent of each other within the iteration.
+    if constexpr (W) {
+      if constexpr (M > 0) {
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
-    for (int m = 0; m < M; ++m) mma(acc[m & 3], a, b);
+        for (int m = 0; m < M; ++m) wgmma_rs(acc[m & 3], a, bd);
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+      }
+    } else {
+#pragma unroll
+      for (int m = 0; m < M; ++m) mma(acc[m & 3], a, b);
+    }
 #pragma unroll
     for (int j = 0; j < F; ++j) {
       if constexpr (KIND == 0) f[j & 7] = __fmaf_rn(f[j & 7], x, y);
       else u[j & 7] = lop3(u[j & 7], p, q);
     }
+    if constexpr (W && M > 0) asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
   }
   __syncthreads();
   const long long t1 = clock64();
@@ -86,6 +113,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) overlap_kernel(int iters, floa
 struct Row {
   const char* name;
   int m, f, kind;
+  bool w;  // the products as wgmma
   void (*kernel)(int, float*, long long*);
 };
 
@@ -109,20 +137,25 @@ int main(int argc, char** argv) {
   if (!bench_device(prop, true)) return 0;
   const int sms = prop.multiProcessorCount;
   const Row rows[] = {
-      {"mma x4", 4, 0, 0, overlap_kernel<4, 0, 0>},
-      {"mma x8", 8, 0, 0, overlap_kernel<8, 0, 0>},
-      {"ffma x32", 0, 32, 0, overlap_kernel<0, 32, 0>},
-      {"ffma x64", 0, 64, 0, overlap_kernel<0, 64, 0>},
-      {"ffma x128", 0, 128, 0, overlap_kernel<0, 128, 0>},
-      {"mma x4 + ffma x32", 4, 32, 0, overlap_kernel<4, 32, 0>},
-      {"mma x4 + ffma x64", 4, 64, 0, overlap_kernel<4, 64, 0>},
-      {"mma x4 + ffma x128", 4, 128, 0, overlap_kernel<4, 128, 0>},
-      {"lop3 x32", 0, 32, 1, overlap_kernel<0, 32, 1>},
-      {"lop3 x64", 0, 64, 1, overlap_kernel<0, 64, 1>},
-      {"lop3 x128", 0, 128, 1, overlap_kernel<0, 128, 1>},
-      {"mma x4 + lop3 x32", 4, 32, 1, overlap_kernel<4, 32, 1>},
-      {"mma x4 + lop3 x64", 4, 64, 1, overlap_kernel<4, 64, 1>},
-      {"mma x4 + lop3 x128", 4, 128, 1, overlap_kernel<4, 128, 1>},
+      {"mma x4", 4, 0, 0, false, overlap_kernel<4, 0, 0>},
+      {"mma x8", 8, 0, 0, false, overlap_kernel<8, 0, 0>},
+      {"ffma x32", 0, 32, 0, false, overlap_kernel<0, 32, 0>},
+      {"ffma x64", 0, 64, 0, false, overlap_kernel<0, 64, 0>},
+      {"ffma x128", 0, 128, 0, false, overlap_kernel<0, 128, 0>},
+      {"mma x4 + ffma x32", 4, 32, 0, false, overlap_kernel<4, 32, 0>},
+      {"mma x4 + ffma x64", 4, 64, 0, false, overlap_kernel<4, 64, 0>},
+      {"mma x4 + ffma x128", 4, 128, 0, false, overlap_kernel<4, 128, 0>},
+      {"lop3 x32", 0, 32, 1, false, overlap_kernel<0, 32, 1>},
+      {"lop3 x64", 0, 64, 1, false, overlap_kernel<0, 64, 1>},
+      {"lop3 x128", 0, 128, 1, false, overlap_kernel<0, 128, 1>},
+      {"mma x4 + lop3 x32", 4, 32, 1, false, overlap_kernel<4, 32, 1>},
+      {"mma x4 + lop3 x64", 4, 64, 1, false, overlap_kernel<4, 64, 1>},
+      {"mma x4 + lop3 x128", 4, 128, 1, false, overlap_kernel<4, 128, 1>},
+      {"wgmma x4", 4, 0, 0, true, overlap_kernel<4, 0, 0, true>},
+      {"wgmma x4 + ffma x32", 4, 32, 0, true, overlap_kernel<4, 32, 0, true>},
+      {"wgmma x4 + ffma x64", 4, 64, 0, true, overlap_kernel<4, 64, 0, true>},
+      {"wgmma x4 + ffma x128", 4, 128, 0, true, overlap_kernel<4, 128, 0, true>},
+      {"wgmma x4 + lop3 x64", 4, 64, 1, true, overlap_kernel<4, 64, 1, true>},
   };
   float* out = nullptr;
   long long* cyc = nullptr;
@@ -150,14 +183,16 @@ int main(int argc, char** argv) {
     if (w.f) std::snprintf(cf, sizeof cf, "%.2f", med[r] / (per_sched * w.f));
     std::printf("%-22s %12.1f %16s %16s\n", w.name, med[r], cm, cf);
   }
-  // Mixed rows against their parts: rows[0] is mma x4 alone; the parts of row "mma x4 + K xF" are rows 0 and "K xF".
+  // Mixed rows against their parts: the products alone (same M, same kind of product) and the operations alone.
   std::printf("\n%-22s %10s %10s %10s %14s\n", "mixed row", "measured", "max(parts)", "sum(parts)", "hidden share");
   for (std::size_t r = 0; r < med.size(); ++r) {
     if (!(rows[r].m && rows[r].f)) continue;
-    double part = -1;
-    for (std::size_t s = 0; s < med.size(); ++s)
+    double part = -1, prod = -1;
+    for (std::size_t s = 0; s < med.size(); ++s) {
       if (!rows[s].m && rows[s].f == rows[r].f && rows[s].kind == rows[r].kind) part = med[s];
-    const double mx = std::max(med[0], part), sm = med[0] + part;
+      if (!rows[s].f && rows[s].m == rows[r].m && rows[s].w == rows[r].w) prod = med[s];
+    }
+    const double mx = std::max(prod, part), sm = prod + part;
     // 1: the mixed time is the larger part (the smaller one fully hidden); 0: the sum (nothing hidden).
     const double hidden = (sm - med[r]) / (sm - mx);
     std::printf("%-22s %10.1f %10.1f %10.1f %14.2f\n", rows[r].name, med[r], mx, sm, hidden);
