@@ -1,6 +1,6 @@
-// bench_mma_overlap: whether the warp-level tensor-core product (mma.sync m16n8k16, bf16 in, f32 out) that a
-// rotation by tensor cores would issue overlaps with the CUDA-core work of the other warps, measured alone on
-// every SM (sm_90a).
+// bench_mma_overlap: whether the warp-level tensor-core product (mma.sync m16n8k16, bf16 in, f32 out; the fast
+// decode kernels' QK and PV, and the store's rotation by tensor cores that a probe timed) overlaps with the
+// CUDA-core work of the other warps, measured alone on every SM (sm_90a; bench/results/mma-overlap-2026-12-07.md).
 //
 // One CTA of 16 warps per SM (four per scheduler, as the fast store kernel runs). Each warp runs `--iters`
 // iterations of M products (four independent accumulator chains) and F independent operations of one kind
