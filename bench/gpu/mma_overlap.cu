@@ -30,6 +30,7 @@
 namespace {
 
 constexpr int kWarps = 16;
+constexpr int kPerScheduler = kWarps / 4;  // an SM has four schedulers
 
 __device__ __forceinline__ void mma(float (&d)[4], const std::uint32_t (&a)[4], const std::uint32_t (&b)[2]) {
   asm volatile(
@@ -180,7 +181,7 @@ int main(int argc, char** argv) {
   CHECK(cudaMalloc(&cyc, sizeof(long long) * sms));
   std::printf("# %s, %d SMs, one CTA of %d warps per SM, %d iterations; SM cycles per iteration (median CTA)\n",
               prop.name, sms, kWarps, iters);
-  std::printf("# per scheduler and iteration: 4 warps x (M products + F operations)\n");
+  std::printf("# per scheduler and iteration: %d warps x (M products + F operations)\n", kPerScheduler);
   std::printf("%-26s %12s %16s %16s\n", "row", "cycles/iter", "cyc/mma/sched", "cyc/op/sched");
   std::vector<double> med(sizeof(rows) / sizeof(rows[0]));
   for (std::size_t r = 0; r < med.size(); ++r) {
@@ -194,10 +195,9 @@ int main(int argc, char** argv) {
     CHECK(cudaMemcpy(h.data(), cyc, sizeof(long long) * sms, cudaMemcpyDeviceToHost));
     std::sort(h.begin(), h.end());
     med[r] = static_cast<double>(h[sms / 2]) / iters;
-    const double per_sched = 4.0;  // warps per scheduler
     char cm[32] = "-", cf[32] = "-";
-    if (w.m) std::snprintf(cm, sizeof cm, "%.2f", med[r] / (per_sched * w.m));
-    if (w.f) std::snprintf(cf, sizeof cf, "%.2f", med[r] / (per_sched * w.f));
+    if (w.m) std::snprintf(cm, sizeof cm, "%.2f", med[r] / (kPerScheduler * w.m));
+    if (w.f) std::snprintf(cf, sizeof cf, "%.2f", med[r] / (kPerScheduler * w.f));
     std::printf("%-26s %12.1f %16s %16s\n", w.name, med[r], cm, cf);
   }
   // Mixed rows against their parts: the products alone (same M, same kind of product) and the operations alone.
