@@ -34,6 +34,16 @@ Also without cuobjdump: which kernels a change touched, by their code bytes (.te
 "same" or "differs" (or in one file only). With three, each kernel of C is named after the build whose code it has:
 "A", "B", "A and B" (both equal), or "neither"; the exit status is 1 if any is "neither". That is how a build that
 picks, kernel by kernel, between two measured variants is checked to contain only measured code.
+
+  bench/gpu/sass_loops.py --budget BUDGET.json [--nvcc NVCC] [--write] NAME=K.cubin [NAME=K.cubin ...]
+The loop budget (CI): for every kernel of each cubin that has a main loop (as above), the loop's instruction count,
+its HMMA count and the kernel's local loads / stores between HMMAs (as --spills) against BUDGET.json's record of the
+same cubin NAME (the source file it was compiled from). Fails (exit 1) where a loop grew, gained spills or changed
+its HMMA count, or where a kernel with a main loop appeared or went; a loop that shrank is reported and passes (write
+the budget again to keep the gain). The counts belong to one compiler: where NVCC's (default: nvcc on PATH, else
+/usr/local/cuda/bin/nvcc) `--version` differs from the one recorded, exits 77 (skipped). --write records the cubins'
+counts and the compiler instead (the file then holds the cubins given, only). The budget of the tree is
+bench/gpu/loop_budget.json (docs/kernels.md, "Loop budget").
 """
 import gzip
 import json
@@ -266,7 +276,144 @@ def main_same(argv):
     return rc
 
 
+def loop_records(path):
+    """{kernel: {"loop", "hmma", "spills"}} of the kernels of a cubin that have a main loop: the loop's instructions
+    and HMMAs (main_loop_body) and the kernel's local loads / stores between HMMAs (spills_between_mma)."""
+    insns, texts = parse_local(path), cubin_kernels(path)
+    out = {}
+    for n in sorted(insns):
+        body = main_loop_body(insns[n])
+        if body is not None:
+            # an anonymous namespace's mangled name carries a hash of the source's path: zeroed, so that clones agree
+            key = re.sub(r"_GLOBAL__N__[0-9a-f]{8}_", "_GLOBAL__N__00000000_", n)
+            out[key] = {"loop": len(body), "hmma": body.count("HMMA"), "spills": len(spills_between_mma(texts[n])[1])}
+    return out
+
+
+def budget_of(doc):
+    """(nvcc version, {cubin name: {kernel: record}}) of a loaded budget file; ValueError where it is malformed."""
+    ok = isinstance(doc, dict) and isinstance(doc.get("nvcc"), str) and isinstance(doc.get("cubins"), dict)
+    ok = ok and all(isinstance(k, dict) and all(isinstance(r, dict) and all(isinstance(r.get(x), int) and r[x] >= 0
+                                                                            for x in ("loop", "hmma", "spills"))
+                                                for r in k.values())
+                    for k in doc["cubins"].values())
+    if not ok:
+        raise ValueError('expected {"nvcc": "V...", "cubins": {NAME: {kernel: {"loop", "hmma", "spills"}}}}')
+    return doc["nvcc"], doc["cubins"]
+
+
+def nvcc_version(nvcc):
+    """The compiler's version as `nvcc --version` prints it last on its release line, e.g. V13.0.88."""
+    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+    m = re.search(r"release [0-9.]+, (V[0-9][0-9.]*)", out)
+    if not m:
+        raise ValueError(f"{nvcc} --version names no release")
+    return m.group(1)
+
+
+def check_budget(budget, found, readable=None):
+    """(problems, notes): lines saying where `found` ({cubin name: loop_records}) exceeds `budget` (the same shape)
+    and where it is below it."""
+    readable = readable or {}
+    problems, notes = [], []
+    for f in sorted(set(budget) | set(found)):
+        if f not in found:
+            problems.append(f"{f}: in the budget, but no cubin of it was given")
+            continue
+        if f not in budget:
+            problems.append(f"{f}: no budget recorded for it")
+            continue
+        b, k = budget[f], found[f]
+        for n in sorted(set(b) | set(k)):
+            name = f"{f}: {readable.get(n, n)}"
+            if n not in k:
+                problems.append(f"{name}: in the budget, but the cubin has no such kernel with a main loop")
+            elif n not in b:
+                problems.append(f"{name}: a kernel with a main loop that the budget lacks")
+            else:
+                rb, rk = b[n], k[n]
+                if rk["hmma"] != rb["hmma"]:
+                    problems.append(f"{name}: {rk['hmma']} HMMA in the main loop, {rb['hmma']} recorded")
+                if rk["loop"] > rb["loop"]:
+                    problems.append(f"{name}: main loop {rk['loop']} instructions, {rb['loop']} recorded "
+                                    f"(+{rk['loop'] - rb['loop']})")
+                elif rk["loop"] < rb["loop"]:
+                    notes.append(f"{name}: main loop {rk['loop']} instructions, {rb['loop']} recorded "
+                                 f"({rk['loop'] - rb['loop']})")
+                if rk["spills"] > rb["spills"]:
+                    problems.append(f"{name}: {rk['spills']} local loads / stores between HMMAs, "
+                                    f"{rb['spills']} recorded")
+                elif rk["spills"] < rb["spills"]:
+                    notes.append(f"{name}: {rk['spills']} local loads / stores between HMMAs, {rb['spills']} recorded")
+    return problems, notes
+
+
+def short_names(names):
+    """Demangled kernel names without the kvq::cuda namespaces and the parameter list, for messages."""
+    out = {}
+    for n, d in demangle(names).items():
+        d = re.sub(r"kvq::cuda::(detail::)?", "", d)
+        out[n] = re.sub(r"^void ", "", re.sub(r"\((DecodeParams|Mla\w*Params)[^()]*\)$", "", d))
+    return out
+
+
+def main_budget(argv):
+    write = "--write" in argv
+    argv = [x for x in argv if x != "--write"]
+    nvcc = None
+    if "--nvcc" in argv:
+        i = argv.index("--nvcc")
+        if i + 1 >= len(argv):
+            print(__doc__, file=sys.stderr)
+            return 2
+        nvcc = argv[i + 1]
+        del argv[i:i + 2]
+    if len(argv) < 2 or not all("=" in a and a.index("=") > 0 for a in argv[1:]):
+        print(__doc__, file=sys.stderr)
+        return 2
+    budget_path = argv[0]
+    cubins = dict(a.split("=", 1) for a in argv[1:])
+    if nvcc is None:
+        nvcc = "nvcc" if any(os.access(os.path.join(d, "nvcc"), os.X_OK)
+                             for d in os.environ.get("PATH", "").split(os.pathsep)) else "/usr/local/cuda/bin/nvcc"
+    try:
+        version = nvcc_version(nvcc)
+        found = {f: loop_records(p) for f, p in cubins.items()}
+    except (OSError, ValueError, struct.error, subprocess.CalledProcessError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if write:
+        with open(budget_path, "w") as f:
+            json.dump({"nvcc": version, "cubins": found}, f, indent=1, sort_keys=True)
+            f.write("\n")
+        print(f"wrote {budget_path}: {sum(len(k) for k in found.values())} kernels with a main loop, nvcc {version}")
+        return 0
+    try:
+        with open(budget_path) as f:
+            recorded, cubins_b = budget_of(json.load(f))
+    except (OSError, ValueError) as e:
+        print(f"error: {budget_path}: {e}", file=sys.stderr)
+        return 1
+    if recorded != version:
+        print(f"skipped: {budget_path} was recorded with nvcc {recorded}, {nvcc} is {version}")
+        return 77
+    # only the cubins given are checked; a budget entry of another source file is not missing
+    budget = {f: cubins_b[f] for f in found if f in cubins_b}
+    readable = short_names(sorted(set().union(*[set(k) for k in list(found.values()) + list(budget.values())])))
+    problems, notes = check_budget(budget, found, readable)
+    for line in notes:
+        print(f"below the budget (write it again to keep): {line}")
+    for line in problems:
+        print(f"over the budget: {line}")
+    n = sum(len(k) for k in found.values())
+    print(f"{'FAILED' if problems else 'passed'}: {n} kernels with a main loop in {len(found)} cubins against "
+          f"{budget_path} (nvcc {version})")
+    return 1 if problems else 0
+
+
 def main(argv):
+    if argv[:1] == ["--budget"]:
+        return main_budget(argv[1:])
     if argv[:1] == ["--spills"]:
         return main_spills(argv[1:])
     if argv[:1] == ["--same"]:

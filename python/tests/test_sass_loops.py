@@ -188,3 +188,70 @@ def test_opmap_is_written_from_a_listing_and_refuses_two_names_for_one_opcode(tm
     bad2 = subprocess.run([sys.executable, _path, "--opmap", str(tmp_path / "bad2.txt"), str(tmp_path / "k.cubin")],
                           capture_output=True, text=True, env=env)
     assert bad2.returncode == 1 and "decoded target differs" in bad2.stderr
+
+
+def fake_nvcc(tmp_path, version):
+    """An executable that answers --version as nvcc does, with `version` (e.g. V13.0.88) on the release line."""
+    path = tmp_path / f"nvcc-{version}"
+    path.write_text(f"#!/bin/sh\necho 'Cuda compilation tools, release 13.0, {version}'\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_loop_budget_fails_on_grown_loops_spills_and_changed_kernels_and_skips_another_compiler(tmp_path):
+    HMMA, LDS, LDL, NOP = 0x23C, 0x984, 0x983, 0x918  # sm_90 (bench/gpu/sm90_opcodes.json)
+
+    def kernel(extra=0, spill=False):
+        # 0: NOP; 1 .. 4 + extra: LDS; then 16 HMMA (an LDL among them when spill); a branch back to 1
+        body = [LDS] * (4 + extra) + [HMMA] * 8 + ([LDL] if spill else []) + [HMMA] * 8
+        return [NOP] + body + [bra(-16 * (len(body) + 1))]
+
+    anon = "_ZN3kvq4cuda46_GLOBAL__N__{}_13_mla_decode_cu_d4afc68c1kEv"  # an anonymous namespace's hash per path
+    nvcc = fake_nvcc(tmp_path, "V13.0.88")
+
+    def check(kernels, *extra):
+        tiny_cubin(tmp_path / "k.cubin", kernels)
+        r = subprocess.run([sys.executable, _path, "--budget", str(tmp_path / "b.json"), *extra,
+                            f"decode_d128.cu={tmp_path / 'k.cubin'}"], capture_output=True, text=True)
+        return r.returncode, r.stdout + r.stderr
+
+    base = {"_Z1fv": kernel(), anon.format("a528e5fc"): kernel(), "_Z4copyv": [NOP, NOP]}
+    rc, out = check(base, "--nvcc", nvcc, "--write")
+    assert rc == 0 and "2 kernels with a main loop" in out
+    recorded = json.loads((tmp_path / "b.json").read_text())
+    assert recorded["nvcc"] == "V13.0.88"
+    assert recorded["cubins"]["decode_d128.cu"]["_Z1fv"] == {"loop": 21, "hmma": 16, "spills": 0}
+    assert anon.format("00000000") in recorded["cubins"]["decode_d128.cu"]
+    # the same code, the anonymous namespace compiled from another path: passes
+    rc, out = check({**base, anon.format("7f352e9d"): kernel()}, "--nvcc", nvcc)
+    assert rc == 0 and "passed" in out
+    # one instruction more in a loop
+    rc, out = check({**base, "_Z1fv": kernel(extra=1)}, "--nvcc", nvcc)
+    assert rc == 1 and "over the budget" in out and "main loop 22 instructions, 21 recorded (+1)" in out
+    # one fewer: passes, and says so
+    rc, out = check({**base, "_Z1fv": kernel(extra=-1)}, "--nvcc", nvcc)
+    assert rc == 0 and "below the budget" in out and "(-1)" in out
+    # a local load between the HMMAs
+    rc, out = check({**base, "_Z1fv": kernel(spill=True)}, "--nvcc", nvcc)
+    assert rc == 1 and "1 local loads / stores between HMMAs, 0 recorded" in out
+    # a kernel with a main loop that the budget lacks, and one that went
+    rc, out = check({**base, "_Z1gv": kernel()}, "--nvcc", nvcc)
+    assert rc == 1 and "the budget lacks" in out
+    rc, out = check({"_Z1fv": kernel()}, "--nvcc", nvcc)
+    assert rc == 1 and "no such kernel with a main loop" in out
+    # another compiler: skipped (ctest's SKIP_RETURN_CODE), whatever the code
+    rc, out = check({**base, "_Z1fv": kernel(extra=5)}, "--nvcc", fake_nvcc(tmp_path, "V13.1.20"))
+    assert rc == 77 and "skipped" in out and "V13.0.88" in out
+    # a cubin name the budget does not hold, a broken budget file, a missing argument
+    tiny_cubin(tmp_path / "k.cubin", base)
+    r = subprocess.run([sys.executable, _path, "--budget", str(tmp_path / "b.json"), "--nvcc", nvcc,
+                        f"store.cu={tmp_path / 'k.cubin'}"], capture_output=True, text=True)
+    assert r.returncode == 1 and "store.cu: no budget recorded for it" in r.stdout
+    (tmp_path / "b.json").write_text("{")
+    rc, out = check(base, "--nvcc", nvcc)
+    assert rc == 1 and out.startswith("error:")
+    (tmp_path / "b.json").write_text('{"nvcc": "V13.0.88", "cubins": {"decode_d128.cu": {"_Z1fv": {"loop": 21}}}}')
+    rc, out = check(base, "--nvcc", nvcc)
+    assert rc == 1 and out.startswith("error:") and "expected" in out
+    r = subprocess.run([sys.executable, _path, "--budget", str(tmp_path / "b.json")], capture_output=True, text=True)
+    assert r.returncode == 2
