@@ -25,9 +25,9 @@ of 4-byte units from the next instruction. Both were read off a cuobjdump listin
 listing the table equals cuobjdump's. An opcode the map lacks prints as ?XXX. --hist adds each loop's full opcode
 counts (also with cuobjdump listings).
 
-  bench/gpu/sass_loops.py --opmap LISTING.txt[.gz] K.cubin
-Writes sm90_opcodes.json from a cuobjdump listing and the cubin it was made from, for another compiler version; an
-opcode that names two mnemonics is an error.
+  bench/gpu/sass_loops.py --opmap LISTING.txt[.gz] K.cubin [LISTING2 K2.cubin ...]
+Writes sm90_opcodes.json from cuobjdump listings and the cubins they were made from (the opcodes of all pairs), for
+another compiler version or more kernels; an opcode that names two mnemonics is an error.
 
   bench/gpu/sass_loops.py --same A.cubin B.cubin [C.cubin]
 Also without cuobjdump: which kernels a change touched, by their code bytes (.text). With two cubins, each kernel is
@@ -165,27 +165,18 @@ def parse_local(path):
 
 
 def main_opmap(argv):
-    if len(argv) != 2:
+    if len(argv) < 2 or len(argv) % 2:
         print(__doc__, file=sys.stderr)
         return 2
-    listing, kernels = parse(argv[0]), cubin_kernels(argv[1])
     seen, errors = {}, 0
-    for n, insns in listing.items():
-        text = kernels.get(n)
-        if text is None:
-            print(f"error: {n} is not in {argv[1]}", file=sys.stderr)
-            return 1
-        for a, t in insns:
-            lo, hi = struct.unpack_from("<QQ", text, a)
-            op, name = lo & 0xFFF, opcode(t)
-            if seen.setdefault(op, name) != name:
-                print(f"error: opcode 0x{op:03x} is both {seen[op]} and {name}", file=sys.stderr)
-                errors += 1
-            if op == BRA_OP:
-                m = re.search(r"(0x[0-9a-f]+)\s*$", t)
-                if m and a + 16 + branch_offset(lo, hi) != int(m.group(1), 16):
-                    print(f"error: branch at 0x{a:x} of {n}: decoded target differs from {t}", file=sys.stderr)
-                    errors += 1
+    for lpath, kpath in zip(argv[::2], argv[1::2]):
+        listing, kernels = parse(lpath), cubin_kernels(kpath)
+        for n, insns in listing.items():
+            text = kernels.get(n)
+            if text is None:
+                print(f"error: {n} is not in {kpath}", file=sys.stderr)
+                return 1
+            errors += opmap_kernel(seen, n, insns, text)
     if errors:
         return 1
     with open(opmap_path(), "w") as f:
@@ -194,6 +185,23 @@ def main_opmap(argv):
         f.write("\n")
     print(f"{len(seen)} opcodes written to {opmap_path()}")
     return 0
+
+
+def opmap_kernel(seen, n, insns, text):
+    """Adds one kernel's opcodes (its listing's instructions against its code bytes) to seen; the errors found."""
+    errors = 0
+    for a, t in insns:
+        lo, hi = struct.unpack_from("<QQ", text, a)
+        op, name = lo & 0xFFF, opcode(t)
+        if seen.setdefault(op, name) != name:
+            print(f"error: opcode 0x{op:03x} is both {seen[op]} and {name}", file=sys.stderr)
+            errors += 1
+        if op == BRA_OP:
+            m = re.search(r"(0x[0-9a-f]+)\s*$", t)
+            if m and a + 16 + branch_offset(lo, hi) != int(m.group(1), 16):
+                print(f"error: branch at 0x{a:x} of {n}: decoded target differs from {t}", file=sys.stderr)
+                errors += 1
+    return errors
 
 
 def cubin_kernels(path):

@@ -179,6 +179,18 @@ def test_opmap_is_written_from_a_listing_and_refuses_two_names_for_one_opcode(tm
     assert r.returncode == 0, r.stderr
     assert json.loads((tmp_path / "ops.json").read_text())["opcodes"] == {"0x23c": "HMMA", "0x947": "BRA",
                                                                          "0x984": "LDS"}
+    # two listings with their cubins: one map of the opcodes of both
+    tiny_cubin(tmp_path / "k2.cubin", {"_Z1gv": [0x918, HMMA]})
+    (tmp_path / "k2.txt").write_text("\t\tFunction : _Z1gv\n        /*0000*/   NOP ;\n"
+                                     "        /*0010*/   HMMA.16816.F32 R8, R12, R16, R8 ;\n")
+    r = subprocess.run([sys.executable, _path, "--opmap", str(tmp_path / "k.txt"), str(tmp_path / "k.cubin"),
+                        str(tmp_path / "k2.txt"), str(tmp_path / "k2.cubin")], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "ops.json").read_text())["opcodes"] == {"0x23c": "HMMA", "0x918": "NOP",
+                                                                         "0x947": "BRA", "0x984": "LDS"}
+    odd = subprocess.run([sys.executable, _path, "--opmap", str(tmp_path / "k.txt"), str(tmp_path / "k.cubin"),
+                          str(tmp_path / "k2.txt")], capture_output=True, text=True, env=env)
+    assert odd.returncode == 2
     # one opcode listed as two instructions, and a branch whose decoded target is not the listing's
     tiny_cubin(tmp_path / "bad.cubin", {"_Z1fv": [LDS, LDS, bra(-48)]})
     bad = subprocess.run([sys.executable, _path, "--opmap", str(tmp_path / "k.txt"), str(tmp_path / "bad.cubin")],
