@@ -2,9 +2,9 @@
 """Main-loop sizes of the kernels in a CUDA object or cubin, from `cuobjdump -sass`.
 
 For each kernel (Function) the main loop is taken as the smallest backward branch region [target, branch] that holds
-at least 16 HMMA instructions (one chunk's QK or PV); its instruction count and its HMMA / LDS / PRMT / LOP3 counts are
-printed, with the kernel's whole instruction count. Used to check that a change outside a loop left ptxas's
-allocation of the loop alone (docs/kernels.md, warps' merge).
+at least 16 HMMA instructions (one chunk's QK or PV), or 16 HGMMA (the MLA warpgroup kernels); its instruction count
+and its HMMA / LDS / PRMT / LOP3 counts are printed, with the kernel's whole instruction count. Used to check that a
+change outside a loop left ptxas's allocation of the loop alone (docs/kernels.md, warps' merge).
 
   bench/gpu/sass_loops.py A.o [B.o]     one column per file; with two, the kernels present in both, and B - A
 A file named *.txt or *.txt.gz is read as cuobjdump's output instead (a listing saved on a GPU host).
@@ -12,10 +12,10 @@ A file named *.txt or *.txt.gz is read as cuobjdump's output instead (a listing 
   bench/gpu/sass_loops.py --spills K.cubin [PATTERN]
 Without cuobjdump (a machine with ptxas only): reads the sm_90 cubin's kernel sections directly and prints, per
 kernel whose name contains PATTERN (default decode_fast), every local load / store (LDL / STL, ptxas's spill code)
-that has HMMA instructions both before and after it, with those counts: for the fast decode kernels, whose HMMAs
-are all in the main loop, that is a spill inside or between the loop's MMAs. The opcodes are the low 12 bits of an
-instruction's first 64-bit word (sm_90: HMMA 0x23c, LDL 0x983, STL 0x387), read off cuobjdump listings of the same
-kernels; a heuristic for a local check, not a disassembler.
+that has HMMA (or HGMMA) instructions both before and after it, with those counts: for the fast decode kernels, whose
+HMMAs are all in the main loop, that is a spill inside or between the loop's MMAs. The opcodes are the low 12 bits of
+an instruction's first 64-bit word (sm_90: HMMA 0x23c, HGMMA 0x9f0 / 0xdf0, LDL 0x983, STL 0x387), read off cuobjdump
+listings of the same kernels; a heuristic for a local check, not a disassembler.
 
   bench/gpu/sass_loops.py --local [--hist] A.cubin [B.cubin]
 Without cuobjdump: the same table from sm_90 cubins, each instruction named by its low 12 bits through
@@ -37,13 +37,13 @@ picks, kernel by kernel, between two measured variants is checked to contain onl
 
   bench/gpu/sass_loops.py --budget BUDGET.json [--nvcc NVCC] [--write] NAME=K.cubin [NAME=K.cubin ...]
 The loop budget (CI): for every kernel of each cubin that has a main loop (as above), the loop's instruction count,
-its HMMA count and the kernel's local loads / stores between HMMAs (as --spills) against BUDGET.json's record of the
-same cubin NAME (the source file it was compiled from). Fails (exit 1) where a loop grew, gained spills or changed
-its HMMA count, or where a kernel with a main loop appeared or went; a loop that shrank is reported and passes (write
-the budget again to keep the gain). The counts belong to one compiler: where NVCC's (default: nvcc on PATH, else
-/usr/local/cuda/bin/nvcc) `--version` differs from the one recorded, exits 77 (skipped). --write records the cubins'
-counts and the compiler instead (the file then holds the cubins given, only). The budget of the tree is
-bench/gpu/loop_budget.json (docs/kernels.md, "Loop budget").
+its HMMA and HGMMA counts and the kernel's local loads / stores between them (as --spills) against BUDGET.json's
+record of the same cubin NAME (the source file it was compiled from). Fails (exit 1) where a loop grew, gained spills
+or changed its HMMA / HGMMA counts, or where a kernel with a main loop appeared or went; a loop that shrank is
+reported and passes (write the budget again to keep the gain). The counts belong to one compiler: where NVCC's
+(default: nvcc on PATH, else /usr/local/cuda/bin/nvcc) `--version` differs from the one recorded, exits 77 (skipped).
+--write records the cubins' counts and the compiler instead (the file then holds the cubins given, only). The budget
+of the tree is bench/gpu/loop_budget.json (docs/kernels.md, "Loop budget").
 """
 import gzip
 import json
@@ -105,7 +105,7 @@ def main_loop_body(insns):
             continue
         j = next((k for k, x in enumerate(addr) if x >= tgt), i)
         body = [opcode(t) for _, t in insns[j:i + 1]]
-        if body.count("HMMA") < 16:
+        if body.count("HMMA") < 16 and body.count("HGMMA") < 16:
             continue
         if best is None or len(body) < len(best):
             best = body
@@ -128,7 +128,7 @@ def demangle(names):
         return {n: n for n in names}
 
 
-SM90_OPS = {0x23C: "HMMA", 0x983: "LDL", 0x387: "STL"}
+SM90_OPS = {0x23C: "HMMA", 0x9F0: "HGMMA", 0xDF0: "HGMMA", 0x983: "LDL", 0x387: "STL"}
 OPMAP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sm90_opcodes.json")
 BRA_OP = 0x947  # sm_90 BRA, every form (immediate target, .U.ANY, .DIV)
 
@@ -230,10 +230,10 @@ def spills_between_mma(text):
         op = struct.unpack_from("<Q", text, off)[0] & 0xFFF
         if op in SM90_OPS:
             found.append((off, SM90_OPS[op]))
-    mma = [o for o, k in found if k == "HMMA"]
+    mma = [o for o, k in found if k in ("HMMA", "HGMMA")]
     out = []
     for off, kind in found:
-        if kind != "HMMA":
+        if kind not in ("HMMA", "HGMMA"):
             before = sum(1 for o in mma if o < off)
             if 0 < before < len(mma):
                 out.append((off, kind, before, len(mma) - before))
@@ -253,8 +253,8 @@ def main_spills(argv):
     readable = demangle(sorted(kernels))
     for n in sorted(kernels):
         nmma, sp = spills_between_mma(kernels[n])
-        what = " ".join(f"{k}@{o:x} (HMMA {b} | {a})" for o, k, b, a in sp) or "none"
-        print(f"{readable.get(n, n)}\n    HMMA {nmma}, local accesses between them: {what}")
+        what = " ".join(f"{k}@{o:x} (MMA {b} | {a})" for o, k, b, a in sp) or "none"
+        print(f"{readable.get(n, n)}\n    HMMA / HGMMA {nmma}, local accesses between them: {what}")
     return 0
 
 
@@ -285,8 +285,9 @@ def main_same(argv):
 
 
 def loop_records(path):
-    """{kernel: {"loop", "hmma", "spills"}} of the kernels of a cubin that have a main loop: the loop's instructions
-    and HMMAs (main_loop_body) and the kernel's local loads / stores between HMMAs (spills_between_mma)."""
+    """{kernel: {"loop", "hmma", "hgmma", "spills"}} of the kernels of a cubin that have a main loop: the loop's
+    instructions, HMMAs and HGMMAs (main_loop_body) and the kernel's local loads / stores between them
+    (spills_between_mma)."""
     insns, texts = parse_local(path), cubin_kernels(path)
     out = {}
     for n in sorted(insns):
@@ -294,7 +295,8 @@ def loop_records(path):
         if body is not None:
             # an anonymous namespace's mangled name carries a hash of the source's path: zeroed, so that clones agree
             key = re.sub(r"_GLOBAL__N__[0-9a-f]{8}_", "_GLOBAL__N__00000000_", n)
-            out[key] = {"loop": len(body), "hmma": body.count("HMMA"), "spills": len(spills_between_mma(texts[n])[1])}
+            out[key] = {"loop": len(body), "hmma": body.count("HMMA"), "hgmma": body.count("HGMMA"),
+                        "spills": len(spills_between_mma(texts[n])[1])}
     return out
 
 
@@ -302,11 +304,11 @@ def budget_of(doc):
     """(nvcc version, {cubin name: {kernel: record}}) of a loaded budget file; ValueError where it is malformed."""
     ok = isinstance(doc, dict) and isinstance(doc.get("nvcc"), str) and isinstance(doc.get("cubins"), dict)
     ok = ok and all(isinstance(k, dict) and all(isinstance(r, dict) and all(isinstance(r.get(x), int) and r[x] >= 0
-                                                                            for x in ("loop", "hmma", "spills"))
+                                                                            for x in ("loop", "hmma", "hgmma", "spills"))
                                                 for r in k.values())
                     for k in doc["cubins"].values())
     if not ok:
-        raise ValueError('expected {"nvcc": "V...", "cubins": {NAME: {kernel: {"loop", "hmma", "spills"}}}}')
+        raise ValueError('expected {"nvcc": "V...", "cubins": {NAME: {kernel: {"loop", "hmma", "hgmma", "spills"}}}}')
     return doc["nvcc"], doc["cubins"]
 
 
@@ -340,8 +342,9 @@ def check_budget(budget, found, readable=None):
                 problems.append(f"{name}: a kernel with a main loop that the budget lacks")
             else:
                 rb, rk = b[n], k[n]
-                if rk["hmma"] != rb["hmma"]:
-                    problems.append(f"{name}: {rk['hmma']} HMMA in the main loop, {rb['hmma']} recorded")
+                for x in ("hmma", "hgmma"):
+                    if rk[x] != rb[x]:
+                        problems.append(f"{name}: {rk[x]} {x.upper()} in the main loop, {rb[x]} recorded")
                 if rk["loop"] > rb["loop"]:
                     problems.append(f"{name}: main loop {rk['loop']} instructions, {rb['loop']} recorded "
                                     f"(+{rk['loop'] - rb['loop']})")

@@ -107,7 +107,7 @@ def test_spills_between_mma_from_a_cubin(tmp_path):
     assert sass_loops.spills_between_mma(kernels["_Z11decode_fastv"]) == (3, [(4 * 16, "LDL", 2, 1)])
     out = subprocess.run([sys.executable, _path, "--spills", str(tmp_path / "k.cubin")], capture_output=True, text=True,
                          check=True).stdout
-    assert "LDL@40 (HMMA 2 | 1)" in out and "other" not in out
+    assert "LDL@40 (MMA 2 | 1)" in out and "other" not in out
     (tmp_path / "bad.cubin").write_bytes(b"not an elf")
     bad = subprocess.run([sys.executable, _path, "--spills", str(tmp_path / "bad.cubin")], capture_output=True, text=True)
     assert bad.returncode == 1 and bad.stderr.startswith("error:") and "not an ELF64 file" in bad.stderr
@@ -232,7 +232,7 @@ def test_loop_budget_fails_on_grown_loops_spills_and_changed_kernels_and_skips_a
     assert rc == 0 and "2 kernels with a main loop" in out
     recorded = json.loads((tmp_path / "b.json").read_text())
     assert recorded["nvcc"] == "V13.0.88"
-    assert recorded["cubins"]["decode_d128.cu"]["_Z1fv"] == {"loop": 21, "hmma": 16, "spills": 0}
+    assert recorded["cubins"]["decode_d128.cu"]["_Z1fv"] == {"loop": 21, "hmma": 16, "hgmma": 0, "spills": 0}
     assert anon.format("00000000") in recorded["cubins"]["decode_d128.cu"]
     # the same code, the anonymous namespace compiled from another path: passes
     rc, out = check({**base, anon.format("7f352e9d"): kernel()}, "--nvcc", nvcc)
@@ -246,6 +246,16 @@ def test_loop_budget_fails_on_grown_loops_spills_and_changed_kernels_and_skips_a
     # a local load between the HMMAs
     rc, out = check({**base, "_Z1fv": kernel(spill=True)}, "--nvcc", nvcc)
     assert rc == 1 and "1 local loads / stores between HMMAs, 0 recorded" in out
+    # a warpgroup kernel's loop (16 HGMMA, no HMMA) is a main loop too; another HGMMA count fails
+    HGMMA = 0x9F0
+    wg = [NOP] + [LDS] * 3 + [HGMMA] * 16 + [bra(-16 * 20)]
+    rc, out = check({**base, "_Z2wgv": wg}, "--nvcc", nvcc, "--write")
+    assert rc == 0 and json.loads((tmp_path / "b.json").read_text())["cubins"]["decode_d128.cu"]["_Z2wgv"] == {
+        "loop": 20, "hmma": 0, "hgmma": 16, "spills": 0}
+    rc, out = check({**base, "_Z2wgv": [NOP] + [LDS] * 2 + [HGMMA] * 17 + [bra(-16 * 20)]}, "--nvcc", nvcc)
+    assert rc == 1 and "17 HGMMA in the main loop, 16 recorded" in out
+    rc, out = check(base, "--nvcc", nvcc, "--write")
+    assert rc == 0
     # a kernel with a main loop that the budget lacks, and one that went
     rc, out = check({**base, "_Z1gv": kernel()}, "--nvcc", nvcc)
     assert rc == 1 and "the budget lacks" in out
