@@ -302,11 +302,12 @@ def loop_records(path):
 
 def budget_of(doc):
     """(nvcc version, {cubin name: {kernel: record}}) of a loaded budget file; ValueError where it is malformed."""
+    def record(r):
+        return isinstance(r, dict) and all(isinstance(r.get(x), int) and r[x] >= 0
+                                           for x in ("loop", "hmma", "hgmma", "spills"))
+
     ok = isinstance(doc, dict) and isinstance(doc.get("nvcc"), str) and isinstance(doc.get("cubins"), dict)
-    ok = ok and all(isinstance(k, dict) and all(isinstance(r, dict) and all(isinstance(r.get(x), int) and r[x] >= 0
-                                                                            for x in ("loop", "hmma", "hgmma", "spills"))
-                                                for r in k.values())
-                    for k in doc["cubins"].values())
+    ok = ok and all(isinstance(k, dict) and all(record(r) for r in k.values()) for k in doc["cubins"].values())
     if not ok:
         raise ValueError('expected {"nvcc": "V...", "cubins": {NAME: {kernel: {"loop", "hmma", "hgmma", "spills"}}}}')
     return doc["nvcc"], doc["cubins"]
@@ -352,10 +353,11 @@ def check_budget(budget, found, readable=None):
                     notes.append(f"{name}: main loop {rk['loop']} instructions, {rb['loop']} recorded "
                                  f"({rk['loop'] - rb['loop']})")
                 if rk["spills"] > rb["spills"]:
-                    problems.append(f"{name}: {rk['spills']} local loads / stores between HMMAs, "
+                    problems.append(f"{name}: {rk['spills']} local loads / stores between the products, "
                                     f"{rb['spills']} recorded")
                 elif rk["spills"] < rb["spills"]:
-                    notes.append(f"{name}: {rk['spills']} local loads / stores between HMMAs, {rb['spills']} recorded")
+                    notes.append(f"{name}: {rk['spills']} local loads / stores between the products, "
+                                 f"{rb['spills']} recorded")
     return problems, notes
 
 

@@ -245,7 +245,7 @@ def test_loop_budget_fails_on_grown_loops_spills_and_changed_kernels_and_skips_a
     assert rc == 0 and "below the budget" in out and "(-1)" in out
     # a local load between the HMMAs
     rc, out = check({**base, "_Z1fv": kernel(spill=True)}, "--nvcc", nvcc)
-    assert rc == 1 and "1 local loads / stores between HMMAs, 0 recorded" in out
+    assert rc == 1 and "1 local loads / stores between the products, 0 recorded" in out
     # a warpgroup kernel's loop (16 HGMMA, no HMMA) is a main loop too; another HGMMA count fails
     HGMMA = 0x9F0
     wg = [NOP] + [LDS] * 3 + [HGMMA] * 16 + [bra(-16 * 20)]
