@@ -37,13 +37,14 @@ picks, kernel by kernel, between two measured variants is checked to contain onl
 
   bench/gpu/sass_loops.py --budget BUDGET.json [--nvcc NVCC] [--write] NAME=K.cubin [NAME=K.cubin ...]
 The loop budget (CI): for every kernel of each cubin that has a main loop (as above), the loop's instruction count,
-its HMMA and HGMMA counts and the kernel's local loads / stores between them (as --spills) against BUDGET.json's
-record of the same cubin NAME (the source file it was compiled from). Fails (exit 1) where a loop grew, gained spills
-or changed its HMMA / HGMMA counts, or where a kernel with a main loop appeared or went; a loop that shrank is
-reported and passes (write the budget again to keep the gain). The counts belong to one compiler: where NVCC's
-(default: nvcc on PATH, else /usr/local/cuda/bin/nvcc) `--version` differs from the one recorded, exits 77 (skipped).
---write records the cubins' counts and the compiler instead (the file then holds the cubins given, only). The budget
-of the tree is bench/gpu/loop_budget.json (docs/kernels.md, "Loop budget").
+its HMMA and HGMMA counts and the kernel's local loads / stores between them (as --spills), and for every other
+kernel its local loads / stores (LDL / STL, spill code), against BUDGET.json's record of the same cubin NAME (the
+source file it was compiled from). Fails (exit 1) where a loop grew, gained spills or changed its HMMA / HGMMA counts,
+where another kernel gained local loads / stores, or where a kernel appeared, went or gained or lost its main loop;
+a count that shrank is reported and passes (write the budget again to keep the gain). The counts belong to one
+compiler: where NVCC's (default: nvcc on PATH, else /usr/local/cuda/bin/nvcc) `--version` differs from the one
+recorded, exits 77 (skipped). --write records the cubins' counts and the compiler instead (the file then holds the
+cubins given, only). The budget of the tree is bench/gpu/loop_budget.json (docs/kernels.md, "Loop budget").
 """
 import gzip
 import json
@@ -284,32 +285,36 @@ def main_same(argv):
     return rc
 
 
-def loop_records(path):
+def loop_records(path, all_kernels=False):
     """{kernel: {"loop", "hmma", "hgmma", "spills"}} of the kernels of a cubin that have a main loop: the loop's
     instructions, HMMAs and HGMMAs (main_loop_body) and the kernel's local loads / stores between them
-    (spills_between_mma)."""
+    (spills_between_mma); with all_kernels also {"local"} of every other kernel, its local loads / stores (LDL /
+    STL: spill code, or a local array)."""
     insns, texts = parse_local(path), cubin_kernels(path)
     out = {}
     for n in sorted(insns):
         body = main_loop_body(insns[n])
+        # an anonymous namespace's mangled name carries a hash of the source's path: zeroed, so that clones agree
+        key = re.sub(r"_GLOBAL__N__[0-9a-f]{8}_", "_GLOBAL__N__00000000_", n)
         if body is not None:
-            # an anonymous namespace's mangled name carries a hash of the source's path: zeroed, so that clones agree
-            key = re.sub(r"_GLOBAL__N__[0-9a-f]{8}_", "_GLOBAL__N__00000000_", n)
             out[key] = {"loop": len(body), "hmma": body.count("HMMA"), "hgmma": body.count("HGMMA"),
                         "spills": len(spills_between_mma(texts[n])[1])}
+        elif all_kernels:
+            out[key] = {"local": sum(1 for _, t in insns[n] if t in ("LDL", "STL"))}
     return out
 
 
 def budget_of(doc):
     """(nvcc version, {cubin name: {kernel: record}}) of a loaded budget file; ValueError where it is malformed."""
     def record(r):
-        return isinstance(r, dict) and all(isinstance(r.get(x), int) and r[x] >= 0
-                                           for x in ("loop", "hmma", "hgmma", "spills"))
+        keys = ("local",) if isinstance(r, dict) and set(r) == {"local"} else ("loop", "hmma", "hgmma", "spills")
+        return isinstance(r, dict) and all(isinstance(r.get(x), int) and r[x] >= 0 for x in keys)
 
     ok = isinstance(doc, dict) and isinstance(doc.get("nvcc"), str) and isinstance(doc.get("cubins"), dict)
     ok = ok and all(isinstance(k, dict) and all(record(r) for r in k.values()) for k in doc["cubins"].values())
     if not ok:
-        raise ValueError('expected {"nvcc": "V...", "cubins": {NAME: {kernel: {"loop", "hmma", "hgmma", "spills"}}}}')
+        raise ValueError('expected {"nvcc": "V...", "cubins": {NAME: {kernel: {"loop", "hmma", "hgmma", "spills"} '
+                         'or {"local"}}}}')
     return doc["nvcc"], doc["cubins"]
 
 
@@ -337,12 +342,19 @@ def check_budget(budget, found, readable=None):
         b, k = budget[f], found[f]
         for n in sorted(set(b) | set(k)):
             name = f"{f}: {readable.get(n, n)}"
+            rb, rk = b.get(n), k.get(n)
             if n not in k:
-                problems.append(f"{name}: in the budget, but the cubin has no such kernel with a main loop")
+                problems.append(f"{name}: in the budget, but not in the cubin")
             elif n not in b:
-                problems.append(f"{name}: a kernel with a main loop that the budget lacks")
+                problems.append(f"{name}: a kernel that the budget lacks")
+            elif ("local" in rb) != ("local" in rk):
+                problems.append(f"{name}: " + ("has a main loop now" if "local" in rb else "has no main loop now"))
+            elif "local" in rk:
+                if rk["local"] > rb["local"]:
+                    problems.append(f"{name}: {rk['local']} local loads / stores, {rb['local']} recorded")
+                elif rk["local"] < rb["local"]:
+                    notes.append(f"{name}: {rk['local']} local loads / stores, {rb['local']} recorded")
             else:
-                rb, rk = b[n], k[n]
                 for x in ("hmma", "hgmma"):
                     if rk[x] != rb[x]:
                         problems.append(f"{name}: {rk[x]} {x.upper()} in the main loop, {rb[x]} recorded")
@@ -359,6 +371,12 @@ def check_budget(budget, found, readable=None):
                     notes.append(f"{name}: {rk['spills']} local loads / stores between the products, "
                                  f"{rb['spills']} recorded")
     return problems, notes
+
+
+def kernel_counts(found):
+    """'N kernels (M with a main loop)' of loop_records per cubin."""
+    recs = [r for k in found.values() for r in k.values()]
+    return f"{len(recs)} kernels ({sum(1 for r in recs if 'loop' in r)} with a main loop)"
 
 
 def short_names(names):
@@ -391,7 +409,7 @@ def main_budget(argv):
                              for d in os.environ.get("PATH", "").split(os.pathsep)) else "/usr/local/cuda/bin/nvcc"
     try:
         version = nvcc_version(nvcc)
-        found = {f: loop_records(p) for f, p in cubins.items()}
+        found = {f: loop_records(p, all_kernels=True) for f, p in cubins.items()}
     except (OSError, ValueError, struct.error, subprocess.CalledProcessError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -399,7 +417,7 @@ def main_budget(argv):
         with open(budget_path, "w") as f:
             json.dump({"nvcc": version, "cubins": found}, f, indent=1, sort_keys=True)
             f.write("\n")
-        print(f"wrote {budget_path}: {sum(len(k) for k in found.values())} kernels with a main loop, nvcc {version}")
+        print(f"wrote {budget_path}: {kernel_counts(found)}, nvcc {version}")
         return 0
     try:
         with open(budget_path) as f:
@@ -418,9 +436,8 @@ def main_budget(argv):
         print(f"below the budget (write it again to keep): {line}")
     for line in problems:
         print(f"over the budget: {line}")
-    n = sum(len(k) for k in found.values())
-    print(f"{'FAILED' if problems else 'passed'}: {n} kernels with a main loop in {len(found)} cubins against "
-          f"{budget_path} (nvcc {version})")
+    print(f"{'FAILED' if problems else 'passed'}: {kernel_counts(found)} in {len(found)} cubins against {budget_path} "
+          f"(nvcc {version})")
     return 1 if problems else 0
 
 

@@ -211,7 +211,7 @@ def fake_nvcc(tmp_path, version):
 
 
 def test_loop_budget_fails_on_grown_loops_spills_and_changed_kernels_and_skips_another_compiler(tmp_path):
-    HMMA, LDS, LDL, NOP = 0x23C, 0x984, 0x983, 0x918  # sm_90 (bench/gpu/sm90_opcodes.json)
+    HMMA, LDS, LDL, STL, NOP = 0x23C, 0x984, 0x983, 0x387, 0x918  # sm_90 (bench/gpu/sm90_opcodes.json)
 
     def kernel(extra=0, spill=False):
         # 0: NOP; 1 .. 4 + extra: LDS; then 16 HMMA (an LDL among them when spill); a branch back to 1
@@ -227,9 +227,10 @@ def test_loop_budget_fails_on_grown_loops_spills_and_changed_kernels_and_skips_a
                             f"decode_d128.cu={tmp_path / 'k.cubin'}"], capture_output=True, text=True)
         return r.returncode, r.stdout + r.stderr
 
-    base = {"_Z1fv": kernel(), anon.format("a528e5fc"): kernel(), "_Z4copyv": [NOP, NOP]}
+    # two kernels with a main loop, and a store-like kernel without one (one local store, one load: a spill)
+    base = {"_Z1fv": kernel(), anon.format("a528e5fc"): kernel(), "_Z4copyv": [NOP, STL, NOP, LDL]}
     rc, out = check(base, "--nvcc", nvcc, "--write")
-    assert rc == 0 and "2 kernels with a main loop" in out
+    assert rc == 0 and "3 kernels (2 with a main loop)" in out
     recorded = json.loads((tmp_path / "b.json").read_text())
     assert recorded["nvcc"] == "V13.0.88"
     assert recorded["cubins"]["decode_d128.cu"]["_Z1fv"] == {"loop": 21, "hmma": 16, "hgmma": 0, "spills": 0}
@@ -256,11 +257,18 @@ def test_loop_budget_fails_on_grown_loops_spills_and_changed_kernels_and_skips_a
     assert rc == 1 and "17 HGMMA in the main loop, 16 recorded" in out
     rc, out = check(base, "--nvcc", nvcc, "--write")
     assert rc == 0
-    # a kernel with a main loop that the budget lacks, and one that went
+    # the kernel without a main loop: one spill more fails, one fewer passes with a note, a loop of 16 HMMA in it fails
+    rc, out = check({**base, "_Z4copyv": [NOP, STL, LDL, LDL]}, "--nvcc", nvcc)
+    assert rc == 1 and "3 local loads / stores, 2 recorded" in out
+    rc, out = check({**base, "_Z4copyv": [NOP, STL, NOP, NOP]}, "--nvcc", nvcc)
+    assert rc == 0 and "1 local loads / stores, 2 recorded" in out
+    rc, out = check({**base, "_Z4copyv": kernel()}, "--nvcc", nvcc)
+    assert rc == 1 and "has a main loop now" in out
+    # a kernel that the budget lacks, and one that went
     rc, out = check({**base, "_Z1gv": kernel()}, "--nvcc", nvcc)
     assert rc == 1 and "the budget lacks" in out
     rc, out = check({"_Z1fv": kernel()}, "--nvcc", nvcc)
-    assert rc == 1 and "no such kernel with a main loop" in out
+    assert rc == 1 and "in the budget, but not in the cubin" in out
     # another compiler: skipped (ctest's SKIP_RETURN_CODE), whatever the code
     rc, out = check({**base, "_Z1fv": kernel(extra=5)}, "--nvcc", fake_nvcc(tmp_path, "V13.1.20"))
     assert rc == 77 and "skipped" in out and "V13.0.88" in out
