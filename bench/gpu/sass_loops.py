@@ -332,6 +332,11 @@ def check_budget(budget, found, readable=None):
     and where it is below it."""
     readable = readable or {}
     problems, notes = [], []
+
+    def bound(got, recorded, line):  # a count over its record is a problem, under it a note
+        if got != recorded:
+            (problems if got > recorded else notes).append(line)
+
     for f in sorted(set(budget) | set(found)):
         if f not in found:
             problems.append(f"{f}: in the budget, but no cubin of it was given")
@@ -350,26 +355,15 @@ def check_budget(budget, found, readable=None):
             elif ("local" in rb) != ("local" in rk):
                 problems.append(f"{name}: " + ("has a main loop now" if "local" in rb else "has no main loop now"))
             elif "local" in rk:
-                if rk["local"] > rb["local"]:
-                    problems.append(f"{name}: {rk['local']} local loads / stores, {rb['local']} recorded")
-                elif rk["local"] < rb["local"]:
-                    notes.append(f"{name}: {rk['local']} local loads / stores, {rb['local']} recorded")
+                bound(rk["local"], rb["local"], f"{name}: {rk['local']} local loads / stores, {rb['local']} recorded")
             else:
                 for x in ("hmma", "hgmma"):
                     if rk[x] != rb[x]:
                         problems.append(f"{name}: {rk[x]} {x.upper()} in the main loop, {rb[x]} recorded")
-                if rk["loop"] > rb["loop"]:
-                    problems.append(f"{name}: main loop {rk['loop']} instructions, {rb['loop']} recorded "
-                                    f"(+{rk['loop'] - rb['loop']})")
-                elif rk["loop"] < rb["loop"]:
-                    notes.append(f"{name}: main loop {rk['loop']} instructions, {rb['loop']} recorded "
-                                 f"({rk['loop'] - rb['loop']})")
-                if rk["spills"] > rb["spills"]:
-                    problems.append(f"{name}: {rk['spills']} local loads / stores between the products, "
-                                    f"{rb['spills']} recorded")
-                elif rk["spills"] < rb["spills"]:
-                    notes.append(f"{name}: {rk['spills']} local loads / stores between the products, "
-                                 f"{rb['spills']} recorded")
+                bound(rk["loop"], rb["loop"], f"{name}: main loop {rk['loop']} instructions, {rb['loop']} recorded "
+                                              f"({rk['loop'] - rb['loop']:+d})")
+                bound(rk["spills"], rb["spills"], f"{name}: {rk['spills']} local loads / stores between the products, "
+                                                  f"{rb['spills']} recorded")
     return problems, notes
 
 
