@@ -21,8 +21,9 @@ listings of the same kernels; a heuristic for a local check, not a disassembler.
 Without cuobjdump: the same table from sm_90 cubins, each instruction named by its low 12 bits through
 sm90_opcodes.json (beside this file; KVQ_SM90_OPCODES names another). Branch targets are decoded from the
 instruction's offset field: bits 16-23 and 34-63 of the first 64-bit word and bits 0-17 of the second, a signed count
-of 4-byte units from the next instruction. Both were read off a cuobjdump listing of the fast decode kernels (nvcc 13.0); on every kernel of that
-listing the table equals cuobjdump's. An opcode the map lacks prints as ?XXX. --hist adds each loop's full opcode
+of 4-byte units from the next instruction. Both were read off cuobjdump listings (nvcc 13.0) of six of src/cuda's
+files (docs/kernels.md, "Loop budget"); on every kernel of those listings each instruction is named as cuobjdump names
+it. An opcode the map lacks prints as ?XXX. --hist adds each loop's full opcode
 counts (also with cuobjdump listings).
 
   bench/gpu/sass_loops.py --opmap LISTING.txt[.gz] K.cubin [LISTING2 K2.cubin ...]
