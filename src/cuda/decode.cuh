@@ -698,26 +698,34 @@ __global__ void __launch_bounds__(C::THREADS, 1)
       if constexpr (C::NSEG == 2) KVQ_KPAIRS(1)
 #undef KVQ_KPAIRS
     } else {
-      // fp8 (1 byte per code) or bf16 (2 bytes): 2 * KT pairs = 4 * KT codes of this lane.
+      // fp8 (1 byte per code) or bf16 (2 bytes): 2 * KT pairs = 4 * KT codes of this lane. Where the four n-tiles'
+      // words would take more than 64 registers (bf16 at head_dim 256: 128, beside the query's 64 and the output's
+      // 128) they are loaded in blocks of KB k-tiles, 8 words per n-tile; otherwise in one block (KB = KT).
       constexpr int BPC = C::KC == KeyCode::kFp8 ? 1 : 2;
       constexpr int NB = 4 * C::KT(0) * BPC * 8, NW = NB / 32;
-      constexpr bool A128 = C::KCB % 16 == 0 && NB % 128 == 0;
-      std::uint32_t wv[4][NW];
+      constexpr int KB = 4 * NW > 64 ? 8 / BPC : C::KT(0), NBB = 4 * KB * BPC * 8;
+      static_assert(C::KT(0) % KB == 0, "key blocks must tile the k-tiles");
+      constexpr bool A128 = C::KCB % 16 == 0 && NB % 128 == 0 && NBB % 128 == 0;
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt) load_bits<NB, true, A128>(sk + (nt * 8 + g) * C::KCB, t4 * NB, wv[nt]);
+      for (int k0 = 0; k0 < C::KT(0); k0 += KB) {
+        std::uint32_t wv[4][NBB / 32];
 #pragma unroll
-      for (int kt = 0; kt < C::KT(0); ++kt) {
+        for (int nt = 0; nt < 4; ++nt)
+          load_bits<NBB, true, A128>(sk + (nt * 8 + g) * C::KCB, t4 * NB + k0 * 4 * BPC * 8, wv[nt]);
 #pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-          std::uint32_t b0, b1;
-          if constexpr (C::KC == KeyCode::kFp8) {
-            b0 = fp8x2_to_half2(get_bits(wv[nt], (2 * kt) * 16, 16));
-            b1 = fp8x2_to_half2(get_bits(wv[nt], (2 * kt + 1) * 16, 16));
-          } else {
-            b0 = wv[nt][2 * kt];
-            b1 = wv[nt][2 * kt + 1];
+        for (int kt = 0; kt < KB; ++kt) {
+#pragma unroll
+          for (int nt = 0; nt < 4; ++nt) {
+            std::uint32_t b0, b1;
+            if constexpr (C::KC == KeyCode::kFp8) {
+              b0 = fp8x2_to_half2(get_bits(wv[nt], (2 * kt) * 16, 16));
+              b1 = fp8x2_to_half2(get_bits(wv[nt], (2 * kt + 1) * 16, 16));
+            } else {
+              b0 = wv[nt][2 * kt];
+              b1 = wv[nt][2 * kt + 1];
+            }
+            mma16816<kB>(acc[nt][0], qa[k0 + kt], b0, b1);
           }
-          mma16816<kB>(acc[nt][0], qa[kt], b0, b1);
         }
       }
     }
@@ -795,26 +803,47 @@ __global__ void __launch_bounds__(C::THREADS, 1)
         split2<kB>(pp[0], pp[1], a[0], a[1]);
         split2<kB>(pp[2], pp[3], a[2], a[3]);
         if constexpr (C::VC == ValueCode::kBf16) {
-          constexpr int NB = C::NT(0) * 16;
-          std::uint32_t w0[NB / 32], w1[NB / 32], w2[NB / 32], w3[NB / 32];
-          constexpr bool A128 = C::VCB % 16 == 0 && NB % 128 == 0;
-          load_bits<NB, true, A128>(sv + tk[0] * C::VCB, g * NB, w0);
-          load_bits<NB, true, A128>(sv + tk[1] * C::VCB, g * NB, w1);
-          load_bits<NB, true, A128>(sv + tk[2] * C::VCB, g * NB, w2);
-          load_bits<NB, true, A128>(sv + tk[3] * C::VCB, g * NB, w3);
-          const bool ok = full || (valid(tk[0]) && valid(tk[1]) && valid(tk[2]) && valid(tk[3]));
-          const std::uint32_t mk0 = (full || valid(tk[0])) ? 0xffffu : 0u, mk1 = (full || valid(tk[1])) ? 0xffff0000u : 0u;
-          const std::uint32_t mk2 = (full || valid(tk[2])) ? 0xffffu : 0u, mk3 = (full || valid(tk[3])) ? 0xffff0000u : 0u;
+          // The four tokens' words for NTB n-tiles at a time: all of them (NT) up to head_dim 128, 8 n-tiles (16
+          // registers) at 256, where the output's 128 accumulators leave no room for 64.
+          constexpr int NB = C::NT(0) * 16, NTB = NB / 32 * 4 > 32 ? 8 : C::NT(0), NBB = NTB * 16;
+          static_assert(C::NT(0) % NTB == 0, "value blocks must tile the n-tiles");
+          constexpr bool A128 = C::VCB % 16 == 0 && NB % 128 == 0 && NBB % 128 == 0;
+          // the tokens' masks: after the loads where there is one block (ptxas's schedule of the smaller head dims),
+          // once before the blocks otherwise
+          struct Masks {
+            bool ok;
+            std::uint32_t m01, m23;
+          };
+          auto masks = [&] {
+            const std::uint32_t mk0 = (full || valid(tk[0])) ? 0xffffu : 0u;
+            const std::uint32_t mk1 = (full || valid(tk[1])) ? 0xffff0000u : 0u;
+            const std::uint32_t mk2 = (full || valid(tk[2])) ? 0xffffu : 0u;
+            const std::uint32_t mk3 = (full || valid(tk[3])) ? 0xffff0000u : 0u;
+            return Masks{full || (valid(tk[0]) && valid(tk[1]) && valid(tk[2]) && valid(tk[3])), mk0 | mk1, mk2 | mk3};
+          };
+          constexpr bool kBlocked = NTB < C::NT(0);
+          Masks early{};
+          if constexpr (kBlocked) early = masks();
 #pragma unroll
-          for (int n = 0; n < C::NT(0); ++n) {
-            const unsigned sel = (n & 1) ? 0x7632u : 0x5410u;
-            std::uint32_t b0 = __byte_perm(w0[n >> 1], w1[n >> 1], sel);
-            std::uint32_t b1 = __byte_perm(w2[n >> 1], w3[n >> 1], sel);
-            if (!ok) {
-              b0 &= mk0 | mk1;
-              b1 &= mk2 | mk3;
+          for (int n0 = 0; n0 < C::NT(0); n0 += NTB) {
+            std::uint32_t w0[NBB / 32], w1[NBB / 32], w2[NBB / 32], w3[NBB / 32];
+            load_bits<NBB, true, A128>(sv + tk[0] * C::VCB, g * NB + n0 * 16, w0);
+            load_bits<NBB, true, A128>(sv + tk[1] * C::VCB, g * NB + n0 * 16, w1);
+            load_bits<NBB, true, A128>(sv + tk[2] * C::VCB, g * NB + n0 * 16, w2);
+            load_bits<NBB, true, A128>(sv + tk[3] * C::VCB, g * NB + n0 * 16, w3);
+            Masks mk = early;
+            if constexpr (!kBlocked) mk = masks();
+#pragma unroll
+            for (int n = 0; n < NTB; ++n) {
+              const unsigned sel = (n & 1) ? 0x7632u : 0x5410u;
+              std::uint32_t b0 = __byte_perm(w0[n >> 1], w1[n >> 1], sel);
+              std::uint32_t b1 = __byte_perm(w2[n >> 1], w3[n >> 1], sel);
+              if (!mk.ok) {
+                b0 &= mk.m01;
+                b1 &= mk.m23;
+              }
+              mma16816<kB>(o[n0 + n], a, b0, b1);
             }
-            mma16816<kB>(o[n], a, b0, b1);
           }
         } else {
 #define KVQ_VPAIRS(S)                                                                                  \
