@@ -1040,6 +1040,10 @@ int main(int argc, char** argv) {
     add("tq-3bit", false, 128, 32, 2, {70, 333}, false, 0, 0, 0);
     add("tq-k8v4", false, 128, 32, 2, {129, 33}, false, 0, 0, 2);
     add("tq-4bit-nc", false, 128, 64, 2, {95, 40}, false, 0, 0, 0);
+    // The generic kernel at head_dim 256, bf16: key and value words in blocks (decode.cuh), partial chunks and
+    // protected rows, so that the sanitizers see that path too; head_dim 96 through the block Hadamard.
+    add("bf16", false, 256, 8, 2, {70, 33}, false, 4, 8, 0);
+    add("tq-4bit", false, 96, 8, 2, {70, 33}, false, 4, 8, 0);
   } else {
     for (const auto& fm : formats) {
       add(fm, false, 128, 32, 8, {1, 100, 257}, false, 0, 0, 0);
