@@ -22,7 +22,7 @@ import sys
 from statistics import median
 
 _SAME = ("gpu", "gpu_uuid", "cuda_driver", "commit", "flush", "gap_ms", "pages", "seed", "sms", "l2_bytes")
-_ROW_KEY = ("format", "batch", "context", "q_heads", "kv_heads", "head_dim")
+_ROW_KEY = ("format", "batch", "context", "q_heads", "kv_heads", "head_dim", "protect")
 _STORE_KEY = ("format", "tokens", "kv_heads", "head_dim")
 
 

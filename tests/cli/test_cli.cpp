@@ -255,6 +255,10 @@ TEST_F(Cli, IntegerOptionsAreDecimal) {
   expect_refused(kvq({"distortion", "--trials", "0b11"}), "must be a decimal integer", 105);
   expect_refused(kvq({"bench", "decode", "--reps", "0X10"}), "must be a decimal integer", 105);
   expect_refused(kvq({"bench", "decode", "--reps", "000"}), "not in range", 105);
+  // Protection policies: each item of the list is checked before any device call.
+  expect_refused(kvq({"bench", "decode", "--protect", "none,sinks"}), "'sinks' is not one of 'none', 'paper'", 105);
+  expect_refused(kvq({"bench", "decode", "--protect", ","}), "needs one of 'none', 'paper'", 105);
+  expect_refused(kvq({"bench", "mla", "--protect", "Paper"}), "'Paper' is not one of 'none', 'paper'", 105);
 }
 
 TEST_F(Cli, ExhaustedPagePool) {

@@ -46,6 +46,7 @@ struct BenchOptions {
   bool json = false, centered = false, no_cluster_merge = false, eight_heads = false, step = false;
   std::string pages = "random";  // page order in the pool
   std::string peers, commit = "unknown", command, flush = "read";
+  std::string protect = "none";  // protection policies, each row once per policy (bf16 rows: none only)
 };
 
 #if defined(KVQ_WITH_KVQ_CUDA)
@@ -57,6 +58,14 @@ using gpu::time_us;
 using gpu::wall_seconds;
 
 using PeerKey = std::tuple<std::string, int, int>;  // impl (+ format), batch, context
+
+// --protect: none, or the paper's 4 attention sinks + 128 recent rows kept in bf16 beside the pages (132 protected rows
+// per sequence and KV head, read by the decode's protected split; the packed range shrinks by as many).
+ProtectLayout protect_of(const std::string& name, int kv_heads, int head_dim) {
+  if (name == "none") return ProtectLayout{0, 0, kv_heads, head_dim};
+  if (name == "paper") return ProtectLayout{4, 128, kv_heads, head_dim};
+  fail("--protect: 'none' or 'paper', got '" + name + "'");
+}
 
 void run_decode_bench(const BenchOptions& o) {
   int dev = 0;
@@ -90,6 +99,8 @@ void run_decode_bench(const BenchOptions& o) {
   };
 
   const std::vector<int> batches = parse_int_list(o.batches), contexts = parse_int_list(o.contexts);
+  const std::vector<std::string> prots = split_list(o.protect);
+  for (const auto& pname : prots) protect_of(pname, o.kv_heads, o.head_dim);  // refuses a bad name before any run
   CacheGeometry g;
   g.n_layers = 1;
   g.n_kv_heads = o.kv_heads;
@@ -216,99 +227,123 @@ void run_decode_bench(const BenchOptions& o) {
         for (auto& x : hq) x = nd(rng);
         DevBuf q(qn * 4), out(qn * 4);
         ok(cudaMemcpy(q.p, hq.data(), qn * 4, cudaMemcpyHostToDevice), "copy");
-        cuda::DecodeParams p;
-        p.fmt = fd;
-        p.block_tables = bt.as<std::int32_t>();
-        p.max_pages = pages_per_seq;
-        p.seq_lens = dl.as<std::int32_t>();
-        p.batch = B;
-        p.q_heads = o.q_heads;
-        p.max_seq_len = ctx;
-        p.q = q.as<float>();
-        p.out = out.as<float>();
-        p.scale = 1.0f / std::sqrt(static_cast<float>(o.head_dim));
-        p.cluster_merge = !o.no_cluster_merge;
-        p.sixteen_heads = !o.eight_heads;
-        p.num_splits = o.splits;
-        p.workspace_bytes = cuda::decode_workspace_bytes(p);
-        DevBuf ws(p.workspace_bytes);
-        p.workspace = ws.p;
-        const double t_start = wall_seconds();
-        const double us = time_us(nullptr, flush, o.warmup, o.reps, [&](int rep) {
-          p.pool = pool + static_cast<std::size_t>(rep % static_cast<int>(copies)) * pool_bytes;
-          ok(cuda::decode(p), "decode");
-        });
-        const double t_end = wall_seconds();
-        // The decode step: the store of each sequence's newest token (position ctx - 1: its slot in the pages of the
-        // copy the run reads) and the decode after it, timed together; the decode launched as usual, then
-        // programmatically (DecodeParams::programmatic: its CTAs start while the store runs).
-        nlohmann::json step_us = nullptr, step_pdl_us = nullptr;
-        if (o.step) {
-          const std::size_t ne = static_cast<std::size_t>(B) * static_cast<std::size_t>(o.kv_heads) * static_cast<std::size_t>(o.head_dim);
-          DevBuf nk(ne * 2), nv(ne * 2), nslot(static_cast<std::size_t>(B) * 8);
-          ok(cuda::fill_random_bf16(nk.as<std::uint16_t>(), ne, 11), "fill");
-          ok(cuda::fill_random_bf16(nv.as<std::uint16_t>(), ne, 12), "fill");
-          std::vector<std::int64_t> hs(static_cast<std::size_t>(B));
-          for (int b = 0; b < B; ++b)
-            hs[static_cast<std::size_t>(b)] =
-                static_cast<std::int64_t>(ids[static_cast<std::size_t>(b) * pages_per_seq + (ctx - 1) / 64]) * 64 + (ctx - 1) % 64;
-          ok(cudaMemcpy(nslot.p, hs.data(), hs.size() * 8, cudaMemcpyHostToDevice), "copy");
-          cuda::StoreParams sp;
-          sp.fmt = fd;
-          sp.key = nk.as<std::uint16_t>();
-          sp.value = nv.as<std::uint16_t>();
-          sp.slot_mapping = nslot.as<std::int64_t>();
-          sp.n_tokens = B;
-          for (const bool pdl : {false, true}) {
-            cuda::DecodeParams ps = p;
-            ps.programmatic = pdl;
-            const double t = time_us(sst, *sflush, o.warmup, o.reps, [&](int rep) {
-              std::uint8_t* const base = pool + static_cast<std::size_t>(rep % static_cast<int>(copies)) * pool_bytes;
-              sp.pool = base;
-              ps.pool = base;
-              ok(cuda::store(sp, sst), "store");
-              ok(cuda::decode(ps, sst), "decode");
-            });
-            (pdl ? step_pdl_us : step_us) = t;
+        for (const auto& pname : prots) {
+          if (f.kind == FormatKind::kBf16 && pname != "none") continue;  // bf16 rows need no protection
+          const ProtectLayout prot = protect_of(pname, o.kv_heads, o.head_dim);
+          const std::size_t prot_elems = prot.enabled() ? static_cast<std::size_t>(prot.elements(B)) : 0;
+          std::optional<DevBuf> prot_rows;  // none without protection: the default rows allocate as before
+          if (prot.enabled()) {
+            prot_rows.emplace(prot_elems * 2);
+            ok(cuda::fill_random_bf16(prot_rows->as<std::uint16_t>(), prot_elems, 9), "fill");
           }
+          cuda::DecodeParams p;
+          p.fmt = fd;
+          p.block_tables = bt.as<std::int32_t>();
+          p.max_pages = pages_per_seq;
+          p.seq_lens = dl.as<std::int32_t>();
+          p.batch = B;
+          p.q_heads = o.q_heads;
+          p.max_seq_len = ctx;
+          p.q = q.as<float>();
+          p.out = out.as<float>();
+          p.scale = 1.0f / std::sqrt(static_cast<float>(o.head_dim));
+          p.cluster_merge = !o.no_cluster_merge;
+          p.sixteen_heads = !o.eight_heads;
+          p.num_splits = o.splits;
+          p.protect = prot;
+          p.protect_rows = prot.enabled() ? prot_rows->as<std::uint16_t>() : nullptr;
+          p.workspace_bytes = cuda::decode_workspace_bytes(p);
+          DevBuf ws(p.workspace_bytes);
+          p.workspace = ws.p;
+          const double t_start = wall_seconds();
+          const double us = time_us(nullptr, flush, o.warmup, o.reps, [&](int rep) {
+            p.pool = pool + static_cast<std::size_t>(rep % static_cast<int>(copies)) * pool_bytes;
+            ok(cuda::decode(p), "decode");
+          });
+          const double t_end = wall_seconds();
+          // The decode step: the store of each sequence's newest token (position ctx - 1: its slot in the pages of the
+          // copy the run reads) and the decode after it, timed together; the decode launched as usual, then
+          // programmatically (DecodeParams::programmatic: its CTAs start while the store runs).
+          nlohmann::json step_us = nullptr, step_pdl_us = nullptr;
+          if (o.step) {
+            const std::size_t ne = static_cast<std::size_t>(B) * static_cast<std::size_t>(o.kv_heads) * static_cast<std::size_t>(o.head_dim);
+            DevBuf nk(ne * 2), nv(ne * 2), nslot(static_cast<std::size_t>(B) * 8);
+            ok(cuda::fill_random_bf16(nk.as<std::uint16_t>(), ne, 11), "fill");
+            ok(cuda::fill_random_bf16(nv.as<std::uint16_t>(), ne, 12), "fill");
+            std::vector<std::int64_t> hs(static_cast<std::size_t>(B));
+            for (int b = 0; b < B; ++b)
+              hs[static_cast<std::size_t>(b)] =
+                  static_cast<std::int64_t>(ids[static_cast<std::size_t>(b) * pages_per_seq + (ctx - 1) / 64]) * 64 + (ctx - 1) % 64;
+            ok(cudaMemcpy(nslot.p, hs.data(), hs.size() * 8, cudaMemcpyHostToDevice), "copy");
+            cuda::StoreParams sp;
+            sp.fmt = fd;
+            sp.key = nk.as<std::uint16_t>();
+            sp.value = nv.as<std::uint16_t>();
+            sp.slot_mapping = nslot.as<std::int64_t>();
+            sp.n_tokens = B;
+            DevBuf npos(static_cast<std::size_t>(B) * 4), nseq(static_cast<std::size_t>(B) * 4);
+            if (prot.enabled()) {  // the newest token is in the window: its bf16 rows go to the protection buffer too
+              std::vector<std::int32_t> hp(static_cast<std::size_t>(B), ctx - 1), hb(static_cast<std::size_t>(B));
+              for (int b = 0; b < B; ++b) hb[static_cast<std::size_t>(b)] = b;
+              ok(cudaMemcpy(npos.p, hp.data(), hp.size() * 4, cudaMemcpyHostToDevice), "copy");
+              ok(cudaMemcpy(nseq.p, hb.data(), hb.size() * 4, cudaMemcpyHostToDevice), "copy");
+              sp.protect = prot;
+              sp.protect_rows = prot_rows->as<std::uint16_t>();
+              sp.positions = npos.as<std::int32_t>();
+              sp.seq_ids = nseq.as<std::int32_t>();
+            }
+            for (const bool pdl : {false, true}) {
+              cuda::DecodeParams ps = p;
+              ps.programmatic = pdl;
+              const double t = time_us(sst, *sflush, o.warmup, o.reps, [&](int rep) {
+                std::uint8_t* const base = pool + static_cast<std::size_t>(rep % static_cast<int>(copies)) * pool_bytes;
+                sp.pool = base;
+                ps.pool = base;
+                ok(cuda::store(sp, sst), "store");
+                ok(cuda::decode(ps, sst), "decode");
+              });
+              (pdl ? step_pdl_us : step_us) = t;
+            }
+          }
+          const double bytes = static_cast<double>(cuda::decode_bytes_read(fd, lens.data(), B, prot));
+          const nlohmann::json flash = peer("sdpa_flash", B, ctx);
+          const std::string vpair = f.kind == FormatKind::kTqVllm ? fname : f.pair;
+          const nlohmann::json vllm = vpair.empty() ? nlohmann::json(nullptr) : peer("vllm_triton:" + vpair, B, ctx);
+          nlohmann::json row = {{"format", fname},
+                                {"batch", B},
+                                {"context", ctx},
+                                {"q_heads", o.q_heads},
+                                {"kv_heads", o.kv_heads},
+                                {"head_dim", o.head_dim},
+                                {"protect", pname},
+                                {"us", us},
+                                {"gbps", bytes / (us * 1e3)},
+                                {"speedup_vs_bf16_flash", flash.is_null() ? nlohmann::json(nullptr) : nlohmann::json(flash.get<double>() / us)},
+                                {"speedup_vs_vllm_triton", vllm.is_null() ? nlohmann::json(nullptr) : nlohmann::json(vllm.get<double>() / us)},
+                                {"bytes", bytes},
+                                {"splits", cuda::decode_splits(p)},
+                                {"cluster_merge", cuda::decode_uses_cluster_merge(p)},
+                                {"cta_heads", cuda::decode_cta_heads(p)},
+                                {"kernel", cuda::decode_uses_fast_kernel(p) ? "fast" : "generic"},
+                                {"compression_vs_bf16", static_cast<double>(bf16_token_bytes(g)) /
+                                                            static_cast<double>(fd.kv_heads * (pg.key_code_bytes + pg.value_code_bytes + pg.meta_bytes))},
+                                {"vllm_pair", vpair.empty() ? nlohmann::json(nullptr) : nlohmann::json(vpair)},
+                                {"centered", fd.key_mean != nullptr},
+                                {"t_start", t_start},
+                                {"t_end", t_end}};
+          if (o.step) {
+            row["step_us"] = step_us;
+            row["step_programmatic_us"] = step_pdl_us;
+          }
+          rows.push_back(row);
+          if (!o.json)
+            fmt::print(stderr, "{:<11} B={:<3} ctx={:<6}{} {:9.1f} us {:7.0f} GB/s  vs flash {}  vs vllm {}  ({} kernel)\n", fname, B,
+                       ctx, pname == "none" ? "" : " protect=" + pname, us, bytes / (us * 1e3), row["speedup_vs_bf16_flash"].dump(), row["speedup_vs_vllm_triton"].dump(),
+                       row["kernel"].get<std::string>());
+          if (!o.json && o.step)
+            fmt::print(stderr, "{:<11} B={:<3} ctx={:<6}{} step (store + decode) {:9.1f} us, decode launched programmatically {:9.1f} us\n",
+                       fname, B, ctx, pname == "none" ? "" : " protect=" + pname, step_us.get<double>(), step_pdl_us.get<double>());
         }
-        const double bytes = static_cast<double>(cuda::decode_bytes_read(fd, lens.data(), B, ProtectLayout{}));
-        const nlohmann::json flash = peer("sdpa_flash", B, ctx);
-        const std::string vpair = f.kind == FormatKind::kTqVllm ? fname : f.pair;
-        const nlohmann::json vllm = vpair.empty() ? nlohmann::json(nullptr) : peer("vllm_triton:" + vpair, B, ctx);
-        nlohmann::json row = {{"format", fname},
-                              {"batch", B},
-                              {"context", ctx},
-                              {"q_heads", o.q_heads},
-                              {"kv_heads", o.kv_heads},
-                              {"head_dim", o.head_dim},
-                              {"us", us},
-                              {"gbps", bytes / (us * 1e3)},
-                              {"speedup_vs_bf16_flash", flash.is_null() ? nlohmann::json(nullptr) : nlohmann::json(flash.get<double>() / us)},
-                              {"speedup_vs_vllm_triton", vllm.is_null() ? nlohmann::json(nullptr) : nlohmann::json(vllm.get<double>() / us)},
-                              {"bytes", bytes},
-                              {"splits", cuda::decode_splits(p)},
-                              {"cluster_merge", cuda::decode_uses_cluster_merge(p)},
-                              {"cta_heads", cuda::decode_cta_heads(p)},
-                              {"kernel", cuda::decode_uses_fast_kernel(p) ? "fast" : "generic"},
-                              {"compression_vs_bf16", static_cast<double>(bf16_token_bytes(g)) /
-                                                          static_cast<double>(fd.kv_heads * (pg.key_code_bytes + pg.value_code_bytes + pg.meta_bytes))},
-                              {"vllm_pair", vpair.empty() ? nlohmann::json(nullptr) : nlohmann::json(vpair)},
-                              {"centered", fd.key_mean != nullptr},
-                              {"t_start", t_start},
-                              {"t_end", t_end}};
-        if (o.step) {
-          row["step_us"] = step_us;
-          row["step_programmatic_us"] = step_pdl_us;
-        }
-        rows.push_back(row);
-        if (!o.json)
-          fmt::print(stderr, "{:<11} B={:<3} ctx={:<6} {:9.1f} us {:7.0f} GB/s  vs flash {}  vs vllm {}  ({} kernel)\n", fname, B,
-                     ctx, us, bytes / (us * 1e3), row["speedup_vs_bf16_flash"].dump(), row["speedup_vs_vllm_triton"].dump(),
-                     row["kernel"].get<std::string>());
-        if (!o.json && o.step)
-          fmt::print(stderr, "{:<11} B={:<3} ctx={:<6} step (store + decode) {:9.1f} us, decode launched programmatically {:9.1f} us\n",
-                     fname, B, ctx, step_us.get<double>(), step_pdl_us.get<double>());
       }
     }
   }
@@ -380,6 +415,10 @@ void register_bench(CLI::App& app) {
   dec->add_flag("--step", o->step,
                 "also time each row's decode step: the store of every sequence's newest token, then the decode, launched "
                 "as usual and programmatically (step_us, step_programmatic_us)");
+  dec->add_option("--protect", o->protect,
+                  "protection policies, each row once per policy: none, paper (4 sinks + 128 recent rows in bf16; not for "
+                  "bf16 rows)")
+      ->check(list_of({"none", "paper"}));
   dec->add_flag("--centered", o->centered, "kvq's calibrated formats (tq-4bit, tq-3bit, tq-3.5bit, tq-2.5bit) with per-channel means");
   dec->callback([o] {
 #if defined(KVQ_WITH_KVQ_CUDA)

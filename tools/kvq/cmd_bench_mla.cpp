@@ -305,7 +305,8 @@ void register_bench_mla(CLI::App& app) {
   cmd->add_option("--context", o->contexts, "context lengths");
   cmd->add_option("--heads", o->heads, "query heads (1..128; groups of 16 share a tile)");
   cmd->add_option("--formats", o->formats, "cache formats (bf16, c8r8, c4r8, c4r4, c3r4, c2r4, mla-tq4, mla-tq3)");
-  cmd->add_option("--protect", o->protect, "protection policies: none, paper (4 sinks + 128 recent rows)");
+  cmd->add_option("--protect", o->protect, "protection policies: none, paper (4 sinks + 128 recent rows)")
+      ->check(list_of({"none", "paper"}));
   cmd->add_option("--reps", o->reps, "timed replays (median)")->check(CLI::Range(1, 100000));
   cmd->add_option("--warmup", o->warmup, "warm-up replays");
   cmd->add_option("--store-tokens", o->store_tokens, "tokens per writer run");

@@ -1,5 +1,6 @@
 #include "command.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
@@ -96,6 +97,21 @@ std::vector<std::string> split_list(const std::string& s) {
     if (b != std::string::npos) out.push_back(item.substr(b, e - b + 1));
   }
   return out;
+}
+
+CLI::Validator list_of(std::vector<std::string> allowed) {
+  std::string names;
+  for (const auto& a : allowed) names += (names.empty() ? "'" : ", '") + a + "'";
+  return CLI::Validator(
+      [allowed, names](std::string& in) -> std::string {
+        const std::vector<std::string> items = split_list(in);
+        if (items.empty()) return "needs one of " + names;
+        for (const auto& it : items)
+          if (std::find(allowed.begin(), allowed.end(), it) == allowed.end())
+            return "'" + it + "' is not one of " + names;
+        return {};
+      },
+      "");
 }
 
 std::vector<int> parse_int_list(const std::string& s) {

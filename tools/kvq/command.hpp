@@ -49,6 +49,8 @@ void make_report_dir(const std::string& dir);
 // Parses a comma-separated list ("1,2,3" or "bf16,tq-3bit").
 std::vector<std::string> split_list(const std::string& s);
 std::vector<int> parse_int_list(const std::string& s);
+// A comma-separated list option whose every item is one of `allowed` ("none,paper").
+CLI::Validator list_of(std::vector<std::string> allowed);
 
 }  // namespace kvq::cli
 
