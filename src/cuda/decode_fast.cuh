@@ -1723,10 +1723,6 @@ int fast_smem(const DecodeParams& p) {
 template <class C>
 bool fast_cluster_applies(const DecodeParams& p, int NS, int rows, int smem) {
   if (!p.cluster_merge || NS < 1 || NS > C::kClMax || smem <= 0) return false;
-  // Not with protection: the protected split's CTA, short work, would be a member of its group's cluster and hold its
-  // SM until the packed CTAs are done (kvq bench decode --protect paper: 1.2-2.5x the unprotected decode's time, its
-  // clusters at batch 8 in two waves); merged through the workspace it gives the SM back when it ends.
-  if (p.protect.enabled()) return false;
   const int per = max_active_clusters_once<decode_fast_kernel<C>>(NS, C::THREADS, smem);
   if (per <= 0) return false;
   const long groups = static_cast<long>(p.batch) * rows;
