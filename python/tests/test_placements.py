@@ -208,3 +208,23 @@ print(json.dumps(g))
         r = bench("bad", *args, KVQ_PADS=pads)
         assert r.returncode == 1 and msg in r.stderr, (pads, r.stderr)
     assert not (tmp_path / "calls.txt").exists()
+
+
+def test_rows_of_each_protection_merge_apart():
+    # kvq bench decode --protect none,paper: the same (format, batch, context) once per policy; each merges alone.
+    runs = three()
+    for r, paper_us in zip(runs, (61.0, 59.0, 60.0)):
+        for x in r["rows"]:
+            if not x["format"].startswith("peer:"):
+                x["protect"] = "none"
+        paper = dict(r["rows"][0])
+        paper["protect"], paper["us"] = "paper", paper_us
+        r["rows"].insert(1, paper)
+    out = pl.merge(runs, ["a", "b", "c"])
+    by = {(x["format"], x.get("protect")): x for x in out["rows"]}
+    assert by[("tq-4bit-nc", "none")]["us"] == 43.0 and by[("tq-4bit-nc", "paper")]["us"] == 60.0
+    assert by[("tq-4bit-nc", "paper")]["speedup_vs_bf16_flash"] == pytest.approx(130.0 / 60.0)
+    # A run whose rows lack one policy's row is another grid.
+    runs[2]["rows"].pop(1)
+    with pytest.raises(ValueError, match="other rows"):
+        pl.merge(runs, ["a", "b", "c"])
