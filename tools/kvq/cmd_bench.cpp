@@ -8,7 +8,9 @@
 // (--flush: a read-only pass by default, bench_gpu.hpp), and enough copies of the cache that the
 // inputs rotated over are >= 4x L2. GB/s counts every byte the format must read
 // (codes, metadata, block tables). copy_gbps: (read + written) / time of a 4 GiB device copy; gpu_uuid names the
-// host, cuda_driver the CUDA version its driver supports.
+// host, cuda_driver the CUDA version its driver supports. --protect none,paper times every row also with the
+// paper's protected rows (4 sinks + 128 recent rows in bf16, read by the decode's protected split); rows carry
+// "protect".
 #include <fmt/core.h>
 
 #include <CLI/CLI.hpp>
