@@ -22,9 +22,18 @@
 #include <nlohmann/json.hpp>
 
 #include "command.hpp"
+#include "kvq/paged_cache.hpp"
 #include "kvq_cuda.hpp"
 
 namespace kvq::cli::gpu {
+
+// A bench command's --protect policy (the names its list_of check admits): none, or the paper's 4 attention sinks +
+// 128 recent rows kept in bf16 (ProtectionPolicy::paper(), the CPU cache's preset; 132 protected rows per sequence).
+inline ProtectionPolicy bench_protection(const std::string& name) {
+  if (name == "none") return {};
+  if (name == "paper") return ProtectionPolicy::paper();
+  fail("--protect: 'none' or 'paper', got '" + name + "'");
+}
 
 inline void ok(cudaError_t e, const char* what) {
   if (e != cudaSuccess) fail(std::string(what) + ": " + cudaGetErrorString(e));

@@ -61,12 +61,11 @@ using gpu::wall_seconds;
 
 using PeerKey = std::tuple<std::string, int, int>;  // impl (+ format), batch, context
 
-// --protect: none, or the paper's 4 attention sinks + 128 recent rows kept in bf16 beside the pages (132 protected rows
-// per sequence and KV head, read by the decode's protected split; the packed range shrinks by as many).
+// The --protect policy's rows per sequence and KV head, read by the decode's protected split (the packed range
+// shrinks by as many).
 ProtectLayout protect_of(const std::string& name, int kv_heads, int head_dim) {
-  if (name == "none") return ProtectLayout{0, 0, kv_heads, head_dim};
-  if (name == "paper") return ProtectLayout{4, 128, kv_heads, head_dim};
-  fail("--protect: 'none' or 'paper', got '" + name + "'");
+  const ProtectionPolicy pp = gpu::bench_protection(name);
+  return ProtectLayout{pp.sinks, pp.window, kv_heads, head_dim};
 }
 
 void run_decode_bench(const BenchOptions& o) {
@@ -101,8 +100,7 @@ void run_decode_bench(const BenchOptions& o) {
   };
 
   const std::vector<int> batches = parse_int_list(o.batches), contexts = parse_int_list(o.contexts);
-  const std::vector<std::string> prots = split_list(o.protect);
-  for (const auto& pname : prots) protect_of(pname, o.kv_heads, o.head_dim);  // refuses a bad name before any run
+  const std::vector<std::string> prots = split_list(o.protect);  // names checked by the option (list_of)
   CacheGeometry g;
   g.n_layers = 1;
   g.n_kv_heads = o.kv_heads;
@@ -283,16 +281,18 @@ void run_decode_bench(const BenchOptions& o) {
             sp.value = nv.as<std::uint16_t>();
             sp.slot_mapping = nslot.as<std::int64_t>();
             sp.n_tokens = B;
-            DevBuf npos(static_cast<std::size_t>(B) * 4), nseq(static_cast<std::size_t>(B) * 4);
+            std::optional<DevBuf> npos, nseq;
             if (prot.enabled()) {  // the newest token is in the window: its bf16 rows go to the protection buffer too
               std::vector<std::int32_t> hp(static_cast<std::size_t>(B), ctx - 1), hb(static_cast<std::size_t>(B));
               for (int b = 0; b < B; ++b) hb[static_cast<std::size_t>(b)] = b;
-              ok(cudaMemcpy(npos.p, hp.data(), hp.size() * 4, cudaMemcpyHostToDevice), "copy");
-              ok(cudaMemcpy(nseq.p, hb.data(), hb.size() * 4, cudaMemcpyHostToDevice), "copy");
+              npos.emplace(hp.size() * 4);
+              nseq.emplace(hb.size() * 4);
+              ok(cudaMemcpy(npos->p, hp.data(), hp.size() * 4, cudaMemcpyHostToDevice), "copy");
+              ok(cudaMemcpy(nseq->p, hb.data(), hb.size() * 4, cudaMemcpyHostToDevice), "copy");
               sp.protect = prot;
               sp.protect_rows = prot_rows->as<std::uint16_t>();
-              sp.positions = npos.as<std::int32_t>();
-              sp.seq_ids = nseq.as<std::int32_t>();
+              sp.positions = npos->as<std::int32_t>();
+              sp.seq_ids = nseq->as<std::int32_t>();
             }
             for (const bool pdl : {false, true}) {
               cuda::DecodeParams ps = p;
@@ -338,13 +338,14 @@ void run_decode_bench(const BenchOptions& o) {
             row["step_programmatic_us"] = step_pdl_us;
           }
           rows.push_back(row);
+          const std::string tag = pname == "none" ? "" : " protect=" + pname;
           if (!o.json)
             fmt::print(stderr, "{:<11} B={:<3} ctx={:<6}{} {:9.1f} us {:7.0f} GB/s  vs flash {}  vs vllm {}  ({} kernel)\n", fname, B,
-                       ctx, pname == "none" ? "" : " protect=" + pname, us, bytes / (us * 1e3), row["speedup_vs_bf16_flash"].dump(), row["speedup_vs_vllm_triton"].dump(),
+                       ctx, tag, us, bytes / (us * 1e3), row["speedup_vs_bf16_flash"].dump(), row["speedup_vs_vllm_triton"].dump(),
                        row["kernel"].get<std::string>());
           if (!o.json && o.step)
             fmt::print(stderr, "{:<11} B={:<3} ctx={:<6}{} step (store + decode) {:9.1f} us, decode launched programmatically {:9.1f} us\n",
-                       fname, B, ctx, pname == "none" ? "" : " protect=" + pname, step_us.get<double>(), step_pdl_us.get<double>());
+                       fname, B, ctx, tag, step_us.get<double>(), step_pdl_us.get<double>());
         }
       }
     }

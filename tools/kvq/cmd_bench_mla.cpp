@@ -62,9 +62,8 @@ using gpu::time_us;
 using gpu::wall_seconds;
 
 MlaProtectLayout protect_of(const std::string& name, int dc, int dr) {
-  if (name == "none") return MlaProtectLayout{0, 0, dc, dr};
-  if (name == "paper") return MlaProtectLayout{4, 128, dc, dr};  // 132 protected rows
-  fail("--protect: 'none' or 'paper', got '" + name + "'");
+  const ProtectionPolicy pp = gpu::bench_protection(name);
+  return MlaProtectLayout{pp.sinks, pp.window, dc, dr};
 }
 
 void run_mla_bench(const MlaBenchOptions& o) {
