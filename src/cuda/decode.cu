@@ -45,10 +45,21 @@ bool decode_supported(const FormatDesc& f) {
   }
 }
 
+int decode_protect_chunks(const DecodeParams& p) {
+  if (!p.protect.enabled()) return 0;
+  if (p.protect_chunks >= 0) return p.protect_chunks;
+  // Split 0 reads the protected rows after its packed ones on CUDA cores, a warp per row, eight rows per warp in
+  // flight: a round trip per batch, the softmax of every head per row, the warps' merge, the value rotation and a
+  // second partial. Estimate: a chunk (32 packed rows on tensor cores) per six protected rows, e.g. 22 for the
+  // paper's 4 + 128.
+  return (p.protect.slots() + 5) / 6;
+}
+
 int decode_splits(const DecodeParams& p) {
   if (p.num_splits > 0) return p.num_splits;
   const int sms = p.sm_count > 0 ? p.sm_count : detail::device_sms();
-  const int chunks = std::max(1, (p.max_seq_len + detail::kChunk - 1) / detail::kChunk);
+  // The virtual range: the packed chunks and the protected rows' share (split 0's).
+  const int chunks = std::max(1, (p.max_seq_len + detail::kChunk - 1) / detail::kChunk) + decode_protect_chunks(p);
   const long units = static_cast<long>(p.batch) * std::max(1, detail::grid_rows(p));
   // One CTA per SM (the kernels take ~190-210 KB of shared memory). Cost model: waves x (chunks
   // per CTA over the CTA's warps + a fixed prologue/epilogue of ~1.5 chunks).
@@ -83,8 +94,7 @@ int decode_cta_heads(const DecodeParams& p) { return detail::cta_heads(p); }
 namespace {
 // decode_fast_cluster_d128's answer for the launch decode(p) makes (0 where the fast kernel does not serve it).
 int cluster_mode(const DecodeParams& p) {
-  return decode_uses_fast_kernel(p) ? detail::decode_fast_cluster_d128(p, decode_splits(p) + (p.protect.enabled() ? 1 : 0))
-                                    : 0;
+  return decode_uses_fast_kernel(p) ? detail::decode_fast_cluster_d128(p, decode_splits(p)) : 0;
 }
 }  // namespace
 
@@ -140,7 +150,8 @@ cudaError_t decode(const DecodeParams& p, cudaStream_t stream) {
   const int NS = ns + (p.protect.enabled() ? 1 : 0);
   const std::size_t rows = static_cast<std::size_t>(p.batch) * static_cast<std::size_t>(p.q_heads);
   a.nsplit = ns;
-  const int chunks = std::max(1, (p.max_seq_len + detail::kChunk - 1) / detail::kChunk);
+  a.prot_chunks = decode_protect_chunks(p);
+  const int chunks = std::max(1, (p.max_seq_len + detail::kChunk - 1) / detail::kChunk) + a.prot_chunks;
   a.cps = (chunks + ns - 1) / ns;
   a.counters = static_cast<unsigned long long*>(p.workspace);
   a.part_o = reinterpret_cast<float*>(static_cast<std::uint8_t*>(p.workspace) + counter_bytes(p));

@@ -34,15 +34,18 @@ namespace kvq::cuda::detail {
 inline constexpr float kLog2e = 1.4426950408889634f;
 inline constexpr int kChunk = 32;                  // tokens per pipeline stage (half a page)
 inline constexpr int kSmemBudget = 225 * 1024;     // dynamic shared memory per CTA
-inline constexpr int kMaxGroup = 8;                // query heads per CTA (generic kernel, protected split)
+inline constexpr int kMaxGroup = 8;                // query heads per CTA (generic kernel, protected rows)
 inline constexpr int kMaxGroup16 = 16;             // query heads per CTA of the fast kernel's sixteen-head form
 
 constexpr int align16c(int x) { return (x + 15) / 16 * 16; }
 
 // Per-launch arguments of the split kernels besides DecodeParams (decode.cu fills them).
 struct SplitArgs {
-  int nsplit = 0;                           // splits of the packed range (the protected split is one more)
-  int cps = 0;                              // 32-token chunks per split
+  int nsplit = 0;                           // CTAs per group: splits of the packed range (protection adds a partial,
+                                            // not a CTA: NS = nsplit + 1 partials, below)
+  int cps = 0;                              // 32-token chunks per split, of the virtual range below
+  int prot_chunks = 0;                      // protection: virtual chunks ahead of the packed range that stand for the
+                                            // protected rows, which split 0 reads after its packed rows (0: none)
   float* part_o = nullptr;                  // [batch * q_heads][NS][head_dim] normalized partial outputs
   float* part_lse = nullptr;                // [batch * q_heads][NS] their log2-sum-exp
   unsigned long long* counters = nullptr;   // [batch][kv_heads x head_sub]: epoch << 32 | CTAs of the group done
@@ -281,7 +284,7 @@ __device__ __forceinline__ void finish_group(const DecodeParams& p, const SplitA
   __threadfence();
   __syncthreads();
   bool last = false;
-  if (tid == 0) last = arrive_last(ctr, a.epoch, NS);
+  if (tid == 0) last = arrive_last(ctr, a.epoch, a.nsplit);  // one arrival per CTA; NS partials (protection: + 1)
   if (!__syncthreads_or(last)) return;
   __threadfence();
   if constexpr (kRegPath) {
@@ -410,95 +413,155 @@ struct Smem {
   }
 };
 
-// The CTA that reads the protected bf16 rows of its (sequence, KV head) in fp32 on CUDA cores
-// and writes them as one more split, rotated into the value domain of the format. MAXH: the most query heads of the
+// The protected bf16 rows of the CTA's (sequence, KV head), read by split 0's CTA after its packed rows
+// (protected_rows) in fp32 on CUDA cores and written as one more partial, rotated into the value domain of the format. MAXH: the most query heads of the
 // kernel's CTAs (kMaxGroup, or kMaxGroup16 for the fast kernel's sixteen-head form), the size of its per-head state.
 template <class C, int MAXH = kMaxGroup>
-__device__ void protected_split(const float* __restrict__ qin, std::size_t row0, int kh, float scale, const ProtectLayout pr,
+__device__ __noinline__ void protected_split(const float* __restrict__ qin, std::size_t row0, int kh, float scale, const ProtectLayout pr,
                                 const std::uint16_t* __restrict__ prot_rows, const std::int32_t* __restrict__ vperm,
                                 const float* __restrict__ vsigns, const float* __restrict__ kmean,
                                 const float* __restrict__ vmean, int G, int L, int NS, float* po, float* plse,
                                 std::uint8_t* smem) {
-  const int b = blockIdx.z, D = C::D;
+  constexpr int D = C::D, T = C::THREADS, W = C::WARPS, RS = D + 3;
+  // Row stride of the staged rows in bf16 elements: key, value, 16 bytes of pad (16-byte aligned rows).
+  constexpr int ST = 2 * D + 8;
+  constexpr int OPT = (MAXH * D + T - 1) / T;  // outputs (head, dim) per thread
+  const int b = blockIdx.z;
   // Centered formats: the rows enter as k - key_mean and v - value_mean, the packed rows' domain
-  // (finish_group adds value_mean back once).
+  // (finish_group adds value_mean back once): the scores lose q . key_mean, the outputs value_mean.
   const float* __restrict__ kmu = kmean ? kmean + static_cast<std::size_t>(kh) * D : nullptr;
   const float* __restrict__ vmu = vmean ? vmean + static_cast<std::size_t>(kh) * D : nullptr;
   const int tid = threadIdx.x, w = tid >> 5, lane = tid & 31;
-  constexpr int J = C::D / 32;
-  float* qs = reinterpret_cast<float*>(smem);        // [MAXH][D]
-  float* red = qs + MAXH * D;                        // [W][MAXH][D + 3]
+  // Shared memory: the scaled query [MAXH][D], the region `red` ([W][MAXH][RS] floats: the block's scores [MAXH][cap]
+  // here, the value rotation below), the per-head softmax state, then a block of up to `cap` staged rows.
+  float* qs = reinterpret_cast<float*>(smem);
+  float* red = qs + MAXH * D;
+  float* hm = red + W * MAXH * RS;  // [MAXH] running maximum, [MAXH] sum, [MAXH] rescale, [MAXH] q . key_mean
+  float* hl = hm + MAXH;
+  float* ha = hl + MAXH;
+  float* hq = ha + MAXH;
+  constexpr int kStageOff = ((MAXH * D + W * MAXH * RS + 4 * MAXH) * 4 + 15) / 16 * 16;
+  std::uint16_t* rows = reinterpret_cast<std::uint16_t*>(smem + kStageOff);
+  unsigned dyn = 0;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+  int cap = (static_cast<int>(dyn) - kStageOff) / (ST * 2);
+  cap = cap < 256 ? cap : 256;
+  cap = cap < W * RS ? cap : W * RS;  // the scores [MAXH][cap] fit in red
+  if (cap < 1) __trap();  // every kernel's layout leaves room for 16 rows or more (the tests run each kind)
+  float* sc = red;
   const float qscale = scale * kLog2e;
-  for (int i = tid; i < G * D; i += C::THREADS)
-    qs[i] = qin[row0 * D + i] * qscale;
+  for (int i = tid; i < G * D; i += T) qs[i] = qin[row0 * D + i] * qscale;
   __syncthreads();
+  for (int h = w; h < G; h += W) {
+    float s = 0;
+    if (kmu)
+      for (int d = lane; d < D; d += 32) s += qs[h * D + d] * kmu[d];
+#pragma unroll
+    for (int x = 16; x > 0; x >>= 1) s += __shfl_xor_sync(0xffffffffu, s, x);
+    if (lane == 0) {
+      hm[h] = -INFINITY;
+      hl[h] = 0;
+      hq[h] = s;
+    }
+  }
   const int n_sink = L < pr.sinks ? L : pr.sinks;
   const std::int64_t w0 = pr.packed_end(L);
   const int n_rows = n_sink + static_cast<int>(L - w0);
-  float m[MAXH], l[MAXH], acc[MAXH][J];
+  float o[OPT];
 #pragma unroll
-  for (int h = 0; h < MAXH; ++h) {
-    m[h] = -INFINITY;
-    l[h] = 0;
+  for (int k = 0; k < OPT; ++k) o[k] = 0;
+  // Blocks of up to `cap` rows: staged with 16-byte loads (all of a thread's in flight together), then the scores of
+  // every (head, row) pair, a warp per head for the softmax, and a thread per (head, dim) for the output.
+  for (int r0 = 0; r0 < n_rows; r0 += cap) {
+    const int nb = n_rows - r0 < cap ? n_rows - r0 : cap;
+    constexpr int PIECES = 2 * D / 8;  // 16-byte pieces per row
+    const int npc = nb * PIECES;
+    for (int i0 = tid; i0 < npc; i0 += 8 * T) {
+      uint4 t[8];
 #pragma unroll
-    for (int j = 0; j < J; ++j) acc[h][j] = 0;
-  }
-  for (int r = w; r < n_rows; r += C::WARPS) {
-    const std::int64_t pos = r < n_sink ? r : w0 + (r - n_sink);
-    const std::uint16_t* row = prot_rows + pr.row(b, kh, pr.slot(pos));
-    float kv[J], vv[J];
+      for (int u = 0; u < 8; ++u) {
+        const int i = i0 + u * T;
+        if (i < npc) {
+          const int r = r0 + i / PIECES, pc = i % PIECES;
+          const std::int64_t pos = r < n_sink ? r : w0 + (r - n_sink);
+          t[u] = reinterpret_cast<const uint4*>(prot_rows + pr.row(b, kh, pr.slot(pos)))[pc];
+        }
+      }
 #pragma unroll
-    for (int j = 0; j < J; ++j) {
-      kv[j] = bf16_bits_to_float(row[lane + 32 * j]);
-      vv[j] = bf16_bits_to_float(row[D + lane + 32 * j]);
-      if (kmu) kv[j] -= kmu[lane + 32 * j];
-      if (vmu) vv[j] -= vmu[lane + 32 * j];
-    }
-#pragma unroll
-    for (int h = 0; h < MAXH; ++h) {
-      if (h < G) {
-        float s = 0;
-#pragma unroll
-        for (int j = 0; j < J; ++j) s += qs[h * D + lane + 32 * j] * kv[j];
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-        const float mn = fmaxf(m[h], s);
-        const float a = exp2f(m[h] - mn), e = exp2f(s - mn);
-        l[h] = l[h] * a + e;
-#pragma unroll
-        for (int j = 0; j < J; ++j) acc[h][j] = acc[h][j] * a + e * vv[j];
-        m[h] = mn;
+      for (int u = 0; u < 8; ++u) {
+        const int i = i0 + u * T;
+        if (i < npc) reinterpret_cast<uint4*>(rows + (i / PIECES) * ST)[i % PIECES] = t[u];
       }
     }
-  }
-  const int RS = D + 3;
-  for (int h = 0; h < G; ++h) {
-    float* rr = red + (w * MAXH + h) * RS;
-#pragma unroll
-    for (int j = 0; j < J; ++j) rr[lane + 32 * j] = acc[h][j];
-    if (lane == 0) {
-      rr[D] = m[h];
-      rr[D + 1] = l[h];
+    __syncthreads();  // the rows are staged (and, before the first block, the per-head state is set)
+    // Scores (log2 domain): pair (h, r) of this block; each lane starts at another 8-dim piece.
+    for (int i = tid; i < G * nb; i += T) {
+      const int h = i / nb, r = i - h * nb;
+      const uint4* kr = reinterpret_cast<const uint4*>(rows + r * ST);
+      const float4* qh = reinterpret_cast<const float4*>(qs + h * D);
+      float s = 0;
+      int j = lane % (D / 8);
+      for (int jj = 0; jj < D / 8; ++jj, j = j + 1 < D / 8 ? j + 1 : 0) {
+        const uint4 kw = kr[j];
+        const float4 qa = qh[2 * j], qb = qh[2 * j + 1];
+        s += qa.x * __uint_as_float(kw.x << 16) + qa.y * __uint_as_float(kw.x & 0xffff0000u);
+        s += qa.z * __uint_as_float(kw.y << 16) + qa.w * __uint_as_float(kw.y & 0xffff0000u);
+        s += qb.x * __uint_as_float(kw.z << 16) + qb.y * __uint_as_float(kw.z & 0xffff0000u);
+        s += qb.z * __uint_as_float(kw.w << 16) + qb.w * __uint_as_float(kw.w & 0xffff0000u);
+      }
+      sc[h * cap + r] = s - hq[h];
     }
-  }
-  __syncthreads();
-  // Merge warps into qs (reused) in the original domain; the log2-sum-exp goes out directly.
-  for (int i = tid; i < G * D; i += C::THREADS) {
-    const int h = i / D, d = i % D;
-    float M = -INFINITY;
-    for (int ww = 0; ww < C::WARPS; ++ww) M = fmaxf(M, red[(ww * MAXH + h) * RS + D]);
-    float sum = 0, o = 0;
-    if (M != -INFINITY) {
-      for (int ww = 0; ww < C::WARPS; ++ww) {
-        const float* rr = red + (ww * MAXH + h) * RS;
-        if (rr[D] == -INFINITY) continue;
-        const float sc = exp2f(rr[D] - M);
-        sum += sc * rr[D + 1];
-        o += sc * rr[d];
+    __syncthreads();
+    // Softmax state: warp h % W takes head h; the scores become weights against the new maximum.
+    for (int h = w; h < G; h += W) {
+      float mb = -INFINITY;
+      for (int r = lane; r < nb; r += 32) mb = fmaxf(mb, sc[h * cap + r]);
+#pragma unroll
+      for (int x = 16; x > 0; x >>= 1) mb = fmaxf(mb, __shfl_xor_sync(0xffffffffu, mb, x));
+      const float mo = hm[h], mn = fmaxf(mo, mb);
+      float sum = 0;
+      for (int r = lane; r < nb; r += 32) {
+        const float e = exp2f(sc[h * cap + r] - mn);
+        sc[h * cap + r] = e;
+        sum += e;
+      }
+#pragma unroll
+      for (int x = 16; x > 0; x >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, x);
+      __syncwarp();
+      if (lane == 0) {
+        const float a = mo == -INFINITY ? 0.0f : exp2f(mo - mn);
+        hl[h] = hl[h] * a + sum;
+        ha[h] = a;
+        hm[h] = mn;
       }
     }
-    qs[i] = sum > 0 ? o / sum : 0.0f;
-    if (d == 0) plse[static_cast<std::size_t>(h) * NS] = sum > 0 ? M + log2f(sum) : -INFINITY;
+    __syncthreads();
+    // Outputs: thread (h, d) rescales its sum and adds the block's weighted values.
+#pragma unroll
+    for (int k = 0; k < OPT; ++k) {
+      const int i = tid + k * T;
+      if (i < G * D) {
+        const int h = i / D, d = i - h * D;
+        const float* ph = sc + h * cap;
+        const std::uint16_t* vd = rows + D + d;
+        float acc = o[k] * ha[h];
+        for (int r = 0; r < nb; ++r) acc += ph[r] * bf16_bits_to_float(vd[r * ST]);
+        o[k] = acc;
+      }
+    }
+    __syncthreads();  // the block's rows and weights are read before the next block is staged
+  }
+  __syncthreads();  // the per-head state is final (also without rows) and the query is read: qs is free
+  // The normalized output in the original domain (into qs) and its log2-sum-exp.
+#pragma unroll
+  for (int k = 0; k < OPT; ++k) {
+    const int i = tid + k * T;
+    if (i < G * D) {
+      const int h = i / D, d = i - h * D;
+      const float l = hl[h];
+      qs[i] = l > 0 ? o[k] / l - (vmu ? vmu[d] : 0.0f) : 0.0f;
+      if (d == 0) plse[static_cast<std::size_t>(h) * NS] = l > 0 ? hm[h] + log2f(l) : -INFINITY;
+    }
   }
   __syncthreads();
   // To the value domain of the format: gather, signs, block FWHT per segment.
@@ -523,6 +586,19 @@ __device__ void protected_split(const float* __restrict__ qin, std::size_t row0,
   }
 }
 
+// Split 0's second part under protection: the protected rows as partial NS - 1 of the group (protected_split), after
+// the CTA's packed rows and their partial, or in place of them where its packed range is empty. The indices are read
+// again (after the main loop: ctaid_*_after_loop, as finish_group does) so that none is held across the loop.
+template <class C, int MAXH = kMaxGroup>
+__device__ __forceinline__ void protected_rows(const DecodeParams& p, const SplitArgs& a, int NS, std::uint8_t* smem) {
+  const int b = ctaid_z_after_loop();
+  const CtaRow cr = cta_row(p, a, ctaid_y_after_loop(), b);
+  __syncthreads();  // the packed rows' partial has been read out of shared memory
+  protected_split<C, MAXH>(p.q, cr.row0, cr.kh, p.scale, p.protect, p.protect_rows, p.fmt.value_perm, p.fmt.value_signs,
+                           p.fmt.key_mean, p.fmt.value_mean, cr.G, p.seq_lens[b], NS,
+                           a.part_o + (cr.row0 * NS + (NS - 1)) * C::D, a.part_lse + cr.row0 * NS + (NS - 1), smem);
+}
+
 template <class C>
 __global__ void __launch_bounds__(C::THREADS, 1)
     decode_kernel(const DecodeParams p, const SplitArgs a) {
@@ -545,20 +621,16 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   float* plse = part_lse + row0 * NS + split;    // head h: + h * NS
   grid_dependency_wait();  // the query, pages, protected rows and workspace after the kernel before (programmatic)
 
-  if (split == nsplit) {  // protected rows
-    protected_split<C>(p.q, row0, kh, p.scale, prl, p.protect_rows, p.fmt.value_perm, p.fmt.value_signs,
-                       p.fmt.key_mean, p.fmt.value_mean, G, L, NS, po, plse, smem_raw);
-    finish_group<C::THREADS, C::D, C::VC == ValueCode::kTq>(p, a, NS, G, reinterpret_cast<float*>(smem_raw));
-    return;
-  }
-
   const std::int64_t lo = prot ? prl.packed_begin(L) : 0;
   const std::int64_t hi = prot ? prl.packed_end(L) : L;
   const int c_lo = static_cast<int>(lo / kChunk);
   const int c_hi = hi > lo ? static_cast<int>((hi + kChunk - 1) / kChunk) : c_lo;
-  const int cb = max(c_lo, split * cps), ce = min(c_hi, (split + 1) * cps);
+  // Split s: virtual chunks [s cps, (s + 1) cps), the first prot_chunks of them the protected rows (split 0's).
+  const int px = a.prot_chunks;
+  const int cb = max(c_lo, split * cps - px), ce = min(c_hi, (split + 1) * cps - px);
   if (cb >= ce) {
     for (int h = tid; h < G; h += C::THREADS) plse[static_cast<std::size_t>(h) * NS] = -INFINITY;
+    if (prot && split == 0) protected_rows<C>(p, a, NS, smem_raw);
     finish_group<C::THREADS, C::D, C::VC == ValueCode::kTq>(p, a, NS, G, reinterpret_cast<float*>(smem_raw));
     return;
   }
@@ -922,6 +994,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     po[static_cast<std::size_t>(h) * NS * D + d] = sum > 0 ? acc / sum : 0.0f;
     if (d == 0) plse[static_cast<std::size_t>(h) * NS] = sum > 0 ? M + log2f(sum) : -INFINITY;
   }
+  if (p.protect.enabled() && blockIdx.x == 0) protected_rows<C>(p, a, NS, smem_raw);
   finish_group<C::THREADS, C::D, C::VC == ValueCode::kTq>(p, a, NS, G, reinterpret_cast<float*>(smem_raw));
 }
 

@@ -69,7 +69,7 @@ struct FCfg {
   // two n-tiles (o: heads 0-7, o1: heads 8-15; column n = head n, P rounded to fp16 as with eight heads), so the same
   // four heads are the lane's output columns. The codes of a chunk are unpacked once for all sixteen heads (with
   // at most eight heads per CTA, G = 16 took two CTAs that each unpacked them). ~60 more registers than eight heads:
-  // 8 warps. The protected split keeps the state of PMAXH = 16 heads.
+  // 8 warps. The protected rows keep the state of PMAXH = 16 heads.
   static constexpr bool kHG16 = HG == 16;
   static constexpr bool kQ2 = HG >= 8;  // two QK n-tiles (eight or sixteen heads)
   static constexpr KeyCode KC = KC_;
@@ -174,8 +174,8 @@ struct FCfg {
   // LOP3 builds it, no add): stages of warps [0, nlo) in the pad, the table, the query, the warps'
   // P-transpose scratch, the stages of the other warps.
   static constexpr int nlo(int lut_pad) { return lut_pad / (NST * STAGE_BYTES) < WARPS ? lut_pad / (NST * STAGE_BYTES) : WARPS; }
-  static constexpr int PMAXH = HG > kMaxGroup ? HG : kMaxGroup;  // the protected split's per-head state (protected_split)
-  static constexpr int PROT_BYTES = PMAXH * D * 4 + WARPS * PMAXH * RS * 4;  // protected split
+  static constexpr int PMAXH = HG > kMaxGroup ? HG : kMaxGroup;  // the protected rows' per-head state (protected_split)
+  static constexpr int PROT_BYTES = PMAXH * D * 4 + WARPS * PMAXH * RS * 4;  // protected rows (protected_split)
   // Merge of the warps (the kernel's tail, sum_warps): row (warp, head) of RW floats holds dim d at d + (d >> 5).
   // With RW = 4 (one segment) or 6 (split) mod 32, the 32 lanes of each of the writers' stores hit 32 banks (dims
   // 16 g + 2 mt (+ 1), or 64 (mt / 4) + 8 g + 2 (mt % 4) (+ 1), of head t4), and the reader's 32 consecutive dims too.
@@ -606,13 +606,6 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   // the query, the pages, the protected rows and the workspace are read after it has finished.
   grid_dependency_wait();
 
-  if (split == nsplit) {
-    protected_split<C, C::PMAXH>(p.q, row0, kh, p.scale, prl, p.protect_rows, p.fmt.value_perm, p.fmt.value_signs,
-                                 p.fmt.key_mean, p.fmt.value_mean, G, L, pst, po, plse, smem_raw);
-    finish();
-    return;
-  }
-
   // Query and centroid loads first: independent of the sequence length, so they are in flight
   // with it and with the block-table loads below (one round trip of the prologue instead of
   // three). Thread i holds the raw query element i; warp h < G holds dims 4 lane .. 4 lane + 3 of
@@ -650,10 +643,14 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   const int hi = prot ? static_cast<int>(prl.packed_end(L)) : L;
   const int c_lo = lo / kChunk;
   const int c_hi = hi > lo ? (hi + kChunk - 1) / kChunk : c_lo;
-  const int cb = max(c_lo, split * cps), ce = min(c_hi, (split + 1) * cps);
+  // Split s: virtual chunks [s cps, (s + 1) cps), the first prot_chunks of them the protected rows (split 0's; no
+  // cluster merge under protection: fast_cluster_applies).
+  const int px = a.prot_chunks;
+  const int cb = max(c_lo, split * cps - px), ce = min(c_hi, (split + 1) * cps - px);
   if (cb >= ce) {
     for (int h = tid; h < G; h += C::THREADS) plse[static_cast<std::size_t>(h) * pst] = -INFINITY;
     if (clus && early_sends<C>(p, a, smem_u32(smem_raw))) ep_arm<C>(smem_u32(smem_raw), split, G, tid);
+    if (prot && split == 0) protected_rows<C, C::PMAXH>(p, a, NS, smem_raw);
     finish();
     return;
   }
@@ -1675,6 +1672,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   }
   __syncthreads();
   sum_warps<C>(red, zc_s, po, pst, G);
+  if (p.protect.enabled() && blockIdx.x == 0) protected_rows<C, C::PMAXH>(p, a, NS, smem_raw);
   finish();
 }
 
@@ -1723,6 +1721,9 @@ int fast_smem(const DecodeParams& p) {
 template <class C>
 bool fast_cluster_applies(const DecodeParams& p, int NS, int rows, int smem) {
   if (!p.cluster_merge || NS < 1 || NS > C::kClMax || smem <= 0) return false;
+  // Not with protection: split 0's CTA writes two partials (its packed rows', then the protected rows'), and the
+  // cluster merge takes one per CTA.
+  if (p.protect.enabled()) return false;
   const int per = max_active_clusters_once<decode_fast_kernel<C>>(NS, C::THREADS, smem);
   if (per <= 0) return false;
   const long groups = static_cast<long>(p.batch) * rows;
@@ -1738,7 +1739,7 @@ cudaError_t launch_decode_fast(const DecodeParams& p, const SplitArgs& a, cudaSt
   if (smem == 0) return cudaErrorInvalidValue;
   cudaError_t e = smem_limit_once<decode_fast_kernel<C>>(smem);
   if (e != cudaSuccess) return e;
-  const int NS = a.nsplit + (p.protect.enabled() ? 1 : 0);
+  const int NS = a.nsplit;  // CTAs per group (protection adds a partial, not a CTA)
   const dim3 grid(static_cast<unsigned>(NS), static_cast<unsigned>(grid_rows(p, a)), static_cast<unsigned>(p.batch));
   cudaLaunchAttribute at[2];
   if (fast_cluster_applies<C>(p, NS, static_cast<int>(grid.y), smem)) {

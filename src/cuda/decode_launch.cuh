@@ -28,7 +28,7 @@ cudaError_t launch_decode(const DecodeParams& p, const SplitArgs& a, cudaStream_
     return cudaErrorInvalidValue;
   cudaError_t e = smem_limit_once<decode_kernel<C>>(C::SMEM);
   if (e != cudaSuccess) return e;
-  const dim3 grid(static_cast<unsigned>(a.nsplit + (p.protect.enabled() ? 1 : 0)), static_cast<unsigned>(grid_rows(p, a)),
+  const dim3 grid(static_cast<unsigned>(a.nsplit), static_cast<unsigned>(grid_rows(p, a)),
                   static_cast<unsigned>(p.batch));
   return launch_maybe_pdl(decode_kernel<C>, grid, dim3(C::THREADS), C::SMEM, st, p.programmatic, p, a);
 }

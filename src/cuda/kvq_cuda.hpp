@@ -162,6 +162,9 @@ struct DecodeParams {
   void* workspace = nullptr;
   std::size_t workspace_bytes = 0;
   std::int32_t num_splits = 0;   // 0: chosen from batch x heads x length to fill the SMs
+  // Protection: the protected rows' share of split 0, in 32-token chunks of its packed range (split 0 reads them after
+  // its packed rows, so it takes that many chunks fewer); -1: the launcher's estimate (decode_protect_chunks).
+  std::int32_t protect_chunks = -1;
   std::int32_t sm_count = 0;     // 0: read from the current device
   // Fast kernel: merge the splits of a (sequence, KV head) inside a thread-block cluster (their
   // partials through distributed shared memory) where the device holds the launch's clusters in
@@ -185,6 +188,9 @@ struct DecodeParams {
 };
 // Split count the launcher will use, and the workspace it needs.
 int decode_splits(const DecodeParams& p);
+// With protection, the chunks of split 0's packed range that its protected rows replace (DecodeParams::protect_chunks,
+// or the launcher's estimate); 0 without.
+int decode_protect_chunks(const DecodeParams& p);
 std::size_t decode_workspace_bytes(const DecodeParams& p);
 cudaError_t decode(const DecodeParams& p, cudaStream_t stream = nullptr);
 // True when decode(p) runs the fast kernel of decode_fast.cuh (head_dim 128, up to 16 query heads per CTA, the

@@ -365,9 +365,35 @@ double run_case(const Case& c) {
   check(std::isfinite(nmse) && nmse <= 1e-5, name + ": decode NMSE " + std::to_string(nmse));
   const bool cluster = cuda::decode_uses_cluster_merge(p);
   check(!cluster || want_fast, name + ": a cluster merge outside the fast kernel");
+  check(!cluster || !pr.enabled(), name + ": a cluster merge under protection (split 0 writes two partials)");
   std::printf("  %-58s %-7s splits %3d%s  NMSE %.2e\n", name.c_str(), want_fast ? "fast" : "generic",
               cuda::decode_splits(p), cluster ? " cluster" : "", nmse);
-  // Sixteen heads per CTA (query fragments without the fp16 residual; with protection, a protected split of up to
+  // Protection: split 0 reads the protected rows after its packed ones, which it takes decode_protect_chunks(p) chunks
+  // fewer of. Neither share may change the result beyond the bound: none (split 0 reads its whole packed share too),
+  // and more than the longest sequence (split 0 reads only the protected rows, its packed range empty).
+  if (pr.enabled()) {
+    check(cuda::decode_protect_chunks(p) > 0, name + ": no share of split 0 for the protected rows");
+    for (const int share : {0, maxL / 32 + 2}) {
+      cuda::DecodeParams ps = p;
+      ps.protect_chunks = share;
+      check(cuda::decode_protect_chunks(ps) == share, name + ": protect_chunks not taken");
+      ps.workspace_bytes = cuda::decode_workspace_bytes(ps);
+      if (ps.workspace_bytes > p.workspace_bytes) KVQ_CUDA_OK(cudaMalloc(&ps.workspace, ps.workspace_bytes));
+      KVQ_CUDA_OK(cudaMemset(dout, 0xff, q.size() * sizeof(float)));
+      check(cuda::decode(ps) == cudaSuccess, name + ": decode launch with protect_chunks " + std::to_string(share));
+      KVQ_CUDA_OK(cudaDeviceSynchronize());
+      if (ps.workspace != p.workspace) cudaFree(ps.workspace);
+      const std::vector<float> outs = download(dout, q.size());
+      double ns = 0;
+      for (std::size_t i = 0; i < outs.size(); ++i) {
+        const double dlt = static_cast<double>(outs[i]) - ref[i];
+        ns += dlt * dlt;
+      }
+      check(std::isfinite(ns / den) && ns / den <= 1e-5,
+            name + ": decode NMSE with protect_chunks " + std::to_string(share) + ": " + std::to_string(ns / den));
+    }
+  }
+  // Sixteen heads per CTA (query fragments without the fp16 residual; with protection, the protected rows of up to
   // 16 heads): the same launch in CTAs of at most 8 heads must meet the same bound; both errors are printed.
   if (want16) {
     cuda::DecodeParams p8 = p;
@@ -401,7 +427,7 @@ double run_case(const Case& c) {
   // it must give the same bits (the same partials, weighted in the same split order).
   cuda::DecodeParams pw = p;
   pw.cluster_merge = false;
-  const bool cluster_multi = cluster && cuda::decode_splits(p) + (p.protect.enabled() ? 1 : 0) > 1;
+  const bool cluster_multi = cluster && cuda::decode_splits(p) > 1;
   if (cluster) {
     ++g_cluster_cases;
     if (cluster_multi) ++g_cluster_multi;
@@ -1024,16 +1050,17 @@ int main(int argc, char** argv) {
     for (const char* fm : {"tq-k8v4", "tq-3.5bit"}) add(fm, false, 128, 16, 2, {70, 33}, false, 4, 8, 0);
     for (const char* fm : {"tq-4bit-nc", "tq-3bit-nc"}) add(fm, false, 128, 12, 2, {95, 40}, false, 0, 0, 0);
     add("tq-3.5bit", false, 128, 8, 2, {70, 33}, false, 0, 0, 0, true);
-    // Clusters of several CTAs (forced splits): an empty split (33 tokens in three splits), a protected split CTA
-    // among them (eight heads), more CTAs than heads (G = 1: CTAs that merge no row).
+    // Clusters of several CTAs (forced splits): an empty split (33 tokens in three splits), more CTAs than heads
+    // (G = 1: CTAs that merge no row); with protection (eight heads) the same forced splits merge through the
+    // workspace, split 0 with the protected rows.
     add("tq-4bit", false, 128, 8, 2, {129, 33}, false, 0, 0, 3);
     add("tq-4bit", false, 128, 8, 2, {129, 33}, false, 0, 0, 2);  // two: early sends, an empty CTA among them
     add("tq-3.5bit", false, 128, 16, 2, {300, 90}, false, 4, 8, 2);
     add("tq-4bit-nc", false, 128, 2, 2, {129, 700}, false, 0, 0, 5);
-    // More than 8 query heads per KV head (G = 16: one CTA of 16 with a protected split of 16 heads and a cluster
-    // merge; G = 9: one CTA of 9 heads, forced splits, cluster merge with two rows on warp 0; G = 12: 2 x 6 on the
-    // generic kernel; G = 16 unprotected: 3-bit keys through byte windows and fp8 keys; G = 32: 2 x 16; every fast
-    // case again in CTAs of at most 8, run_case).
+    // More than 8 query heads per KV head (G = 16: one CTA of 16 that also reads the protected rows of 16 heads; G = 9:
+    // one CTA of 9 heads, forced splits, cluster merge with two rows on warp 0; G = 12: 2 x 6 on the generic kernel; G =
+    // 16 unprotected: 3-bit keys through byte windows and fp8 keys; G = 32: 2 x 16; every fast case again in CTAs of at
+    // most 8, run_case).
     add("tq-4bit-nc", false, 128, 32, 2, {70, 333}, false, 4, 8, 0);
     add("tq-3.5bit", false, 128, 18, 2, {129, 40}, false, 0, 0, 3);
     add("bf16", false, 128, 24, 2, {95, 40}, false, 0, 0, 0);

@@ -44,6 +44,7 @@ struct BenchOptions {
   std::string formats = "bf16,tq-k8v4,tq-4bit-nc,tq-k3v4-nc,tq-3bit-nc,tq-4bit,tq-3.5bit,tq-3bit";
   int q_heads = 32, kv_heads = 8, head_dim = 128, reps = 60, warmup = 5, store_tokens = 0, splits = 0, gap_ms = 0;
   int arena_pad_mib = 0;  // device memory allocated before the arena: moves the pools' physical placement
+  int protect_chunks = -1;  // DecodeParams::protect_chunks (-1: the launcher's estimate)
   unsigned seed = 7;  // page order and query of each (batch, context): the same for every format
   bool json = false, centered = false, no_cluster_merge = false, eight_heads = false, step = false;
   std::string pages = "random";  // page order in the pool
@@ -250,6 +251,7 @@ void run_decode_bench(const BenchOptions& o) {
           p.cluster_merge = !o.no_cluster_merge;
           p.sixteen_heads = !o.eight_heads;
           p.num_splits = o.splits;
+          p.protect_chunks = o.protect_chunks;
           p.protect = prot;
           p.protect_rows = prot.enabled() ? prot_rows->as<std::uint16_t>() : nullptr;
           p.workspace_bytes = cuda::decode_workspace_bytes(p);
@@ -324,6 +326,7 @@ void run_decode_bench(const BenchOptions& o) {
                                 {"speedup_vs_vllm_triton", vllm.is_null() ? nlohmann::json(nullptr) : nlohmann::json(vllm.get<double>() / us)},
                                 {"bytes", bytes},
                                 {"splits", cuda::decode_splits(p)},
+                                {"protect_chunks", cuda::decode_protect_chunks(p)},
                                 {"cluster_merge", cuda::decode_uses_cluster_merge(p)},
                                 {"cta_heads", cuda::decode_cta_heads(p)},
                                 {"kernel", cuda::decode_uses_fast_kernel(p) ? "fast" : "generic"},
@@ -410,6 +413,10 @@ void register_bench(CLI::App& app) {
       ->check(CLI::Range(0, 1 << 16));
   dec->add_option("--splits", o->splits, "splits per sequence and KV head (0: the launcher's choice)")
       ->check(CLI::Range(0, 256));
+  dec->add_option("--protect-chunks", o->protect_chunks,
+                  "with protection, the 32-token chunks of split 0's packed range that the protected rows replace (-1: "
+                  "the launcher's estimate)")
+      ->check(CLI::Range(-1, 1 << 20));
   dec->add_flag("--json", o->json, "print one JSON object");
   dec->add_flag("--no-cluster-merge", o->no_cluster_merge,
                 "merge the fast kernel's splits through the workspace even where they fit in thread-block clusters");
