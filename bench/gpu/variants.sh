@@ -4,7 +4,8 @@
 #   OUT=DIR VARIANTS="NAME=V[,NAME=V...] ..." [ROUNDS=2] [PADS="0 ..."] [FORMATS=...] [BATCH=8] [CONTEXT=16384,65536] \
 #     [TESTS="..."] [FLUSH=read|write|none] [FILE=decode_d128.cu|store.cu] [STORE_TOKENS=1024] bench/gpu/variants.sh
 #     ([WORK=/tmp/kvq-variants]: the scratch folder, emptied first; FLUSH: `kvq bench decode --flush`, read by
-#     default, none only to tell cold-cache costs apart; STORE_TOKENS: `--store-tokens`, the store rows' tokens)
+#     default, none only to tell cold-cache costs apart; STORE_TOKENS: `--store-tokens`, the store rows' tokens;
+#     ARGS: more `kvq bench decode` options for every run, e.g. ARGS="--protect none,paper --gap-ms 100")
 #   OUT=DIR MACRO=NAME VARIANTS="1 2 ..." ... bench/gpu/variants.sh      (each variant NAME=v)
 # Builds `kvq` once from the tree (every macro at its default: variant 0) and compiles FILE (src/cuda/, default
 # decode_d128.cu) again with the -D flags of each variant (the i-th of VARIANTS, i from 1), linking a `kvq` with each
@@ -37,6 +38,7 @@ pads=("${kvq_pads[@]}")
 formats="${FORMATS:-tq-4bit-nc,tq-k3v4-nc,tq-3bit-nc,tq-4bit,tq-3.5bit,tq-3bit}"
 read -r -a tests <<< "${TESTS:-}"
 flush="${FLUSH:-read}"
+read -r -a args <<< "${ARGS:-}"
 file="${FILE:-decode_d128.cu}"
 case "$file" in
   decode_d128.cu) msrc="$root/src/cuda/decode_fast.cuh" ;;
@@ -131,7 +133,8 @@ for r in $(seq 1 "$rounds"); do
     [ $(( run % 2 )) = 0 ] && order="$rev"
     for k in $order; do
       "$work/kvq_$k" bench decode --formats "$formats" --batch "${BATCH:-8}" --context "${CONTEXT:-16384,65536}" \
-        --reps "${REPS:-30}" --store-tokens "$store_tokens" --arena-pad "$pad" --flush "$flush" --json > "$out/r${run}_k$k.json"
+        --reps "${REPS:-30}" --store-tokens "$store_tokens" --arena-pad "$pad" --flush "$flush" "${args[@]}" --json \
+        > "$out/r${run}_k$k.json"
     done
   done
   echo "round $r: $(( $(date +%s) - t0 )) s"
