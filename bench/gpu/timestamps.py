@@ -14,7 +14,7 @@ What the patch records, per CTA (record of 48 64-bit slots, CTA index x + X (y +
                 fragments loaded (low 32 bits of the timer)
   slots 24-39   per warp: chunk 0 landed (tq-3bit and the outlier splits: its key codes and metadata; its values may follow)
   slots 8-23    per warp: main loop ended (all copies waited for)
-  slot 3, 4, 5  warps' merge start, warps' merge done, CTA done (split merge included)
+  slot 3, 4, 5  warps' merge start, warps' merge done, CTA done (split merge, and split 0's protected rows, included)
   slots 1, 2    cluster merge (finish_cluster): the first cluster barrier passed, the sends to the other CTAs issued
   slots 6, 7    the same, in the CTA's first row-owning warp: the other CTAs' rows landed, its rows merged and stored
 Timestamps are kept in registers and stored where the store does not delay the measured work
@@ -80,9 +80,12 @@ _EDITS = [
     ("\n\n  // ---- merge: rounded", "\n  const unsigned tend_ = gt32_();\n\n  // ---- merge: rounded"),
     ("  float* const red = reinterpret_cast<float*>(smem_raw + C::red_off(lut_pad));",
      "  const unsigned tbar_ = gt32_();\n  float* const red = reinterpret_cast<float*>(smem_raw + C::red_off(lut_pad));"),
-    ("  sum_warps<C>(red, zc_s, po, pst, G);\n  finish();\n}",
+    ("  sum_warps<C>(red, zc_s, po, pst, G);\n"
+     "  if (p.protect.enabled() && blockIdx.x == 0) protected_rows<C, C::PMAXH>(p, a, NS, smem_raw);\n"
+     "  finish();\n}",
      "  sum_warps<C>(red, zc_s, po, pst, G);\n"
      "  const unsigned tmw_ = gt32_();\n"
+     "  if (p.protect.enabled() && blockIdx.x == 0) protected_rows<C, C::PMAXH>(p, a, NS, smem_raw);\n"
      "  finish();\n"
      "  const unsigned tfin_ = gt32_();\n"
      "  {\n"

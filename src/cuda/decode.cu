@@ -48,11 +48,13 @@ bool decode_supported(const FormatDesc& f) {
 int decode_protect_chunks(const DecodeParams& p) {
   if (!p.protect.enabled()) return 0;
   if (p.protect_chunks >= 0) return p.protect_chunks;
-  // Split 0 reads the protected rows after its packed ones on CUDA cores, a warp per row, eight rows per warp in
-  // flight: a round trip per batch, the softmax of every head per row, the warps' merge, the value rotation and a
-  // second partial. Estimate: a chunk (32 packed rows on tensor cores) per six protected rows, e.g. 22 for the
-  // paper's 4 + 128.
-  return (p.protect.slots() + 5) / 6;
+  // Split 0 reads the protected rows after its packed ones (protected_split): a chain of dependent round trips taken
+  // while the other CTAs stream pages, ~13-16 us for the paper's 4 + 128 rows on an H100, where a chunk of packed rows
+  // takes a CTA ~0.2 us. A chunk per protected row (132 for the paper's): of the shares 22, 44, 66, 88 and 132 it was
+  // the fastest or within 0.3% of it at batch 8 (two splits) x 16K / 64K for every fast format (8 x 16K: 1.07-1.16x
+  // faster than 22); with one split (batch 32) the share changes nothing
+  // (bench/results/decode-gqa-protect-staged-2026-12-08.md).
+  return p.protect.slots();
 }
 
 int decode_splits(const DecodeParams& p) {

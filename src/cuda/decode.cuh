@@ -450,6 +450,28 @@ __device__ __noinline__ void protected_split(const float* __restrict__ qin, std:
   if (cap < 1) __trap();  // every kernel's layout leaves room for 16 rows or more (the tests run each kind)
   float* sc = red;
   const float qscale = scale * kLog2e;
+  const int n_sink = L < pr.sinks ? L : pr.sinks;
+  const std::int64_t w0 = pr.packed_end(L);
+  const int n_rows = n_sink + static_cast<int>(L - w0);
+  constexpr int PIECES = 2 * D / 8;  // 16-byte pieces per row
+  // Rows [r0, r0 + nb) into the staging block by cp.async, one group.
+  auto stage = [&](int r0, int nb) {
+    for (int i = tid; i < nb * PIECES; i += T) {
+      const int r = r0 + i / PIECES, pc = i % PIECES;
+      const std::int64_t pos = r < n_sink ? r : w0 + (r - n_sink);
+      cp_async16(rows + (i / PIECES) * ST + pc * 8, prot_rows + pr.row(b, kh, pr.slot(pos)) + pc * 8);
+    }
+    cp_async_commit();
+  };
+  stage(0, n_rows < cap ? n_rows : cap);  // in flight with the query, permutation and sign loads below
+  int vpv[OPT];
+  float vsv[OPT];
+#pragma unroll
+  for (int k = 0; k < OPT; ++k) {
+    const int d = (tid + k * T) % D;
+    vpv[k] = C::VC == ValueCode::kTq && tid + k * T < G * D ? vperm[static_cast<std::size_t>(kh) * D + d] : 0;
+    vsv[k] = C::VC == ValueCode::kTq && tid + k * T < G * D ? vsigns[static_cast<std::size_t>(kh) * D + d] : 0.0f;
+  }
   for (int i = tid; i < G * D; i += T) qs[i] = qin[row0 * D + i] * qscale;
   __syncthreads();
   for (int h = w; h < G; h += W) {
@@ -464,35 +486,16 @@ __device__ __noinline__ void protected_split(const float* __restrict__ qin, std:
       hq[h] = s;
     }
   }
-  const int n_sink = L < pr.sinks ? L : pr.sinks;
-  const std::int64_t w0 = pr.packed_end(L);
-  const int n_rows = n_sink + static_cast<int>(L - w0);
   float o[OPT];
 #pragma unroll
   for (int k = 0; k < OPT; ++k) o[k] = 0;
-  // Blocks of up to `cap` rows: staged with 16-byte loads (all of a thread's in flight together), then the scores of
-  // every (head, row) pair, a warp per head for the softmax, and a thread per (head, dim) for the output.
+  // Blocks of up to `cap` rows: staged by cp.async (the first block's copies issued before the query loads, so that
+  // one round trip serves both), then the scores of every (head, row) pair, a warp per head for the softmax, and a
+  // thread per (head, dim) for the output.
   for (int r0 = 0; r0 < n_rows; r0 += cap) {
     const int nb = n_rows - r0 < cap ? n_rows - r0 : cap;
-    constexpr int PIECES = 2 * D / 8;  // 16-byte pieces per row
-    const int npc = nb * PIECES;
-    for (int i0 = tid; i0 < npc; i0 += 8 * T) {
-      uint4 t[8];
-#pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        const int i = i0 + u * T;
-        if (i < npc) {
-          const int r = r0 + i / PIECES, pc = i % PIECES;
-          const std::int64_t pos = r < n_sink ? r : w0 + (r - n_sink);
-          t[u] = reinterpret_cast<const uint4*>(prot_rows + pr.row(b, kh, pr.slot(pos)))[pc];
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        const int i = i0 + u * T;
-        if (i < npc) reinterpret_cast<uint4*>(rows + (i / PIECES) * ST)[i % PIECES] = t[u];
-      }
-    }
+    if (r0 > 0) stage(r0, nb);
+    cp_async_wait<0>();
     __syncthreads();  // the rows are staged (and, before the first block, the per-head state is set)
     // Scores (log2 domain): pair (h, r) of this block; each lane starts at another 8-dim piece.
     for (int i = tid; i < G * nb; i += T) {
@@ -567,11 +570,10 @@ __device__ __noinline__ void protected_split(const float* __restrict__ qin, std:
   // To the value domain of the format: gather, signs, block FWHT per segment.
   float* vd = red;
   if constexpr (C::VC == ValueCode::kTq) {
-    const std::int32_t* perm = vperm + static_cast<std::size_t>(kh) * D;
-    const float* sg = vsigns + static_cast<std::size_t>(kh) * D;
-    for (int i = tid; i < G * D; i += C::THREADS) {
-      const int h = i / D, d = i % D;
-      vd[h * D + d] = qs[h * D + perm[d]] * sg[d];
+#pragma unroll
+    for (int k = 0; k < OPT; ++k) {  // vpv / vsv: the permutation and signs of dim (tid + k T) % D, loaded above
+      const int i = tid + k * T;
+      if (i < G * D) vd[i] = qs[(i / D) * D + vpv[k]] * vsv[k];
     }
     __syncthreads();
 #pragma unroll
