@@ -414,14 +414,16 @@ struct Smem {
 };
 
 // The protected bf16 rows of the CTA's (sequence, KV head), read by split 0's CTA after its packed rows
-// (protected_rows) in fp32 on CUDA cores and written as one more partial, rotated into the value domain of the format. MAXH: the most query heads of the
-// kernel's CTAs (kMaxGroup, or kMaxGroup16 for the fast kernel's sixteen-head form), the size of its per-head state.
+// (protected_rows) in fp32 on CUDA cores and written as one more partial, rotated into the value domain of the
+// format. MAXH: the most query heads of the kernel's CTAs (kMaxGroup, or kMaxGroup16 for the fast kernel's
+// sixteen-head form), the size of its per-head state. Not inlined (inlined, the fast kernels' main loops grew as
+// much: bench/results/decode-gqa-protect-fold-2026-12-07.md).
 template <class C, int MAXH = kMaxGroup>
-__device__ __noinline__ void protected_split(const float* __restrict__ qin, std::size_t row0, int kh, float scale, const ProtectLayout pr,
-                                const std::uint16_t* __restrict__ prot_rows, const std::int32_t* __restrict__ vperm,
-                                const float* __restrict__ vsigns, const float* __restrict__ kmean,
-                                const float* __restrict__ vmean, int G, int L, int NS, float* po, float* plse,
-                                std::uint8_t* smem) {
+__device__ __noinline__ void protected_split(const float* __restrict__ qin, std::size_t row0, int kh, float scale,
+                                const ProtectLayout pr, const std::uint16_t* __restrict__ prot_rows,
+                                const std::int32_t* __restrict__ vperm, const float* __restrict__ vsigns,
+                                const float* __restrict__ kmean, const float* __restrict__ vmean, int G, int L, int NS,
+                                float* po, float* plse, std::uint8_t* smem) {
   constexpr int D = C::D, T = C::THREADS, W = C::WARPS, RS = D + 3;
   // Row stride of the staged rows in bf16 elements: key, value, 16 bytes of pad (16-byte aligned rows).
   constexpr int ST = 2 * D + 8;
@@ -596,8 +598,8 @@ __device__ __forceinline__ void protected_rows(const DecodeParams& p, const Spli
   const int b = ctaid_z_after_loop();
   const CtaRow cr = cta_row(p, a, ctaid_y_after_loop(), b);
   __syncthreads();  // the packed rows' partial has been read out of shared memory
-  protected_split<C, MAXH>(p.q, cr.row0, cr.kh, p.scale, p.protect, p.protect_rows, p.fmt.value_perm, p.fmt.value_signs,
-                           p.fmt.key_mean, p.fmt.value_mean, cr.G, p.seq_lens[b], NS,
+  protected_split<C, MAXH>(p.q, cr.row0, cr.kh, p.scale, p.protect, p.protect_rows, p.fmt.value_perm,
+                           p.fmt.value_signs, p.fmt.key_mean, p.fmt.value_mean, cr.G, p.seq_lens[b], NS,
                            a.part_o + (cr.row0 * NS + (NS - 1)) * C::D, a.part_lse + cr.row0 * NS + (NS - 1), smem);
 }
 
