@@ -369,11 +369,13 @@ double run_case(const Case& c) {
   std::printf("  %-58s %-7s splits %3d%s  NMSE %.2e\n", name.c_str(), want_fast ? "fast" : "generic",
               cuda::decode_splits(p), cluster ? " cluster" : "", nmse);
   // Protection: split 0 reads the protected rows after its packed ones, which it takes decode_protect_chunks(p) chunks
-  // fewer of. Neither share may change the result beyond the bound: none (split 0 reads its whole packed share too),
-  // and more than the longest sequence (split 0 reads only the protected rows, its packed range empty).
+  // fewer of. No share may change the result beyond the bound: none (split 0 reads its whole packed share too), half
+  // the longest sequence's chunks (the packed range divided between split 0 and the others, as at long context with
+  // the default share), and more than the longest sequence (split 0 reads only the protected rows, its packed range
+  // empty, as the default share of one chunk per protected row gives the test's short sequences).
   if (pr.enabled()) {
     check(cuda::decode_protect_chunks(p) > 0, name + ": no share of split 0 for the protected rows");
-    for (const int share : {0, maxL / 32 + 2}) {
+    for (const int share : {0, std::max(1, maxL / 64), maxL / 32 + 2}) {
       cuda::DecodeParams ps = p;
       ps.protect_chunks = share;
       check(cuda::decode_protect_chunks(ps) == share, name + ": protect_chunks not taken");
