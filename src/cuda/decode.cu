@@ -53,8 +53,12 @@ int decode_protect_chunks(const DecodeParams& p) {
   // takes a CTA ~0.2 us. A chunk per protected row (132 for the paper's): of the shares 22, 44, 66, 88 and 132 it was
   // the fastest or within 0.3% of it at batch 8 (two splits) x 16K / 64K for every fast format (8 x 16K: 1.07-1.16x
   // faster than 22); with one split (batch 32) the share changes nothing
-  // (bench/results/decode-gqa-protect-staged-2026-12-08.md).
-  return p.protect.slots();
+  // (bench/results/decode-gqa-protect-staged-2026-12-08.md). At most a third of the longest sequence's chunks (42 at
+  // 4K, the slots from ~12.7K up): at short context a share of 132 would leave split 0 only the protected rows and
+  // hand all packed chunks to the other splits (at 4K with two splits, one CTA per group streaming all 128), which
+  // no run has measured.
+  const int packed = std::max(1, (p.max_seq_len + detail::kChunk - 1) / detail::kChunk);
+  return std::max(1, std::min(p.protect.slots(), packed / 3));
 }
 
 int decode_splits(const DecodeParams& p) {
