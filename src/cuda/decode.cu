@@ -33,6 +33,11 @@ constexpr bool sub_magic_exact(int S) {
 static_assert(sub_magic_exact(2) && sub_magic_exact(3) && sub_magic_exact(7) && sub_magic_exact(11) &&
                   sub_magic_exact(127) && sub_magic_exact(1024),
               "sub_magic");
+// 32-token chunks of the longest sequence (at least 1): the packed range the splits divide, before the protected
+// rows' share.
+int packed_chunks(const DecodeParams& p) {
+  return std::max(1, (p.max_seq_len + detail::kChunk - 1) / detail::kChunk);
+}
 }  // namespace
 
 bool decode_supported(const FormatDesc& f) {
@@ -57,15 +62,14 @@ int decode_protect_chunks(const DecodeParams& p) {
   // 4K, the slots from ~12.7K up): at short context a share of 132 would leave split 0 only the protected rows and
   // hand all packed chunks to the other splits (at 4K with two splits, one CTA per group streaming all 128), which
   // no run has measured.
-  const int packed = std::max(1, (p.max_seq_len + detail::kChunk - 1) / detail::kChunk);
-  return std::max(1, std::min(p.protect.slots(), packed / 3));
+  return std::max(1, std::min(p.protect.slots(), packed_chunks(p) / 3));
 }
 
 int decode_splits(const DecodeParams& p) {
   if (p.num_splits > 0) return p.num_splits;
   const int sms = p.sm_count > 0 ? p.sm_count : detail::device_sms();
   // The virtual range: the packed chunks and the protected rows' share (split 0's).
-  const int chunks = std::max(1, (p.max_seq_len + detail::kChunk - 1) / detail::kChunk) + decode_protect_chunks(p);
+  const int chunks = packed_chunks(p) + decode_protect_chunks(p);
   const long units = static_cast<long>(p.batch) * std::max(1, detail::grid_rows(p));
   // One CTA per SM (the kernels take ~190-210 KB of shared memory). Cost model: waves x (chunks
   // per CTA over the CTA's warps + a fixed prologue/epilogue of ~1.5 chunks).
@@ -157,7 +161,7 @@ cudaError_t decode(const DecodeParams& p, cudaStream_t stream) {
   const std::size_t rows = static_cast<std::size_t>(p.batch) * static_cast<std::size_t>(p.q_heads);
   a.nsplit = ns;
   a.prot_chunks = decode_protect_chunks(p);
-  const int chunks = std::max(1, (p.max_seq_len + detail::kChunk - 1) / detail::kChunk) + a.prot_chunks;
+  const int chunks = packed_chunks(p) + a.prot_chunks;
   a.cps = (chunks + ns - 1) / ns;
   a.counters = static_cast<unsigned long long*>(p.workspace);
   a.part_o = reinterpret_cast<float*>(static_cast<std::uint8_t*>(p.workspace) + counter_bytes(p));
